@@ -1,0 +1,70 @@
+//! The node's side of a connection to a sandbox's agent.
+
+use std::path::Path;
+use std::time::Duration;
+
+use sbx_proto::{read_frame, AgentMsg, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION};
+use tokio::io::BufReader;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("cannot reach the sandbox's agent: {0}")]
+    Connect(std::io::Error),
+    #[error("the agent did not answer in time")]
+    Timeout,
+    #[error("the agent speaks protocol {0}, this node {PROTO_VERSION}")]
+    Version(u32),
+    #[error("the agent closed the connection")]
+    Closed,
+    #[error("agent protocol: {0}")]
+    Proto(#[from] ProtoError),
+}
+
+pub struct AgentConn {
+    rd: BufReader<OwnedReadHalf>,
+    wr: OwnedWriteHalf,
+}
+
+impl AgentConn {
+    /// Connects and reads the agent's hello.
+    pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentConn, AgentError> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(AgentError::Connect)?;
+        let (rd, wr) = stream.into_split();
+        let mut conn = AgentConn {
+            rd: BufReader::with_capacity(256 << 10, rd),
+            wr,
+        };
+        let hello = tokio::time::timeout(timeout, conn.recv())
+            .await
+            .map_err(|_| AgentError::Timeout)??;
+        match hello {
+            Frame::Msg(AgentMsg::Hello { version, .. }) if version == PROTO_VERSION => Ok(conn),
+            Frame::Msg(AgentMsg::Hello { version, .. }) => Err(AgentError::Version(version)),
+            _ => Err(AgentError::Proto(ProtoError::Malformed(
+                "no hello from the agent".into(),
+            ))),
+        }
+    }
+
+    pub async fn send(&mut self, msg: &HostMsg) -> Result<(), AgentError> {
+        sbx_proto::write_msg(&mut self.wr, msg).await?;
+        Ok(())
+    }
+
+    pub async fn send_stdin(&mut self, exec_id: &str, bytes: &[u8]) -> Result<(), AgentError> {
+        sbx_proto::write_data(&mut self.wr, exec_id, Stream::Stdin, 0, bytes).await?;
+        Ok(())
+    }
+
+    /// The next frame from the agent.
+    pub async fn recv(&mut self) -> Result<Frame<AgentMsg>, AgentError> {
+        match read_frame::<AgentMsg, _>(&mut self.rd).await? {
+            Some(f) => Ok(f),
+            None => Err(AgentError::Closed),
+        }
+    }
+}

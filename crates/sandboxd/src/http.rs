@@ -1,0 +1,561 @@
+//! The HTTP edge: routing, request ids, authentication, body limits, and the one mapping of
+//! errors to status + body. Handlers parse and validate, then hand a typed plan to the node.
+
+use std::collections::{HashSet, VecDeque};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use sbx_api::{
+    ApiError, Encoding, ErrorCode, EventKind, ExecObject, ExecObjectKind, ExecStatus, ExecUsage,
+    OutputInfo,
+};
+use sbx_proto::{ExitInfo, OutputCounts, Stream};
+use tokio::sync::mpsc;
+
+use crate::node::{Node, RunEvent};
+
+/// The most a request body may hold.
+pub const MAX_BODY: usize = 64 << 20;
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+
+pub struct AppState {
+    pub node: Arc<Node>,
+    pub api_keys: Option<HashSet<String>>,
+    pub docs_url: Option<String>,
+}
+
+#[derive(Clone)]
+struct RequestId(String);
+
+/// The router of the node's API.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/v1/run", post(run))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), edge))
+        .with_state(state)
+}
+
+fn error_response(err: &ApiError, request_id: &str, docs: Option<&str>) -> Response {
+    let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = sbx_api::error_body(err, request_id, docs);
+    let mut resp = (status, axum::Json(body)).into_response();
+    if err.retryable() && status == StatusCode::SERVICE_UNAVAILABLE {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    resp
+}
+
+/// Request ids and authentication, for every route.
+async fn edge(
+    State(st): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let rid = sbx_api::request_id_or_new(
+        req.headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok()),
+    );
+    req.extensions_mut().insert(RequestId(rid.clone()));
+    let auth = if req.uri().path() == "/healthz" {
+        Ok(())
+    } else {
+        authenticate(&st, req.headers(), peer)
+    };
+    let mut resp = match auth {
+        Ok(()) => next.run(req).await,
+        Err(e) => error_response(&e, &rid, st.docs_url.as_deref()),
+    };
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+fn authenticate(st: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim().to_string());
+    match &st.api_keys {
+        None if peer.ip().is_loopback() => Ok(()),
+        None => Err(ApiError::new(
+            ErrorCode::MissingApiKey,
+            "this node has no API keys and serves loopback callers only",
+        )),
+        Some(keys) => match given {
+            None => Err(ApiError::new(
+                ErrorCode::MissingApiKey,
+                "send Authorization: Bearer KEY",
+            )),
+            Some(k) if keys.contains(&k) => Ok(()),
+            Some(_) => Err(ApiError::new(
+                ErrorCode::InvalidApiKey,
+                "that API key is not valid",
+            )),
+        },
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn not_found(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+) -> Response {
+    error_response(
+        &ApiError::new(ErrorCode::NotFound, "no such route"),
+        &rid.0,
+        st.docs_url.as_deref(),
+    )
+}
+
+async fn method_not_allowed(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+) -> Response {
+    error_response(
+        &ApiError::new(
+            ErrorCode::MethodNotAllowed,
+            "this route does not take that method",
+        ),
+        &rid.0,
+        st.docs_url.as_deref(),
+    )
+}
+
+/// What every exec object of a run shares.
+#[derive(Clone)]
+struct ExecMeta {
+    sandbox_id: String,
+    exec_id: String,
+    command: String,
+    encoding: Encoding,
+}
+
+#[derive(Default)]
+struct Started {
+    pid: u32,
+    started_at_ns: i64,
+}
+
+/// The last bytes of one stream.
+struct Tail {
+    buf: VecDeque<u8>,
+}
+
+impl Tail {
+    fn new() -> Tail {
+        Tail {
+            buf: VecDeque::new(),
+        }
+    }
+    fn push(&mut self, data: &[u8]) {
+        let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES;
+        if data.len() >= cap {
+            self.buf.clear();
+            self.buf.extend(&data[data.len() - cap..]);
+            return;
+        }
+        self.buf.extend(data);
+        if self.buf.len() > cap {
+            let over = self.buf.len() - cap;
+            self.buf.drain(..over);
+        }
+    }
+    fn bytes(&mut self) -> &[u8] {
+        let s = self.buf.make_contiguous();
+        // A tail cut inside a UTF-8 character starts after it.
+        let skip = s
+            .iter()
+            .take(3)
+            .take_while(|b| (**b & 0xC0) == 0x80)
+            .count();
+        &s[skip..]
+    }
+}
+
+fn exec_object(
+    meta: &ExecMeta,
+    started: &Started,
+    end: Option<(&ExitInfo, &OutputCounts)>,
+    stdout: &mut Tail,
+    stderr: &mut Tail,
+    gap: bool,
+) -> ExecObject {
+    let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES as u64;
+    let (status, exit_code, signal, duration, usage, output) = match end {
+        Some((x, o)) => (
+            match x.status.as_str() {
+                "timed_out" => ExecStatus::TimedOut,
+                "killed" => ExecStatus::Killed,
+                _ => ExecStatus::Exited,
+            },
+            Some(x.exit_code),
+            x.signal.map(sbx_api::signal_name),
+            Some(x.duration_ns as f64 / 1e9),
+            Some(ExecUsage {
+                cpu_seconds: x.cpu_ns as f64 / 1e9,
+                max_memory_bytes: x.max_rss_bytes,
+            }),
+            *o,
+        ),
+        None => (
+            ExecStatus::Running,
+            None,
+            None,
+            None,
+            None,
+            OutputCounts::default(),
+        ),
+    };
+    let truncated =
+        gap || output.start > 0 || output.stdout_bytes > cap || output.stderr_bytes > cap;
+    ExecObject {
+        id: meta.exec_id.clone(),
+        object: ExecObjectKind::Exec,
+        sandbox_id: meta.sandbox_id.clone(),
+        command: meta.command.clone(),
+        tty: false,
+        status,
+        exit_code,
+        signal,
+        started_at: sbx_api::format_rfc3339_millis(i128::from(started.started_at_ns)),
+        pid: started.pid,
+        duration_seconds: duration,
+        usage,
+        output: OutputInfo {
+            stdout_bytes: output.stdout_bytes,
+            stderr_bytes: output.stderr_bytes,
+            start: output.start,
+            end: output.end,
+        },
+        stdout: meta.encoding.encode(stdout.bytes()),
+        stderr: meta.encoding.encode(stderr.bytes()),
+        truncated,
+        encoding: meta.encoding,
+    }
+}
+
+async fn run(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let docs = st.docs_url.clone();
+    let fail = |e: ApiError| error_response(&e, &rid.0, docs.as_deref());
+    if let Some(key) = headers.get("idempotency-key") {
+        let key = key.to_str().unwrap_or("");
+        if let Err(e) = sbx_api::validate_idempotency_key(key) {
+            return fail(e);
+        }
+    }
+    let bytes = match read_body(body).await {
+        Ok(b) => b,
+        Err(e) => return fail(e),
+    };
+    let req = match sbx_api::parse_run_request(&bytes) {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    let wants_stream = req.stream.unwrap_or_else(|| {
+        headers
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|a| a.contains("text/event-stream"))
+    });
+    let plan = match st.node.plan_run(req) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let meta = ExecMeta {
+        sandbox_id: plan.sandbox_id.clone(),
+        exec_id: plan.exec_id.clone(),
+        command: plan.command.clone(),
+        encoding: plan.encoding,
+    };
+    tracing::info!(request_id = %rid.0, sandbox = %meta.sandbox_id, exec = %meta.exec_id, "run");
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(st.node.clone().run(plan, tx));
+    if wants_stream {
+        sse_response(rx, meta, rid.0, docs)
+    } else {
+        json_response(rx, meta, &rid.0, docs.as_deref()).await
+    }
+}
+
+async fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    use http_body_util::{BodyExt, Limited};
+    match Limited::new(body, MAX_BODY).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(ApiError::new(
+                ErrorCode::BodyTooLarge,
+                "the request body is over 64 MiB",
+            ))
+        }
+        Err(e) => Err(ApiError::new(
+            ErrorCode::InvalidJson,
+            format!("the body could not be read: {e}"),
+        )),
+    }
+}
+
+async fn json_response(
+    mut rx: mpsc::Receiver<RunEvent>,
+    meta: ExecMeta,
+    rid: &str,
+    docs: Option<&str>,
+) -> Response {
+    let mut started = Started::default();
+    let (mut out, mut err) = (Tail::new(), Tail::new());
+    let mut gap = false;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            RunEvent::Started { pid, started_at_ns } => started = Started { pid, started_at_ns },
+            RunEvent::Output { stream, data, .. } => match stream {
+                Stream::Stderr => err.push(&data),
+                _ => out.push(&data),
+            },
+            RunEvent::Gap { .. } => gap = true,
+            RunEvent::Exited { exit, output } => {
+                let obj = exec_object(
+                    &meta,
+                    &started,
+                    Some((&exit, &output)),
+                    &mut out,
+                    &mut err,
+                    gap,
+                );
+                return (StatusCode::OK, axum::Json(obj)).into_response();
+            }
+            RunEvent::Failed(e) => return error_response(&e, rid, docs),
+        }
+    }
+    error_response(&ApiError::internal(), rid, docs)
+}
+
+/// How many bytes at the end of `b` begin a UTF-8 character that is not complete yet.
+fn incomplete_suffix(b: &[u8]) -> usize {
+    for back in 1..=b.len().min(3) {
+        let c = b[b.len() - back];
+        if c & 0xC0 == 0x80 {
+            continue;
+        }
+        let need = match c {
+            0xF0.. => 4,
+            0xE0.. => 3,
+            0xC0.. => 2,
+            _ => 1,
+        };
+        return if need > back { back } else { 0 };
+    }
+    0
+}
+
+/// Text of a stream's bytes for an event, keeping a UTF-8 character cut by a chunk for the next.
+/// Returns the text and how many bytes (carried ones included) it stands for.
+fn take_text(carry: &mut Vec<u8>, data: &[u8], encoding: Encoding) -> (String, usize) {
+    if encoding == Encoding::Base64 {
+        return (encoding.encode(data), data.len());
+    }
+    let mut all = std::mem::take(carry);
+    all.extend_from_slice(data);
+    let emit = all.len() - incomplete_suffix(&all);
+    *carry = all[emit..].to_vec();
+    (String::from_utf8_lossy(&all[..emit]).into_owned(), emit)
+}
+
+struct SseState {
+    rx: mpsc::Receiver<RunEvent>,
+    meta: ExecMeta,
+    rid: String,
+    docs: Option<String>,
+    started: Started,
+    out: Tail,
+    err: Tail,
+    carry_out: Vec<u8>,
+    carry_err: Vec<u8>,
+    cursor: u64,
+    gap: bool,
+    done: bool,
+}
+
+fn sse_response(
+    rx: mpsc::Receiver<RunEvent>,
+    meta: ExecMeta,
+    rid: String,
+    docs: Option<String>,
+) -> Response {
+    let state = SseState {
+        rx,
+        meta,
+        rid,
+        docs,
+        started: Started::default(),
+        out: Tail::new(),
+        err: Tail::new(),
+        carry_out: Vec::new(),
+        carry_err: Vec::new(),
+        cursor: 0,
+        gap: false,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(state, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        let chunk = next_sse(&mut s).await;
+        Some((Ok::<_, Infallible>(Bytes::from(chunk)), s))
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    resp
+}
+
+async fn next_sse(s: &mut SseState) -> String {
+    loop {
+        let ev = match tokio::time::timeout(KEEPALIVE_EVERY, s.rx.recv()).await {
+            Err(_) => return sbx_api::events::SSE_KEEPALIVE.to_string(),
+            Ok(ev) => ev,
+        };
+        let Some(ev) = ev else {
+            s.done = true;
+            let body = sbx_api::error_body(&ApiError::internal(), &s.rid, s.docs.as_deref());
+            return sbx_api::sse(EventKind::Error, s.cursor, &body);
+        };
+        match ev {
+            RunEvent::Started { pid, started_at_ns } => {
+                s.started = Started { pid, started_at_ns };
+                let obj = exec_object(
+                    &s.meta,
+                    &s.started,
+                    None,
+                    &mut Tail::new(),
+                    &mut Tail::new(),
+                    false,
+                );
+                let data = serde_json::to_value(obj).unwrap_or_default();
+                return sbx_api::sse(EventKind::Start, 0, &data);
+            }
+            RunEvent::Output { stream, pos, data } => {
+                let (kind, tail, carry) = match stream {
+                    Stream::Stderr => (EventKind::Stderr, &mut s.err, &mut s.carry_err),
+                    _ => (EventKind::Stdout, &mut s.out, &mut s.carry_out),
+                };
+                tail.push(&data);
+                let carried = carry.len() as u64;
+                let (text, emitted) = take_text(carry, &data, s.meta.encoding);
+                if emitted == 0 {
+                    continue;
+                }
+                let from = pos - carried;
+                s.cursor = from + emitted as u64;
+                let data = serde_json::json!({ "position": from, "data": text });
+                return sbx_api::sse(kind, s.cursor, &data);
+            }
+            RunEvent::Gap { from, to } => {
+                s.gap = true;
+                s.carry_out.clear();
+                s.carry_err.clear();
+                s.cursor = to;
+                return sbx_api::sse(
+                    EventKind::Gap,
+                    to,
+                    &serde_json::json!({ "from": from, "to": to }),
+                );
+            }
+            RunEvent::Exited { exit, output } => {
+                s.done = true;
+                let mut tail = String::new();
+                // Bytes of an unfinished character at the very end go out as they are.
+                for (kind, carry) in [
+                    (EventKind::Stdout, &mut s.carry_out),
+                    (EventKind::Stderr, &mut s.carry_err),
+                ] {
+                    if !carry.is_empty() {
+                        let text = String::from_utf8_lossy(carry).into_owned();
+                        let from = s.cursor;
+                        s.cursor += carry.len() as u64;
+                        carry.clear();
+                        tail.push_str(&sbx_api::sse(
+                            kind,
+                            s.cursor,
+                            &serde_json::json!({ "position": from, "data": text }),
+                        ));
+                    }
+                }
+                let obj = exec_object(
+                    &s.meta,
+                    &s.started,
+                    Some((&exit, &output)),
+                    &mut s.out,
+                    &mut s.err,
+                    s.gap,
+                );
+                let data = serde_json::to_value(obj).unwrap_or_default();
+                tail.push_str(&sbx_api::sse(EventKind::Exit, output.end, &data));
+                return tail;
+            }
+            RunEvent::Failed(e) => {
+                s.done = true;
+                let body = sbx_api::error_body(&e, &s.rid, s.docs.as_deref());
+                return sbx_api::sse(EventKind::Error, s.cursor, &body);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utf8_cut_between_chunks_is_carried() {
+        let mut carry = Vec::new();
+        let euro = "€".as_bytes(); // 3 bytes
+        let (t, n) = take_text(&mut carry, &[b'a', euro[0]], Encoding::Utf8);
+        assert_eq!((t.as_str(), n), ("a", 1));
+        let (t, n) = take_text(&mut carry, &euro[1..], Encoding::Utf8);
+        assert_eq!((t.as_str(), n), ("€", 3));
+        assert!(carry.is_empty());
+        let (t, _) = take_text(&mut carry, b"x\xffy", Encoding::Utf8);
+        assert_eq!(t, "x\u{fffd}y");
+    }
+
+    #[test]
+    fn tail_keeps_the_last_mebibyte() {
+        let mut t = Tail::new();
+        t.push(&vec![b'a'; 1 << 20]);
+        t.push(b"bc");
+        let b = t.bytes();
+        assert_eq!(b.len(), 1 << 20);
+        assert_eq!(&b[b.len() - 2..], b"bc");
+    }
+}

@@ -1,0 +1,371 @@
+//! The node's images. For now one: the base image, a Debian (or Ubuntu, as the host is) root
+//! with python3 and nodejs, made by debootstrap from the machine's configured apt sources and
+//! kept under the images directory:
+//!
+//! ```text
+//! <images>/base/image.json   what the image is: env, user, workdir, the uid base it is stored at
+//! <images>/base/rootfs/      the tree, owners shifted by the uid base (see sbx-runtime fsutil)
+//! ```
+//!
+//! An image is made in `<images>/.build-<name>` and renamed into place when complete, so a
+//! half-built image is never used; a lock file keeps two builders apart. Later images (OCI
+//! pulls) take the same path: unpack, shift, describe, rename.
+
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(
+        "no base image at {0}: run `sbx image build-base` (or start sandboxd, which builds it)"
+    )]
+    NoBase(PathBuf),
+    #[error("image {0} is not on this node")]
+    Unknown(String),
+    #[error("the base image was stored for uid base {stored}, this node uses {wanted}")]
+    UidBase { stored: u32, wanted: u32 },
+    #[error("cannot build the base image: {0}")]
+    Build(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError {
+    let what = what.into();
+    move |source| ImageError::Io { what, source }
+}
+
+/// What an image is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ImageMeta {
+    pub name: String,
+    pub created_at: String,
+    pub env: Vec<(String, String)>,
+    pub user: Option<String>,
+    pub workdir: Option<String>,
+    pub uid_base: u32,
+    pub source: String,
+}
+
+/// An image ready to be a sandbox's lower layer.
+#[derive(Debug, Clone)]
+pub struct Image {
+    pub meta: ImageMeta,
+    pub rootfs: PathBuf,
+}
+
+/// Names the catalog resolves to the base image.
+pub const CATALOG: &[&str] = &["python", "node", "base"];
+
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    dir: PathBuf,
+    uid_base: u32,
+}
+
+impl ImageStore {
+    pub fn new(dir: PathBuf, uid_base: u32) -> ImageStore {
+        ImageStore { dir, uid_base }
+    }
+
+    /// The base image, if it is built.
+    pub fn base(&self) -> Result<Image, ImageError> {
+        self.load("base")
+    }
+
+    fn load(&self, name: &str) -> Result<Image, ImageError> {
+        let dir = self.dir.join(name);
+        let meta_path = dir.join("image.json");
+        let text = match fs::read_to_string(&meta_path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(if name == "base" {
+                    ImageError::NoBase(dir)
+                } else {
+                    ImageError::Unknown(name.into())
+                })
+            }
+            Err(e) => return Err(io(format!("read {}", meta_path.display()))(e)),
+        };
+        let meta: ImageMeta = serde_json::from_str(&text)
+            .map_err(|e| ImageError::Build(format!("{}: {e}", meta_path.display())))?;
+        if meta.uid_base != self.uid_base {
+            return Err(ImageError::UidBase {
+                stored: meta.uid_base,
+                wanted: self.uid_base,
+            });
+        }
+        Ok(Image {
+            meta,
+            rootfs: dir.join("rootfs"),
+        })
+    }
+
+    /// Resolves a catalog name (`python`, `node`) or nothing (the node's base image).
+    pub fn resolve(&self, name: Option<&str>) -> Result<Image, ImageError> {
+        match name {
+            None => self.base(),
+            Some(n) if CATALOG.contains(&n) => self.base(),
+            Some(n) => Err(ImageError::Unknown(n.into())),
+        }
+    }
+
+    /// Builds the base image unless it is there. `progress` gets a line per step.
+    pub fn build_base(&self, progress: &mut dyn FnMut(&str)) -> Result<Image, ImageError> {
+        fs::create_dir_all(&self.dir).map_err(io(format!("mkdir {}", self.dir.display())))?;
+        let lock_path = self.dir.join(".build.lock");
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io("open build lock"))?;
+        lock.lock().map_err(io("take build lock"))?;
+        if let Ok(img) = self.base() {
+            return Ok(img);
+        }
+        let started = Instant::now();
+        let source = AptSource::of_host()?;
+        progress(&format!(
+            "building the base image: debootstrap {} from the machine's apt source (about a minute)",
+            source.suite
+        ));
+        let build = self.dir.join(".build-base");
+        if build.exists() {
+            fs::remove_dir_all(&build).map_err(io("remove a half-built image"))?;
+        }
+        let rootfs = build.join("rootfs");
+        fs::create_dir_all(&rootfs).map_err(io("mkdir build"))?;
+        let mut child = Command::new("debootstrap")
+            .arg("--variant=minbase")
+            .arg("--include=python3,nodejs,procps")
+            .arg(format!("--components={}", source.components.join(",")))
+            .arg(&source.suite)
+            .arg(&rootfs)
+            .arg(&source.uri)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| {
+                ImageError::Build(format!("debootstrap: {e} (apt-get install debootstrap)"))
+            })?;
+        let mut tail: Vec<String> = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.starts_with("I: Retrieving")
+                    || line.starts_with("I: Validating")
+                    || line.starts_with("I: Extracting")
+                    || line.starts_with("I: Unpacking")
+                    || line.starts_with("I: Configuring")
+                {
+                    // Per-package lines: too many to show; the phase lines below say enough.
+                } else {
+                    progress(&line);
+                }
+                tail.push(line);
+                if tail.len() > 20 {
+                    tail.remove(0);
+                }
+            }
+        }
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        let status = child.wait().map_err(io("wait for debootstrap"))?;
+        if !status.success() {
+            let _ = fs::remove_dir_all(&build);
+            return Err(ImageError::Build(format!(
+                "debootstrap ended with {status}: {}{}",
+                err.trim(),
+                tail.join("\n")
+            )));
+        }
+        progress("debootstrap done; trimming caches and shifting owners to the sandbox uid range");
+        for junk in ["var/cache/apt/archives", "var/lib/apt/lists"] {
+            let p = rootfs.join(junk);
+            if let Ok(rd) = fs::read_dir(&p) {
+                for e in rd.flatten() {
+                    if e.path().is_file() {
+                        let _ = fs::remove_file(e.path());
+                    }
+                }
+            }
+        }
+        sbx_runtime::fsutil::shift_owners(&rootfs, self.uid_base)
+            .map_err(io("shift owners of the base image"))?;
+        let meta = ImageMeta {
+            name: "base".into(),
+            created_at: sbx_api::format_rfc3339_millis(now_ns()),
+            env: vec![
+                (
+                    "PATH".into(),
+                    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+                ),
+                ("LANG".into(), "C.UTF-8".into()),
+            ],
+            user: Some("root".into()),
+            workdir: Some("/".into()),
+            uid_base: self.uid_base,
+            source: format!(
+                "debootstrap {} minbase + python3 nodejs procps",
+                source.suite
+            ),
+        };
+        let meta_text =
+            serde_json::to_vec_pretty(&meta).map_err(|e| ImageError::Build(e.to_string()))?;
+        fs::write(build.join("image.json"), meta_text).map_err(io("write image.json"))?;
+        fs::rename(&build, self.dir.join("base")).map_err(io("put the base image in place"))?;
+        progress(&format!(
+            "base image ready in {:.0} s",
+            started.elapsed().as_secs_f64()
+        ));
+        self.base()
+    }
+}
+
+pub fn now_ns() -> i128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i128)
+        .unwrap_or(0)
+}
+
+/// The machine's own apt source for its release: where debootstrap fetches from.
+#[derive(Debug, Clone, PartialEq)]
+struct AptSource {
+    uri: String,
+    suite: String,
+    components: Vec<String>,
+}
+
+impl AptSource {
+    fn of_host() -> Result<AptSource, ImageError> {
+        let os = fs::read_to_string("/etc/os-release").map_err(io("read /etc/os-release"))?;
+        let codename = os
+            .lines()
+            .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
+            .map(|s| s.trim_matches('"').to_string())
+            .ok_or_else(|| ImageError::Build("/etc/os-release names no VERSION_CODENAME".into()))?;
+        let mut texts = Vec::new();
+        if let Ok(t) = fs::read_to_string("/etc/apt/sources.list") {
+            texts.push(t);
+        }
+        if let Ok(rd) = fs::read_dir("/etc/apt/sources.list.d") {
+            let mut paths: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+            paths.sort();
+            for p in paths {
+                if let Ok(t) = fs::read_to_string(&p) {
+                    texts.push(t);
+                }
+            }
+        }
+        texts
+            .iter()
+            .find_map(|t| find_source(t, &codename))
+            .ok_or_else(|| {
+                ImageError::Build(format!(
+                    "no apt source for {codename} in /etc/apt/sources.list(.d)"
+                ))
+            })
+    }
+}
+
+/// Finds a `deb` source of `suite` in a sources.list (one-line) or .sources (deb822) text.
+fn find_source(text: &str, suite: &str) -> Option<AptSource> {
+    for line in text.lines() {
+        let line = line.trim();
+        let Some(rest) = line.strip_prefix("deb ") else {
+            continue;
+        };
+        let rest = rest.trim_start();
+        let rest = if rest.starts_with('[') {
+            rest.split_once(']')
+                .map(|(_, r)| r.trim_start())
+                .unwrap_or(rest)
+        } else {
+            rest
+        };
+        let mut words = rest.split_whitespace();
+        let (Some(uri), Some(s)) = (words.next(), words.next()) else {
+            continue;
+        };
+        if s == suite {
+            return Some(AptSource {
+                uri: uri.into(),
+                suite: suite.into(),
+                components: words.map(String::from).collect(),
+            });
+        }
+    }
+    for stanza in text.split("\n\n") {
+        let field = |name: &str| {
+            stanza.lines().find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|r| r.strip_prefix(':'))
+                    .map(|v| v.trim().to_string())
+            })
+        };
+        let types = field("Types").unwrap_or_default();
+        if !types.split_whitespace().any(|t| t == "deb") {
+            continue;
+        }
+        let suites = field("Suites").unwrap_or_default();
+        if !suites.split_whitespace().any(|s| s == suite) {
+            continue;
+        }
+        let uri = field("URIs")?.split_whitespace().next()?.to_string();
+        let components = field("Components")
+            .unwrap_or_else(|| "main".into())
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        return Some(AptSource {
+            uri,
+            suite: suite.into(),
+            components,
+        });
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_one_line_and_deb822_sources() {
+        let one = "# c\ndeb-src http://m/x bookworm main\ndeb [arch=amd64] http://m/debian bookworm main contrib\n";
+        let s = find_source(one, "bookworm").unwrap();
+        assert_eq!(s.uri, "http://m/debian");
+        assert_eq!(s.components, vec!["main", "contrib"]);
+        let d822 = "Types: deb\nURIs: http://a/debian-security\nSuites: bookworm-security\nComponents: main\n\nTypes: deb\nURIs: http://a/debian\nSuites: bookworm bookworm-updates\nComponents: main\n";
+        let s = find_source(d822, "bookworm").unwrap();
+        assert_eq!(s.uri, "http://a/debian");
+        assert!(find_source(d822, "trixie").is_none());
+    }
+
+    #[test]
+    fn catalog_names_resolve_to_base_and_others_do_not() {
+        let dir = std::env::temp_dir().join(format!("sbx-img-test-{}", std::process::id()));
+        let store = ImageStore::new(dir.clone(), 100000);
+        assert!(matches!(
+            store.resolve(Some("python")),
+            Err(ImageError::NoBase(_))
+        ));
+        assert!(matches!(
+            store.resolve(Some("ubuntu:24.04")),
+            Err(ImageError::Unknown(_))
+        ));
+        let _ = fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,199 @@
+//! `sandboxd`: the sbx node daemon.
+
+mod agent;
+mod http;
+mod image;
+mod node;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sandboxd",
+    version,
+    about = "The sbx node: isolated sandboxes over an HTTP API"
+)]
+struct Cli {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7700", env = "SBX_LISTEN")]
+    listen: SocketAddr,
+    /// Where the node keeps its state.
+    #[arg(long, default_value = "/var/lib/sbx", env = "SBX_DATA_DIR")]
+    data_dir: PathBuf,
+    /// Where images are kept (default: DATA_DIR/images). Several nodes may share one.
+    #[arg(long, env = "SBX_IMAGES_DIR")]
+    images_dir: Option<PathBuf>,
+    /// A file of API keys, one a line. Without it the node serves loopback callers only.
+    #[arg(long)]
+    api_keys: Option<PathBuf>,
+    /// Base of the docs_url of errors (the code is appended).
+    #[arg(long)]
+    docs_url: Option<String>,
+    /// The sbx-agent binary (default: next to this one).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// Name of the cgroup folder the node's sandboxes go in (under the node's own cgroup).
+    #[arg(long, default_value = "sbx")]
+    cgroup_name: String,
+    /// Host uid that is root in sandboxes (65536 uids from it are theirs).
+    #[arg(long, default_value_t = 100_000)]
+    uid_base: u32,
+    /// Memory of a sandbox that asks for none, in bytes.
+    #[arg(long, default_value_t = 512 << 20)]
+    default_memory_bytes: u64,
+    /// vCPUs of a sandbox that asks for none.
+    #[arg(long, default_value_t = 1)]
+    default_vcpus: u32,
+    /// Most processes in one sandbox.
+    #[arg(long, default_value_t = 1024)]
+    pids_max: u32,
+    #[command(subcommand)]
+    command: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Serve the API (the default).
+    Serve,
+    /// Build the base image now (debootstrap from the machine's apt sources) and exit.
+    BuildBase,
+}
+
+fn host_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(1 << 30)
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let images_dir = cli
+        .images_dir
+        .clone()
+        .unwrap_or_else(|| cli.data_dir.join("images"));
+    let images = image::ImageStore::new(images_dir, cli.uid_base);
+    let mut progress = |line: &str| tracing::info!("{line}");
+    match cli.command {
+        Some(Cmd::BuildBase) => {
+            let img = images.build_base(&mut progress)?;
+            println!("base image ready at {}", img.rootfs.display());
+            return Ok(());
+        }
+        Some(Cmd::Serve) | None => {}
+    }
+    if images.base().is_err() {
+        images.build_base(&mut progress)?;
+    }
+    let agent = match &cli.agent {
+        Some(a) => a.clone(),
+        None => std::env::current_exe()
+            .context("where is sandboxd")?
+            .with_file_name("sbx-agent"),
+    };
+    let driver = sbx_runtime::driver::NamespaceDriver::with_cgroup_name(
+        agent,
+        &cli.cgroup_name,
+        cli.uid_base,
+        65536,
+    )
+    .context("the namespace driver")?;
+    let api_keys = match &cli.api_keys {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
+            let keys: HashSet<String> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(String::from)
+                .collect();
+            anyhow::ensure!(!keys.is_empty(), "{} holds no key", p.display());
+            Some(keys)
+        }
+        None => None,
+    };
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1)
+        .min(32);
+    let cfg = node::NodeConfig {
+        data_dir: cli.data_dir.clone(),
+        default_memory_bytes: cli.default_memory_bytes,
+        default_vcpus: cli.default_vcpus.min(cpus),
+        pids_max: cli.pids_max,
+        max_memory_bytes: host_memory(),
+        max_vcpus: cpus,
+    };
+    std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
+        .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
+    let node = node::Node::new(cfg, Arc::new(driver), images);
+    let removed = node.reconcile();
+    if removed > 0 {
+        tracing::info!(removed, "removed what a previous run left");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    rt.block_on(serve(cli.listen, node, api_keys, cli.docs_url))
+}
+
+async fn serve(
+    listen: SocketAddr,
+    node: Arc<node::Node>,
+    api_keys: Option<HashSet<String>>,
+    docs_url: Option<String>,
+) -> anyhow::Result<()> {
+    let state = Arc::new(http::AppState {
+        node: node.clone(),
+        api_keys,
+        docs_url,
+    });
+    let app = http::router(state);
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listen on {listen}"))?;
+    tracing::info!(%listen, "sandboxd serves");
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(stop_signal())
+    .await
+    .context("serve")?;
+    tracing::info!("stopping: ending every sandbox");
+    node.shutdown().await;
+    Ok(())
+}
+
+async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,506 @@
+//! The node: the sandbox table, the driver, and the actions the API (and later the functions
+//! interface and the CLI) run. Handlers parse and validate; this module acts.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sbx_api::{ApiError, Encoding, ErrorCode, RunRequest, Tmp};
+use sbx_proto::{
+    AgentMsg, ExecFailKind, ExecSpec, ExitInfo, Frame, HostMsg, OutputCounts, Program, Stream,
+};
+use sbx_runtime::{Driver, Limits, Sandbox, SandboxSpec};
+use tokio::sync::mpsc;
+
+use crate::agent::AgentConn;
+use crate::image::{Image, ImageError, ImageStore};
+
+/// The node's settings.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub data_dir: PathBuf,
+    pub default_memory_bytes: u64,
+    pub default_vcpus: u32,
+    pub pids_max: u32,
+    pub max_memory_bytes: u64,
+    pub max_vcpus: u32,
+}
+
+/// A sandbox in the table.
+#[derive(Debug, Clone)]
+struct Entry {
+    name: Option<String>,
+}
+
+#[derive(Default)]
+struct Table {
+    by_id: HashMap<String, Entry>,
+    names: HashMap<String, String>,
+}
+
+pub struct Node {
+    pub cfg: NodeConfig,
+    driver: Arc<dyn Driver>,
+    images: ImageStore,
+    table: Mutex<Table>,
+    live: Mutex<HashMap<String, Arc<Sandbox>>>,
+    teardowns: AtomicUsize,
+}
+
+/// A run, validated and resolved: nothing is made yet.
+#[derive(Debug)]
+pub struct RunPlan {
+    pub sandbox_id: String,
+    pub exec_id: String,
+    pub command: String,
+    pub encoding: Encoding,
+    image: Image,
+    limits: Limits,
+    hostname: String,
+    tmp_memory: bool,
+    exec: ExecSpec,
+    stdin: Option<Vec<u8>>,
+}
+
+/// What a run reports, in order: `Started`, output and gaps, then `Exited` or `Failed`.
+#[derive(Debug)]
+pub enum RunEvent {
+    Started {
+        pid: u32,
+        started_at_ns: i64,
+    },
+    Output {
+        stream: Stream,
+        pos: u64,
+        data: Vec<u8>,
+    },
+    Gap {
+        from: u64,
+        to: u64,
+    },
+    Exited {
+        exit: ExitInfo,
+        output: OutputCounts,
+    },
+    Failed(ApiError),
+}
+
+fn not_served(param: &str, what: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotServedHere,
+        format!("this node does not serve {what} yet"),
+    )
+    .with_param(param)
+}
+
+impl Node {
+    pub fn new(cfg: NodeConfig, driver: Arc<dyn Driver>, images: ImageStore) -> Arc<Node> {
+        Arc::new(Node {
+            cfg,
+            driver,
+            images,
+            table: Mutex::new(Table::default()),
+            live: Mutex::new(HashMap::new()),
+            teardowns: AtomicUsize::new(0),
+        })
+    }
+
+    fn sandboxes_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("sandboxes")
+    }
+
+    /// Removes what a previous run of the node left: sandboxes whose table is gone with it.
+    /// (The node keeps no table across restarts yet: every leftover is ended.)
+    pub fn reconcile(&self) -> usize {
+        let mut n = 0;
+        for id in self.driver.list_groups() {
+            if let Err(e) = self.driver.remove_leftovers(&id) {
+                tracing::warn!(sandbox = %id, error = %e, "cannot remove a leftover cgroup");
+            }
+            n += 1;
+        }
+        if let Ok(rd) = std::fs::read_dir(self.sandboxes_dir()) {
+            for e in rd.flatten() {
+                let _ = sbx_runtime::driver::remove_dir(&e.path());
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Teardowns still under way.
+    pub fn pending_teardowns(&self) -> usize {
+        self.teardowns.load(Ordering::SeqCst)
+    }
+
+    fn release(&self, id: &str) {
+        if let Ok(mut t) = self.table.lock() {
+            if let Some(e) = t.by_id.remove(id) {
+                if let Some(n) = e.name {
+                    t.names.remove(&n);
+                }
+            }
+        }
+    }
+
+    /// Checks a run against what this node serves and reserves its name. Every refusal
+    /// happens here, before anything is made.
+    pub fn plan_run(&self, req: RunRequest) -> Result<RunPlan, ApiError> {
+        if req.egress.as_ref().is_some_and(|e| !e.is_null()) {
+            return Err(not_served("egress", "egress rules"));
+        }
+        if let Some(v) = req.volumes.first() {
+            return Err(ApiError::new(
+                ErrorCode::VolumeNotFound,
+                format!("no volume {} on this node", v.volume),
+            )
+            .with_param("volumes[0].volume"));
+        }
+        if let Some(s) = &req.snapshot {
+            return Err(ApiError::new(
+                ErrorCode::SnapshotNotFound,
+                format!("no snapshot {s} on this node"),
+            )
+            .with_param("snapshot"));
+        }
+        if let Some(t) = &req.template {
+            if t != "base" {
+                return Err(ApiError::new(
+                    ErrorCode::TemplateNotFound,
+                    format!("no template {t} on this node"),
+                )
+                .with_param("template"));
+            }
+        }
+        if let Some(s) = &req.image_pull_secret {
+            return Err(ApiError::new(
+                ErrorCode::SecretNotFound,
+                format!("no secret {s} on this node"),
+            )
+            .with_param("image_pull_secret"));
+        }
+        if req.project_network {
+            return Err(not_served("project_network", "project networks"));
+        }
+        if req.init.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::InvalidStart,
+                "this node has no image of a whole system (--systemd-image)",
+            )
+            .with_param("init"));
+        }
+        if req.runtime.as_ref().is_some_and(|r| !r.is_null()) {
+            return Err(not_served("runtime", "runtime settings"));
+        }
+        if req.start == Some(true) || req.start_command.is_some() || req.ready.is_some() {
+            let param = if req.start_command.is_some() {
+                "start_command"
+            } else if req.ready.is_some() {
+                "ready"
+            } else {
+                "start"
+            };
+            return Err(not_served(param, "start commands"));
+        }
+        if req.guest_mitigations == Some(true) {
+            return Err(not_served(
+                "guest_mitigations",
+                "guest kernels (its sandboxes share the host's kernel)",
+            ));
+        }
+        if !req.public_ports.is_empty() || req.public_ports_except.is_some() {
+            let p = if req.public_ports.is_empty() {
+                "public_ports_except"
+            } else {
+                "public_ports"
+            };
+            return Err(not_served(p, "preview URLs"));
+        }
+        if req
+            .inbound
+            .as_ref()
+            .and_then(|v| v.as_array())
+            .is_some_and(|a| !a.is_empty())
+        {
+            return Err(ApiError::new(
+                ErrorCode::NoIpv6,
+                "this node has no pool of IPv6 addresses",
+            )
+            .with_param("inbound"));
+        }
+        if req.checkpoint.as_ref().is_some_and(|c| !c.is_null()) {
+            return Err(ApiError::new(
+                ErrorCode::CheckpointsUnavailable,
+                "this node takes no checkpoints",
+            )
+            .with_param("checkpoint"));
+        }
+        let mut deadline_ms = (req.timeout_seconds * 1000.0).ceil() as u64;
+        if let Some(at) = &req.expires_at {
+            let at_ns = sbx_api::parse_rfc3339(at).ok_or_else(|| {
+                ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
+            })?;
+            let left_ns = at_ns - crate::image::now_ns();
+            if left_ns <= 0 {
+                return Err(ApiError::new(
+                    ErrorCode::ExpiresInThePast,
+                    "expires_at is not in the future",
+                )
+                .with_param("expires_at"));
+            }
+            // The sandbox is deleted when it expires: the command ends then at the latest.
+            deadline_ms = deadline_ms.min((left_ns / 1_000_000) as u64 + 1);
+        }
+        let memory = req
+            .limits
+            .memory_bytes
+            .unwrap_or(self.cfg.default_memory_bytes);
+        if memory > self.cfg.max_memory_bytes {
+            return Err(ApiError::invalid_field(
+                "limits.memory_bytes",
+                format!("at most {} bytes on this node", self.cfg.max_memory_bytes),
+            ));
+        }
+        let vcpus = req.limits.vcpus.unwrap_or(self.cfg.default_vcpus);
+        if vcpus > self.cfg.max_vcpus {
+            return Err(ApiError::invalid_field(
+                "limits.vcpus",
+                format!("at most {} on this node", self.cfg.max_vcpus),
+            ));
+        }
+        let image = match self.images.resolve(req.image.as_deref()) {
+            Ok(i) => i,
+            Err(ImageError::Unknown(name)) => {
+                return Err(ApiError::new(
+                    ErrorCode::NotServedHere,
+                    format!("image {name} is not on this node, and this node fetches no images yet (catalog: python, node)"),
+                )
+                .with_param("image"))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "no image");
+                return Err(ApiError::new(ErrorCode::Unavailable, e.to_string()));
+            }
+        };
+        let sandbox_id = sbx_api::new_id("sbx");
+        let exec_id = sbx_api::new_id("exe");
+        let mut env: Vec<(String, String)> = req.env.clone().into_iter().collect();
+        env.extend(req.secret_env.0.clone());
+        let program = match &req.command {
+            sbx_api::Command::Shell(s) => Program::Shell(s.clone()),
+            sbx_api::Command::Argv(a) => Program::Argv(a.clone()),
+        };
+        let exec = ExecSpec {
+            exec_id: exec_id.clone(),
+            program,
+            env,
+            cwd: req.cwd.clone(),
+            user: req.user.clone(),
+            timeout_ms: Some(deadline_ms.max(1)),
+            stdin_open: false,
+            attach: true,
+        };
+        {
+            let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
+            if let Some(n) = &req.name {
+                if t.names.contains_key(n) {
+                    return Err(ApiError::new(
+                        ErrorCode::NameTaken,
+                        format!("a sandbox is named {n}"),
+                    )
+                    .with_param("name"));
+                }
+                t.names.insert(n.clone(), sandbox_id.clone());
+            }
+            t.by_id.insert(
+                sandbox_id.clone(),
+                Entry {
+                    name: req.name.clone(),
+                },
+            );
+        }
+        Ok(RunPlan {
+            hostname: req.hostname.clone().unwrap_or_else(|| sandbox_id.clone()),
+            sandbox_id,
+            exec_id,
+            command: req.command.display(),
+            encoding: req.encoding,
+            image,
+            limits: Limits {
+                memory_bytes: memory,
+                vcpus,
+                pids: self.cfg.pids_max,
+            },
+            tmp_memory: req.tmp == Tmp::Memory,
+            exec,
+            stdin: req.stdin,
+        })
+    }
+
+    /// Runs a planned command in its own sandbox; events go to `tx`. The sandbox is deleted
+    /// when the command ends, when the receiver is dropped (the caller hung up), or on failure.
+    pub async fn run(self: Arc<Self>, plan: RunPlan, tx: mpsc::Sender<RunEvent>) {
+        let id = plan.sandbox_id.clone();
+        let result = self.run_inner(plan, &tx).await;
+        // The name is free before the caller hears the end.
+        self.release(&id);
+        let sandbox = self.live.lock().ok().and_then(|mut l| l.remove(&id));
+        match result {
+            Ok(Some((exit, output))) => {
+                let _ = tx.send(RunEvent::Exited { exit, output }).await;
+            }
+            Ok(None) => {
+                tracing::info!(sandbox = %id, "caller_gone: the caller hung up; sandbox ended");
+            }
+            Err(e) => {
+                let _ = tx.send(RunEvent::Failed(e)).await;
+            }
+        }
+        if let Some(sb) = sandbox {
+            self.teardown(sb);
+        }
+    }
+
+    fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
+        self.teardowns.fetch_add(1, Ordering::SeqCst);
+        let node = self.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = node.driver.destroy(&sb) {
+                tracing::warn!(sandbox = %sb.id, error = %e, "teardown");
+            }
+            if let Err(e) = sbx_runtime::driver::remove_dir(&sb.dir) {
+                tracing::warn!(sandbox = %sb.id, error = %e, "remove sandbox directory");
+            }
+            node.teardowns.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    async fn run_inner(
+        self: &Arc<Self>,
+        plan: RunPlan,
+        tx: &mpsc::Sender<RunEvent>,
+    ) -> Result<Option<(ExitInfo, OutputCounts)>, ApiError> {
+        let spec = SandboxSpec {
+            id: plan.sandbox_id.clone(),
+            image_rootfs: plan.image.rootfs.clone(),
+            dir: self.sandboxes_dir().join(&plan.sandbox_id),
+            hostname: plan.hostname.clone(),
+            limits: plan.limits,
+            tmp_memory: plan.tmp_memory,
+            image_env: plan.image.meta.env.clone(),
+            image_user: plan.image.meta.user.clone(),
+            image_workdir: plan.image.meta.workdir.clone(),
+        };
+        let driver = self.driver.clone();
+        let made = tokio::task::spawn_blocking(move || driver.create(&spec))
+            .await
+            .map_err(|_| ApiError::internal())?;
+        let sandbox = match made {
+            Ok(sb) => Arc::new(sb),
+            Err(e) => {
+                tracing::error!(sandbox = %plan.sandbox_id, error = %e, "sandbox did not start");
+                return Err(ApiError::new(
+                    ErrorCode::SandboxFailed,
+                    format!("the sandbox could not be started: {e}"),
+                ));
+            }
+        };
+        if let Ok(mut l) = self.live.lock() {
+            l.insert(plan.sandbox_id.clone(), sandbox.clone());
+        }
+        let failed = |e: crate::agent::AgentError| {
+            tracing::error!(sandbox = %plan.sandbox_id, error = %e, "agent");
+            if sandbox.oom_killed() {
+                ApiError::new(
+                    ErrorCode::SandboxFailed,
+                    "the sandbox ran out of memory (limits.memory_bytes)",
+                )
+            } else {
+                ApiError::new(
+                    ErrorCode::CommandLost,
+                    format!("the command went away: {e}"),
+                )
+            }
+        };
+        let mut conn = AgentConn::connect(&sandbox.socket, Duration::from_secs(10))
+            .await
+            .map_err(failed)?;
+        conn.send(&HostMsg::Exec(plan.exec.clone()))
+            .await
+            .map_err(failed)?;
+        if let Some(input) = &plan.stdin {
+            conn.send_stdin(&plan.exec_id, input)
+                .await
+                .map_err(failed)?;
+        }
+        conn.send(&HostMsg::CloseStdin {
+            exec_id: plan.exec_id.clone(),
+        })
+        .await
+        .map_err(failed)?;
+        // The agent enforces the deadline; this one only guards against an agent that hangs.
+        let guard =
+            Duration::from_millis(plan.exec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + guard;
+        loop {
+            let frame = tokio::select! {
+                f = conn.recv() => f.map_err(failed)?,
+                _ = tx.closed() => return Ok(None),
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(ApiError::new(ErrorCode::CommandLost, "the sandbox's agent stopped answering"));
+                }
+            };
+            let event = match frame {
+                Frame::Data {
+                    stream, pos, bytes, ..
+                } => RunEvent::Output {
+                    stream,
+                    pos,
+                    data: bytes,
+                },
+                Frame::Msg(AgentMsg::Started {
+                    pid, started_at_ns, ..
+                }) => RunEvent::Started { pid, started_at_ns },
+                Frame::Msg(AgentMsg::Gap { from, to, .. }) => RunEvent::Gap { from, to },
+                Frame::Msg(AgentMsg::Exited { exit, output, .. }) => {
+                    return Ok(Some((exit, output)));
+                }
+                Frame::Msg(AgentMsg::ExecFailed { kind, message, .. }) => {
+                    return Err(match kind {
+                        ExecFailKind::NoSuchUser => {
+                            ApiError::new(ErrorCode::NoSuchUser, message).with_param("user")
+                        }
+                        _ => {
+                            tracing::error!(sandbox = %plan.sandbox_id, %message, "exec failed");
+                            ApiError::internal()
+                        }
+                    });
+                }
+                Frame::Msg(_) => continue,
+            };
+            if tx.send(event).await.is_err() {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Ends every sandbox (the node is stopping) and waits for their teardown.
+    pub async fn shutdown(self: &Arc<Self>) {
+        let all: Vec<Arc<Sandbox>> = self
+            .live
+            .lock()
+            .map(|mut l| l.drain().map(|(_, s)| s).collect())
+            .unwrap_or_default();
+        for sb in all {
+            self.teardown(sb);
+        }
+        for _ in 0..3000 {
+            if self.pending_teardowns() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}

@@ -1,0 +1,347 @@
+//! One command: its process, pipes, output ring, deadline and exit.
+
+use std::cell::RefCell;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use sbx_proto::{ExecFailKind, ExecSpec, ExitInfo, OutputCounts, Program, Stream};
+use sbx_runtime::process::{self, Ended, Reaped, SpawnSpec};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tokio::task::{spawn_local, AbortHandle};
+
+use crate::ring::{Ring, CAPACITY};
+use crate::users;
+
+/// The image's defaults for commands.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub env: Vec<(String, String)>,
+    pub user: Option<String>,
+    pub workdir: Option<String>,
+    pub hostname: String,
+}
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// How long output is still read after the command ended while something it left behind
+/// holds its pipes open.
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+
+pub struct State {
+    pub ring: Ring,
+    pub exit: Option<ExitInfo>,
+    reaped: Option<Reaped>,
+    open_pipes: u8,
+    timed_out: bool,
+    readers: Vec<AbortHandle>,
+}
+
+pub struct Exec {
+    pub id: String,
+    pub pid: u32,
+    pub started_at_ns: i64,
+    started: Instant,
+    pub state: RefCell<State>,
+    notify: watch::Sender<u64>,
+    stdin: RefCell<Option<mpsc::UnboundedSender<Vec<u8>>>>,
+}
+
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+fn find_on_path(name: &str, path: &str) -> Option<PathBuf> {
+    if name.contains('/') {
+        return Some(PathBuf::from(name));
+    }
+    path.split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+impl Exec {
+    fn new(id: String, pid: u32, readers: u8) -> Rc<Exec> {
+        let (notify, _) = watch::channel(0);
+        Rc::new(Exec {
+            id,
+            pid,
+            started_at_ns: now_ns(),
+            started: Instant::now(),
+            state: RefCell::new(State {
+                ring: Ring::new(CAPACITY),
+                exit: None,
+                reaped: None,
+                open_pipes: readers,
+                timed_out: false,
+                readers: Vec::new(),
+            }),
+            notify,
+            stdin: RefCell::new(None),
+        })
+    }
+
+    /// A command that could not run: it "ran" and ended with `code`, its reason on stderr.
+    fn failed(id: String, code: i32, message: String) -> Rc<Exec> {
+        let e = Exec::new(id, 0, 0);
+        {
+            let mut st = e.state.borrow_mut();
+            st.ring.push(Stream::Stderr, message.as_bytes());
+            st.exit = Some(ExitInfo {
+                status: "exited".into(),
+                exit_code: code,
+                signal: None,
+                duration_ns: 0,
+                cpu_ns: 0,
+                max_rss_bytes: 0,
+            });
+        }
+        e
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.notify.subscribe()
+    }
+
+    fn bump(&self) {
+        self.notify.send_modify(|v| *v += 1);
+    }
+
+    pub fn counts(&self) -> OutputCounts {
+        let st = self.state.borrow();
+        OutputCounts {
+            stdout_bytes: st.ring.stdout_bytes,
+            stderr_bytes: st.ring.stderr_bytes,
+            start: st.ring.start(),
+            end: st.ring.end(),
+        }
+    }
+
+    fn push(&self, stream: Stream, data: &[u8]) {
+        self.state.borrow_mut().ring.push(stream, data);
+        self.bump();
+    }
+
+    pub fn write_stdin(&self, data: Vec<u8>) {
+        if let Some(tx) = self.stdin.borrow().as_ref() {
+            let _ = tx.send(data);
+        }
+    }
+
+    pub fn close_stdin(&self) {
+        self.stdin.borrow_mut().take();
+    }
+
+    pub fn signal(&self, sig: i32) {
+        if self.state.borrow().exit.is_none() {
+            process::kill_group(self.pid, sig);
+        }
+    }
+
+    fn pipe_closed(self: &Rc<Self>) {
+        let ready = {
+            let mut st = self.state.borrow_mut();
+            st.open_pipes = st.open_pipes.saturating_sub(1);
+            st.open_pipes == 0 && st.reaped.is_some()
+        };
+        if ready {
+            self.finish();
+        }
+    }
+
+    pub fn on_reaped(self: &Rc<Self>, r: Reaped) {
+        let pipes_open = {
+            let mut st = self.state.borrow_mut();
+            st.reaped = Some(r);
+            st.open_pipes
+        };
+        if pipes_open == 0 {
+            self.finish();
+        } else {
+            let me = self.clone();
+            spawn_local(async move {
+                tokio::time::sleep(DRAIN_AFTER_EXIT).await;
+                me.finish();
+            });
+        }
+    }
+
+    fn finish(self: &Rc<Self>) {
+        let mut st = self.state.borrow_mut();
+        if st.exit.is_some() {
+            return;
+        }
+        let Some(r) = st.reaped else {
+            return;
+        };
+        for h in st.readers.drain(..) {
+            h.abort();
+        }
+        let (status, exit_code, signal) = match r.ended {
+            Ended::Exited(c) if !st.timed_out => ("exited", c, None),
+            Ended::Exited(c) => ("timed_out", c, None),
+            Ended::Signaled(s) if st.timed_out => ("timed_out", 128 + s, Some(s)),
+            Ended::Signaled(s) => ("killed", 128 + s, Some(s)),
+        };
+        st.exit = Some(ExitInfo {
+            status: status.into(),
+            exit_code,
+            signal,
+            duration_ns: self.started.elapsed().as_nanos() as u64,
+            cpu_ns: r.cpu.as_nanos() as u64,
+            max_rss_bytes: r.max_rss_bytes,
+        });
+        drop(st);
+        self.close_stdin();
+        self.bump();
+    }
+}
+
+fn reader(exec: Rc<Exec>, fd: OwnedFd, stream: Stream) -> AbortHandle {
+    let task = spawn_local(async move {
+        if let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                match rx.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => exec.push(stream, &buf[..n]),
+                }
+            }
+        }
+        exec.pipe_closed();
+    });
+    task.abort_handle()
+}
+
+fn stdin_writer(fd: OwnedFd) -> mpsc::UnboundedSender<Vec<u8>> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    spawn_local(async move {
+        let Ok(mut pipe) = tokio::net::unix::pipe::Sender::from_owned_fd(fd) else {
+            return;
+        };
+        while let Some(buf) = rx.recv().await {
+            if pipe.write_all(&buf).await.is_err() {
+                break;
+            }
+        }
+    });
+    tx
+}
+
+/// Starts a command. `Err` only for what the node must answer with an error (no such user);
+/// a command that cannot be executed "runs" and ends with 126 or 127, as in a shell.
+pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, String)> {
+    let user_spec = spec.user.as_deref().or(d.user.as_deref()).unwrap_or("0");
+    let user = users::lookup(user_spec).ok_or_else(|| {
+        (
+            ExecFailKind::NoSuchUser,
+            format!("{user_spec} is not a user of the sandbox"),
+        )
+    })?;
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), DEFAULT_PATH.into()),
+        ("HOME".into(), user.home.clone()),
+        ("HOSTNAME".into(), d.hostname.clone()),
+    ];
+    if let Some(name) = &user.name {
+        env.push(("USER".into(), name.clone()));
+        env.push(("LOGNAME".into(), name.clone()));
+    }
+    for (k, v) in d.env.iter().chain(spec.env.iter()) {
+        match env.iter_mut().find(|(ek, _)| ek == k) {
+            Some(slot) => slot.1 = v.clone(),
+            None => env.push((k.clone(), v.clone())),
+        }
+    }
+    let cwd = spec
+        .cwd
+        .clone()
+        .or_else(|| d.workdir.clone())
+        .unwrap_or_else(|| "/".into());
+    if !Path::new(&cwd).is_dir() {
+        return Ok(Exec::failed(
+            spec.exec_id,
+            126,
+            format!("sbx: cannot change to directory {cwd}: No such file or directory\n"),
+        ));
+    }
+    let argv: Vec<String> = match &spec.program {
+        Program::Shell(line) => vec!["/bin/sh".into(), "-c".into(), line.clone()],
+        Program::Argv(a) => a.clone(),
+    };
+    let Some(first) = argv.first() else {
+        return Ok(Exec::failed(
+            spec.exec_id,
+            127,
+            "sbx: empty command\n".into(),
+        ));
+    };
+    let path_var = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or(DEFAULT_PATH);
+    let Some(program) = find_on_path(first, path_var) else {
+        return Ok(Exec::failed(
+            spec.exec_id,
+            127,
+            format!("sbx: {first}: command not found\n"),
+        ));
+    };
+    let spawned = process::spawn(&SpawnSpec {
+        program: &program,
+        argv: &argv,
+        env: &env,
+        cwd: Path::new(&cwd),
+        uid: user.uid,
+        gid: user.gid,
+        groups: &user.groups,
+    });
+    let spawned = match spawned {
+        Ok(s) => s,
+        Err(e) => {
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+            return Ok(Exec::failed(
+                spec.exec_id,
+                code,
+                format!("sbx: {first}: {e}\n"),
+            ));
+        }
+    };
+    let exec = Exec::new(spec.exec_id, spawned.pid, 2);
+    let r1 = reader(exec.clone(), spawned.stdout, Stream::Stdout);
+    let r2 = reader(exec.clone(), spawned.stderr, Stream::Stderr);
+    exec.state.borrow_mut().readers = vec![r1, r2];
+    *exec.stdin.borrow_mut() = Some(stdin_writer(spawned.stdin));
+    if let Some(ms) = spec.timeout_ms {
+        let me = exec.clone();
+        spawn_local(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let running = {
+                let mut st = me.state.borrow_mut();
+                let running = st.reaped.is_none();
+                if running {
+                    st.timed_out = true;
+                }
+                running
+            };
+            if running {
+                process::kill_group(me.pid, libc_sigkill());
+            }
+        });
+    }
+    Ok(exec)
+}
+
+fn libc_sigkill() -> i32 {
+    9
+}

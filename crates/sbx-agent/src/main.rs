@@ -1,0 +1,52 @@
+//! `sbx-agent`: PID 1 of every sandbox.
+//!
+//! `sbx-agent init` is started by the node with an `InitConfig` on stdin. It builds the sandbox
+//! (sbx-runtime's stages 0 and 1) and then serves the node on the socket that stage 0 bound:
+//! it starts commands, keeps their output in a ring, reaps every zombie, enforces deadlines and
+//! reports exits with usage.
+
+mod exec;
+mod ring;
+mod server;
+mod users;
+
+use std::io::Read;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    match args.next().as_deref() {
+        Some("init") => {
+            let mut cfg = Vec::new();
+            if let Err(e) = std::io::stdin().read_to_end(&mut cfg) {
+                eprintln!("sbx-agent: reading config: {e}");
+                std::process::exit(1);
+            }
+            let cfg: sbx_runtime::init::InitConfig = match serde_json::from_slice(&cfg) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("sbx-agent: bad config: {e}");
+                    std::process::exit(1);
+                }
+            };
+            let listener = match sbx_runtime::init::enter(&cfg) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("sbx-agent: {e}");
+                    std::process::exit(1);
+                }
+            };
+            let defaults = exec::Defaults {
+                env: cfg.image_env,
+                user: cfg.image_user,
+                workdir: cfg.image_workdir,
+                hostname: cfg.hostname,
+            };
+            server::run(listener, defaults);
+        }
+        Some("--version") => println!("sbx-agent {}", env!("CARGO_PKG_VERSION")),
+        _ => {
+            eprintln!("usage: sbx-agent init   (started by sandboxd, config on stdin)");
+            std::process::exit(2);
+        }
+    }
+}

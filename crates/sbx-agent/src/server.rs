@@ -1,0 +1,268 @@
+//! The agent's side of the protocol: connections from the node, the reaper.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use sbx_proto::{read_frame, AgentMsg, ExecFailKind, Frame, HostMsg, Stream, PROTO_VERSION};
+use sbx_runtime::process::reap_any;
+use tokio::io::AsyncWriteExt;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+use tokio::task::{spawn_local, LocalSet};
+
+use crate::exec::{self, Defaults, Exec};
+
+struct Agent {
+    defaults: Defaults,
+    execs: RefCell<HashMap<String, Rc<Exec>>>,
+    by_pid: RefCell<HashMap<u32, Rc<Exec>>>,
+}
+
+type Out = mpsc::Sender<Vec<u8>>;
+
+/// Serves the node until the sandbox ends.
+pub fn run(listener: std::os::unix::net::UnixListener, defaults: Defaults) -> ! {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(_) => std::process::exit(1),
+    };
+    let local = LocalSet::new();
+    local.block_on(&rt, serve(listener, defaults));
+    std::process::exit(0)
+}
+
+async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
+    if listener.set_nonblocking(true).is_err() {
+        return;
+    }
+    let Ok(listener) = tokio::net::UnixListener::from_std(listener) else {
+        return;
+    };
+    let agent = Rc::new(Agent {
+        defaults,
+        execs: RefCell::new(HashMap::new()),
+        by_pid: RefCell::new(HashMap::new()),
+    });
+    spawn_local(reaper(agent.clone()));
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                spawn_local(connection(agent.clone(), stream));
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+        }
+    }
+}
+
+async fn reaper(agent: Rc<Agent>) {
+    let Ok(mut sig) = signal(SignalKind::child()) else {
+        return;
+    };
+    loop {
+        // PID 1 reaps every process that ends in the sandbox, its own commands or orphans.
+        while let Some(r) = reap_any() {
+            let exec = agent.by_pid.borrow_mut().remove(&r.pid);
+            if let Some(e) = exec {
+                e.on_reaped(r);
+            }
+        }
+        if sig.recv().await.is_none() {
+            return;
+        }
+    }
+}
+
+async fn send(out: &Out, msg: &AgentMsg) -> bool {
+    match sbx_proto::encode_msg(msg) {
+        Ok(buf) => out.send(buf).await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
+    let (mut rd, mut wr) = stream.into_split();
+    let (out, mut rx) = mpsc::channel::<Vec<u8>>(64);
+    spawn_local(async move {
+        while let Some(buf) = rx.recv().await {
+            if wr.write_all(&buf).await.is_err() {
+                break;
+            }
+        }
+    });
+    let hello = AgentMsg::Hello {
+        version: PROTO_VERSION,
+        agent: format!("sbx-agent {}", env!("CARGO_PKG_VERSION")),
+    };
+    if !send(&out, &hello).await {
+        return;
+    }
+    loop {
+        let frame = match read_frame::<HostMsg, _>(&mut rd).await {
+            Ok(Some(f)) => f,
+            Ok(None) | Err(_) => return,
+        };
+        match frame {
+            Frame::Data {
+                exec_id,
+                stream: Stream::Stdin,
+                bytes,
+                ..
+            } => {
+                let exec = agent.execs.borrow().get(&exec_id).cloned();
+                if let Some(e) = exec {
+                    e.write_stdin(bytes);
+                }
+            }
+            Frame::Data { .. } => {}
+            Frame::Msg(msg) => handle(&agent, &out, msg).await,
+        }
+    }
+}
+
+fn find(agent: &Agent, id: &str) -> Option<Rc<Exec>> {
+    agent.execs.borrow().get(id).cloned()
+}
+
+async fn no_such_exec(out: &Out, exec_id: String) {
+    send(
+        out,
+        &AgentMsg::ExecFailed {
+            message: format!("no command {exec_id}"),
+            exec_id,
+            kind: ExecFailKind::NoSuchExec,
+        },
+    )
+    .await;
+}
+
+async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
+    match msg {
+        HostMsg::Exec(spec) => {
+            let id = spec.exec_id.clone();
+            if find(agent, &id).is_some() {
+                send(
+                    out,
+                    &AgentMsg::ExecFailed {
+                        exec_id: id.clone(),
+                        kind: ExecFailKind::DuplicateId,
+                        message: format!("{id} exists"),
+                    },
+                )
+                .await;
+                return;
+            }
+            let attach = spec.attach;
+            match exec::start(spec, &agent.defaults) {
+                Ok(e) => {
+                    agent.execs.borrow_mut().insert(id.clone(), e.clone());
+                    if e.pid > 0 && e.state.borrow().exit.is_none() {
+                        agent.by_pid.borrow_mut().insert(e.pid, e.clone());
+                    }
+                    let started = AgentMsg::Started {
+                        exec_id: id,
+                        pid: e.pid,
+                        started_at_ns: e.started_at_ns,
+                    };
+                    send(out, &started).await;
+                    if attach {
+                        spawn_local(stream_output(out.clone(), e, 0));
+                    }
+                }
+                Err((kind, message)) => {
+                    send(
+                        out,
+                        &AgentMsg::ExecFailed {
+                            exec_id: id,
+                            kind,
+                            message,
+                        },
+                    )
+                    .await;
+                }
+            }
+        }
+        HostMsg::CloseStdin { exec_id } => match find(agent, &exec_id) {
+            Some(e) => e.close_stdin(),
+            None => no_such_exec(out, exec_id).await,
+        },
+        HostMsg::Signal { exec_id, signal } => match find(agent, &exec_id) {
+            Some(e) => e.signal(signal),
+            None => no_such_exec(out, exec_id).await,
+        },
+        HostMsg::Attach { exec_id, from } => match find(agent, &exec_id) {
+            Some(e) => {
+                spawn_local(stream_output(out.clone(), e, from));
+            }
+            None => no_such_exec(out, exec_id).await,
+        },
+        HostMsg::Status { exec_id } => match find(agent, &exec_id) {
+            Some(e) => {
+                let exit = e.state.borrow().exit.clone();
+                let msg = AgentMsg::State {
+                    exec_id,
+                    pid: e.pid,
+                    started_at_ns: e.started_at_ns,
+                    exit,
+                    output: e.counts(),
+                };
+                send(out, &msg).await;
+            }
+            None => no_such_exec(out, exec_id).await,
+        },
+    }
+}
+
+/// Sends the command's output from `from` on, live, then its exit.
+async fn stream_output(out: Out, exec: Rc<Exec>, from: u64) {
+    let mut changed = exec.subscribe();
+    let mut cursor = from;
+    loop {
+        changed.borrow_and_update();
+        let (gap, pieces, exit) = {
+            let st = exec.state.borrow();
+            let gap = (cursor < st.ring.start()).then(|| (cursor, st.ring.start()));
+            let pieces = st.ring.read_from(cursor, 1 << 20);
+            (gap, pieces, st.exit.clone())
+        };
+        if let Some((a, b)) = gap {
+            let msg = AgentMsg::Gap {
+                exec_id: exec.id.clone(),
+                from: a,
+                to: b,
+            };
+            if !send(&out, &msg).await {
+                return;
+            }
+            cursor = b;
+        }
+        if pieces.is_empty() {
+            if let Some(exit) = exit {
+                let msg = AgentMsg::Exited {
+                    exec_id: exec.id.clone(),
+                    exit,
+                    output: exec.counts(),
+                };
+                send(&out, &msg).await;
+                return;
+            }
+            if changed.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        for (pos, stream, data) in pieces {
+            cursor = pos + data.len() as u64;
+            if out
+                .send(sbx_proto::encode_data(&exec.id, stream, pos, &data))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+}

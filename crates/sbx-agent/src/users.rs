@@ -1,0 +1,122 @@
+//! Users of the sandbox, from its own /etc/passwd and /etc/group.
+
+use std::fs;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+    pub home: String,
+    pub name: Option<String>,
+}
+
+struct PwEntry {
+    name: String,
+    uid: u32,
+    gid: u32,
+    home: String,
+}
+
+fn passwd(text: &str) -> Vec<PwEntry> {
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            Some(PwEntry {
+                name: f.first()?.to_string(),
+                uid: f.get(2)?.parse().ok()?,
+                gid: f.get(3)?.parse().ok()?,
+                home: f.get(5).unwrap_or(&"/").to_string(),
+            })
+        })
+        .collect()
+}
+
+fn supplementary(group_text: &str, name: &str, gid: u32) -> Vec<u32> {
+    let mut out = vec![gid];
+    for l in group_text.lines() {
+        let f: Vec<&str> = l.split(':').collect();
+        let (Some(g), Some(members)) = (f.get(2).and_then(|g| g.parse().ok()), f.get(3)) else {
+            continue;
+        };
+        if members.split(',').any(|m| m == name) && !out.contains(&g) {
+            out.push(g);
+        }
+    }
+    out
+}
+
+/// Resolves a user as a name, a uid or uid:gid. `None`: no such user.
+pub fn resolve(spec: &str, passwd_text: &str, group_text: &str) -> Option<User> {
+    let entries = passwd(passwd_text);
+    if let Some((u, g)) = spec.split_once(':') {
+        let uid: u32 = u.parse().ok()?;
+        let gid: u32 = g.parse().ok()?;
+        let e = entries.iter().find(|e| e.uid == uid);
+        return Some(User {
+            uid,
+            gid,
+            groups: vec![gid],
+            home: e.map(|e| e.home.clone()).unwrap_or_else(|| "/".into()),
+            name: e.map(|e| e.name.clone()),
+        });
+    }
+    if let Ok(uid) = spec.parse::<u32>() {
+        return Some(match entries.iter().find(|e| e.uid == uid) {
+            Some(e) => User {
+                uid,
+                gid: e.gid,
+                groups: supplementary(group_text, &e.name, e.gid),
+                home: e.home.clone(),
+                name: Some(e.name.clone()),
+            },
+            None => User {
+                uid,
+                gid: uid,
+                groups: vec![uid],
+                home: "/".into(),
+                name: None,
+            },
+        });
+    }
+    let e = entries.iter().find(|e| e.name == spec)?;
+    Some(User {
+        uid: e.uid,
+        gid: e.gid,
+        groups: supplementary(group_text, &e.name, e.gid),
+        home: e.home.clone(),
+        name: Some(e.name.clone()),
+    })
+}
+
+/// Resolves against the sandbox's own files.
+pub fn lookup(spec: &str) -> Option<User> {
+    let p = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let g = fs::read_to_string("/etc/group").unwrap_or_default();
+    resolve(spec, &p, &g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: &str = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:n:/nonexistent:/usr/sbin/nologin\nalice:x:1000:1000::/home/alice:/bin/sh\n";
+    const G: &str = "root:x:0:\nstaff:x:50:alice\nalice:x:1000:\n";
+
+    #[test]
+    fn resolves_names_uids_and_pairs() {
+        let a = resolve("alice", P, G).unwrap();
+        assert_eq!(
+            (a.uid, a.gid, a.groups.clone()),
+            (1000, 1000, vec![1000, 50])
+        );
+        assert_eq!(a.home, "/home/alice");
+        assert_eq!(resolve("0", P, G).unwrap().home, "/root");
+        let n = resolve("4242", P, G).unwrap();
+        assert_eq!((n.uid, n.gid, n.home.as_str()), (4242, 4242, "/"));
+        let pair = resolve("1000:50", P, G).unwrap();
+        assert_eq!((pair.uid, pair.gid), (1000, 50));
+        assert!(resolve("mallory", P, G).is_none());
+        assert!(resolve("x:y", P, G).is_none());
+    }
+}

@@ -1,0 +1,577 @@
+//! The error-code table (code -> type, status, retryable) and the error body.
+//!
+//! Every failure of the API answers with the same body:
+//! `{"error":{"type","code","message","param","retryable","request_id","docs_url"}}`.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::fmt;
+
+/// Which failure. Serialized as its snake_case name ([`ErrorCode::as_str`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    // 400 invalid_request
+    /// The body is not a JSON object.
+    InvalidJson,
+    /// The body has a field this call does not take.
+    UnknownField,
+    /// The query has a parameter this call does not take.
+    UnknownParameter,
+    /// A field or query parameter has the wrong type or is out of range.
+    InvalidField,
+    /// `name` is not a valid name.
+    InvalidName,
+    /// `env` (or `secret_env`) has a name or a value an environment cannot hold.
+    InvalidEnv,
+    /// `metadata` is over its limits.
+    InvalidMetadata,
+    /// `expires_at` is not in the future.
+    ExpiresInThePast,
+    /// `egress` is not a set of rules.
+    InvalidEgress,
+    /// start, start_command and ready do not go together as given.
+    InvalidStart,
+    /// More than one of image, snapshot and template.
+    AmbiguousSource,
+    /// `image` is not a reference to an image in a registry.
+    InvalidImage,
+    /// A volume's path is not absolute or is `/`.
+    InvalidPath,
+    /// No command.
+    MissingCommand,
+    /// `user` is not a user of the sandbox.
+    NoSuchUser,
+    /// `Idempotency-Key` is empty or over 255 characters.
+    InvalidIdempotencyKey,
+    /// `region` is not a region.
+    UnknownRegion,
+    /// The method is not one this path takes (status 405, type invalid_request).
+    MethodNotAllowed,
+
+    // 401 unauthenticated
+    /// No API key was given.
+    MissingApiKey,
+    /// The API key is not one the node knows.
+    InvalidApiKey,
+
+    // 403 forbidden
+    /// A secret would be sent to a host it may not go to.
+    SecretHostNotAllowed,
+
+    // 404 not_found
+    /// The path names nothing (no route, or an object of no more precise kind).
+    NotFound,
+    /// No such sandbox.
+    SandboxNotFound,
+    /// No such command.
+    ExecNotFound,
+    /// No such snapshot.
+    SnapshotNotFound,
+    /// No such template.
+    TemplateNotFound,
+    /// A volume named in volumes does not exist.
+    VolumeNotFound,
+    /// A secret named in egress.inject or image_pull_secret does not exist.
+    SecretNotFound,
+
+    // 409 conflict
+    /// The name is taken.
+    NameTaken,
+    /// The Idempotency-Key was used with another body.
+    IdempotencyKeyReused,
+    /// The first request with the Idempotency-Key is still running.
+    IdempotencyInProgress,
+    /// The sandbox could not be started: the message says why.
+    SandboxFailed,
+    /// The command went away while the call waited for it.
+    CommandLost,
+    /// A volume in volumes that is not shared is another sandbox's.
+    VolumeInUse,
+    /// A volume is listed twice in volumes.
+    DuplicateVolume,
+    /// Two volumes in volumes have one path.
+    MountPathTaken,
+    /// volumes has more volumes that are not shared than the machine has spare drives.
+    TooManyVolumes,
+    /// The snapshot's status is lost.
+    SnapshotLost,
+    /// project_network was asked for, and the node has no address of the project to spare.
+    NoProjectAddress,
+    /// inbound is not empty, and the node has no pool of IPv6 addresses.
+    NoIpv6,
+    /// checkpoint is on, and this node takes no checkpoints.
+    CheckpointsUnavailable,
+
+    // 413 too_large
+    /// The request body is over 64 MiB.
+    BodyTooLarge,
+
+    // 500 internal
+    /// The node failed; its log has the reason under the request's id.
+    Internal,
+
+    // 503 unavailable
+    /// The node is shutting down, or something it waited for did not answer in time.
+    Unavailable,
+    /// Every network slot of the node is in use.
+    NoCapacity,
+    /// A machine the call has to start does not fit in the host's memory.
+    MemoryFull,
+    /// The node's data drive has no room for a template the call needs.
+    DriveFull,
+    /// This node does not do what the request asks (egress rules, project networks, images
+    /// it would have to fetch, ...).
+    NotServedHere,
+
+    // 504 timeout
+    /// The caller hung up.
+    CallerGone,
+}
+
+impl ErrorCode {
+    /// Every code, in the order of the table above.
+    pub const ALL: [ErrorCode; 49] = [
+        ErrorCode::InvalidJson,
+        ErrorCode::UnknownField,
+        ErrorCode::UnknownParameter,
+        ErrorCode::InvalidField,
+        ErrorCode::InvalidName,
+        ErrorCode::InvalidEnv,
+        ErrorCode::InvalidMetadata,
+        ErrorCode::ExpiresInThePast,
+        ErrorCode::InvalidEgress,
+        ErrorCode::InvalidStart,
+        ErrorCode::AmbiguousSource,
+        ErrorCode::InvalidImage,
+        ErrorCode::InvalidPath,
+        ErrorCode::MissingCommand,
+        ErrorCode::NoSuchUser,
+        ErrorCode::InvalidIdempotencyKey,
+        ErrorCode::UnknownRegion,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::MissingApiKey,
+        ErrorCode::InvalidApiKey,
+        ErrorCode::SecretHostNotAllowed,
+        ErrorCode::NotFound,
+        ErrorCode::SandboxNotFound,
+        ErrorCode::ExecNotFound,
+        ErrorCode::SnapshotNotFound,
+        ErrorCode::TemplateNotFound,
+        ErrorCode::VolumeNotFound,
+        ErrorCode::SecretNotFound,
+        ErrorCode::NameTaken,
+        ErrorCode::IdempotencyKeyReused,
+        ErrorCode::IdempotencyInProgress,
+        ErrorCode::SandboxFailed,
+        ErrorCode::CommandLost,
+        ErrorCode::VolumeInUse,
+        ErrorCode::DuplicateVolume,
+        ErrorCode::MountPathTaken,
+        ErrorCode::TooManyVolumes,
+        ErrorCode::SnapshotLost,
+        ErrorCode::NoProjectAddress,
+        ErrorCode::NoIpv6,
+        ErrorCode::CheckpointsUnavailable,
+        ErrorCode::BodyTooLarge,
+        ErrorCode::Internal,
+        ErrorCode::Unavailable,
+        ErrorCode::NoCapacity,
+        ErrorCode::MemoryFull,
+        ErrorCode::DriveFull,
+        ErrorCode::NotServedHere,
+        ErrorCode::CallerGone,
+    ];
+
+    /// The code as it is written on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidJson => "invalid_json",
+            ErrorCode::UnknownField => "unknown_field",
+            ErrorCode::UnknownParameter => "unknown_parameter",
+            ErrorCode::InvalidField => "invalid_field",
+            ErrorCode::InvalidName => "invalid_name",
+            ErrorCode::InvalidEnv => "invalid_env",
+            ErrorCode::InvalidMetadata => "invalid_metadata",
+            ErrorCode::ExpiresInThePast => "expires_in_the_past",
+            ErrorCode::InvalidEgress => "invalid_egress",
+            ErrorCode::InvalidStart => "invalid_start",
+            ErrorCode::AmbiguousSource => "ambiguous_source",
+            ErrorCode::InvalidImage => "invalid_image",
+            ErrorCode::InvalidPath => "invalid_path",
+            ErrorCode::MissingCommand => "missing_command",
+            ErrorCode::NoSuchUser => "no_such_user",
+            ErrorCode::InvalidIdempotencyKey => "invalid_idempotency_key",
+            ErrorCode::UnknownRegion => "unknown_region",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::MissingApiKey => "missing_api_key",
+            ErrorCode::InvalidApiKey => "invalid_api_key",
+            ErrorCode::SecretHostNotAllowed => "secret_host_not_allowed",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::SandboxNotFound => "sandbox_not_found",
+            ErrorCode::ExecNotFound => "exec_not_found",
+            ErrorCode::SnapshotNotFound => "snapshot_not_found",
+            ErrorCode::TemplateNotFound => "template_not_found",
+            ErrorCode::VolumeNotFound => "volume_not_found",
+            ErrorCode::SecretNotFound => "secret_not_found",
+            ErrorCode::NameTaken => "name_taken",
+            ErrorCode::IdempotencyKeyReused => "idempotency_key_reused",
+            ErrorCode::IdempotencyInProgress => "idempotency_in_progress",
+            ErrorCode::SandboxFailed => "sandbox_failed",
+            ErrorCode::CommandLost => "command_lost",
+            ErrorCode::VolumeInUse => "volume_in_use",
+            ErrorCode::DuplicateVolume => "duplicate_volume",
+            ErrorCode::MountPathTaken => "mount_path_taken",
+            ErrorCode::TooManyVolumes => "too_many_volumes",
+            ErrorCode::SnapshotLost => "snapshot_lost",
+            ErrorCode::NoProjectAddress => "no_project_address",
+            ErrorCode::NoIpv6 => "no_ipv6",
+            ErrorCode::CheckpointsUnavailable => "checkpoints_unavailable",
+            ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::Internal => "internal",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::NoCapacity => "no_capacity",
+            ErrorCode::MemoryFull => "memory_full",
+            ErrorCode::DriveFull => "drive_full",
+            ErrorCode::NotServedHere => "not_served_here",
+            ErrorCode::CallerGone => "caller_gone",
+        }
+    }
+
+    /// The code of its wire name, if it is one.
+    pub fn from_code(s: &str) -> Option<ErrorCode> {
+        ErrorCode::ALL.iter().copied().find(|c| c.as_str() == s)
+    }
+
+    /// The kind of failure, which decides the status.
+    pub fn error_type(self) -> &'static str {
+        match self.status() {
+            400 | 405 => "invalid_request",
+            401 => "unauthenticated",
+            403 => "forbidden",
+            404 => "not_found",
+            409 => "conflict",
+            413 => "too_large",
+            503 => "unavailable",
+            504 => "timeout",
+            _ => "internal",
+        }
+    }
+
+    /// The HTTP status of an answer with this code.
+    pub fn status(self) -> u16 {
+        use ErrorCode::*;
+        match self {
+            InvalidJson
+            | UnknownField
+            | UnknownParameter
+            | InvalidField
+            | InvalidName
+            | InvalidEnv
+            | InvalidMetadata
+            | ExpiresInThePast
+            | InvalidEgress
+            | InvalidStart
+            | AmbiguousSource
+            | InvalidImage
+            | InvalidPath
+            | MissingCommand
+            | NoSuchUser
+            | InvalidIdempotencyKey
+            | UnknownRegion => 400,
+            MethodNotAllowed => 405,
+            MissingApiKey | InvalidApiKey => 401,
+            SecretHostNotAllowed => 403,
+            NotFound | SandboxNotFound | ExecNotFound | SnapshotNotFound | TemplateNotFound
+            | VolumeNotFound | SecretNotFound => 404,
+            NameTaken
+            | IdempotencyKeyReused
+            | IdempotencyInProgress
+            | SandboxFailed
+            | CommandLost
+            | VolumeInUse
+            | DuplicateVolume
+            | MountPathTaken
+            | TooManyVolumes
+            | SnapshotLost
+            | NoProjectAddress
+            | NoIpv6
+            | CheckpointsUnavailable => 409,
+            BodyTooLarge => 413,
+            Internal => 500,
+            Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,
+            CallerGone => 504,
+        }
+    }
+
+    /// True when the same request may succeed later without anything else changing.
+    ///
+    /// - Every 400/401/403/404/405/413 is false: the request itself (or what it names) has to
+    ///   change.
+    /// - 409: only `idempotency_in_progress` (the first request ends, and the same one then
+    ///   answers with its result). `name_taken`, `sandbox_failed`, `command_lost` and the
+    ///   volume conflicts are false: something has to change first, and for `command_lost`
+    ///   sending a run again would run the command again, which no client should do blindly.
+    /// - 500 `internal`: false (the node failed; nothing says it will not again).
+    /// - 503: `unavailable`, `no_capacity`, `memory_full` and `drive_full` are true;
+    ///   `not_served_here` is false (this node does not do it, now or later).
+    /// - 504 `caller_gone`: false (nobody is there to retry; only logs see it).
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::IdempotencyInProgress
+                | ErrorCode::Unavailable
+                | ErrorCode::NoCapacity
+                | ErrorCode::MemoryFull
+                | ErrorCode::DriveFull
+        )
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A failure of the API: a code, a message for people (English), and the field or query
+/// parameter at fault where there is one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ApiError {
+    /// Which failure.
+    pub code: ErrorCode,
+    /// For people. English; never holds a secret's value.
+    pub message: String,
+    /// The field or query parameter at fault (`limits.memory_bytes`, `env.FOO`, ...).
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    /// An error without a param.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            code,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// The same error, naming the field or parameter at fault.
+    #[must_use]
+    pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// `invalid_field` naming `param`.
+    pub fn invalid_field(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::InvalidField, message).with_param(param)
+    }
+
+    /// `internal`, with the message the spec gives it (the reason goes to the node's log).
+    pub fn internal() -> ApiError {
+        ApiError::new(
+            ErrorCode::Internal,
+            "the node failed; its log has the reason",
+        )
+    }
+
+    /// The HTTP status of this error's answer.
+    pub fn status(&self) -> u16 {
+        self.code.status()
+    }
+
+    /// The kind of failure.
+    pub fn error_type(&self) -> &'static str {
+        self.code.error_type()
+    }
+
+    /// Whether the same request may succeed later.
+    pub fn retryable(&self) -> bool {
+        self.code.retryable()
+    }
+
+    /// This error's body (see [`error_body`]).
+    pub fn body(&self, request_id: &str, docs_base: Option<&str>) -> Value {
+        error_body(self, request_id, docs_base)
+    }
+}
+
+/// The body of an error answer: exactly
+/// `{"error":{"type","code","message","param","retryable","request_id","docs_url"}}`, all seven
+/// keys always there; `param` and `docs_url` are null when absent, and `docs_url` is
+/// `docs_base` with the code appended.
+pub fn error_body(err: &ApiError, request_id: &str, docs_base: Option<&str>) -> Value {
+    let code = err.code.as_str();
+    json!({
+        "error": {
+            "type": err.code.error_type(),
+            "code": code,
+            "message": err.message,
+            "param": err.param,
+            "retryable": err.code.retryable(),
+            "request_id": request_id,
+            "docs_url": docs_base.map(|base| format!("{base}{code}")),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_through_serde_and_as_str() {
+        for code in ErrorCode::ALL {
+            let s = serde_json::to_value(code).unwrap();
+            assert_eq!(s, Value::String(code.as_str().to_owned()));
+            let back: ErrorCode = serde_json::from_value(s).unwrap();
+            assert_eq!(back, code);
+            assert_eq!(ErrorCode::from_code(code.as_str()), Some(code));
+            assert_eq!(code.to_string(), code.as_str());
+        }
+        assert_eq!(ErrorCode::from_code("nope"), None);
+    }
+
+    #[test]
+    fn all_lists_every_code_once() {
+        let mut names: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ErrorCode::ALL.len());
+    }
+
+    #[test]
+    fn status_and_type_agree_with_the_spec_table() {
+        let table = [
+            ("invalid_request", 400),
+            ("unauthenticated", 401),
+            ("forbidden", 403),
+            ("not_found", 404),
+            ("conflict", 409),
+            ("too_large", 413),
+            ("internal", 500),
+            ("unavailable", 503),
+            ("timeout", 504),
+        ];
+        for code in ErrorCode::ALL {
+            if code == ErrorCode::MethodNotAllowed {
+                continue;
+            }
+            let t = code.error_type();
+            let expected = table.iter().find(|(n, _)| *n == t).map(|(_, s)| *s);
+            assert_eq!(expected, Some(code.status()), "{code}");
+        }
+        assert_eq!(ErrorCode::MethodNotAllowed.status(), 405);
+        assert_eq!(ErrorCode::MethodNotAllowed.error_type(), "invalid_request");
+    }
+
+    #[test]
+    fn some_statuses() {
+        assert_eq!(ErrorCode::InvalidJson.status(), 400);
+        assert_eq!(ErrorCode::MissingCommand.status(), 400);
+        assert_eq!(ErrorCode::UnknownRegion.status(), 400);
+        assert_eq!(ErrorCode::MissingApiKey.status(), 401);
+        assert_eq!(ErrorCode::InvalidApiKey.error_type(), "unauthenticated");
+        assert_eq!(ErrorCode::SecretHostNotAllowed.status(), 403);
+        assert_eq!(ErrorCode::SandboxNotFound.status(), 404);
+        assert_eq!(ErrorCode::NotFound.error_type(), "not_found");
+        assert_eq!(ErrorCode::NameTaken.status(), 409);
+        assert_eq!(ErrorCode::CommandLost.error_type(), "conflict");
+        assert_eq!(ErrorCode::BodyTooLarge.status(), 413);
+        assert_eq!(ErrorCode::BodyTooLarge.error_type(), "too_large");
+        assert_eq!(ErrorCode::Internal.status(), 500);
+        assert_eq!(ErrorCode::Internal.error_type(), "internal");
+        assert_eq!(ErrorCode::NotServedHere.status(), 503);
+        assert_eq!(ErrorCode::NoCapacity.error_type(), "unavailable");
+        assert_eq!(ErrorCode::CallerGone.status(), 504);
+        assert_eq!(ErrorCode::CallerGone.error_type(), "timeout");
+    }
+
+    #[test]
+    fn retryable_codes() {
+        let retryable: Vec<ErrorCode> = ErrorCode::ALL
+            .iter()
+            .copied()
+            .filter(|c| c.retryable())
+            .collect();
+        assert_eq!(
+            retryable,
+            vec![
+                ErrorCode::IdempotencyInProgress,
+                ErrorCode::Unavailable,
+                ErrorCode::NoCapacity,
+                ErrorCode::MemoryFull,
+                ErrorCode::DriveFull,
+            ]
+        );
+        assert!(!ErrorCode::Internal.retryable());
+        assert!(!ErrorCode::CallerGone.retryable());
+        assert!(!ErrorCode::NotServedHere.retryable());
+    }
+
+    #[test]
+    fn error_body_has_exactly_seven_keys() {
+        let err = ApiError::new(ErrorCode::InvalidField, "bad").with_param("limits.vcpus");
+        let body = error_body(&err, "req-1", Some("https://docs.example/errors#"));
+        let top = body.as_object().unwrap();
+        assert_eq!(top.len(), 1);
+        let inner = body["error"].as_object().unwrap();
+        let mut keys: Vec<&str> = inner.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            [
+                "code",
+                "docs_url",
+                "message",
+                "param",
+                "request_id",
+                "retryable",
+                "type"
+            ]
+        );
+        assert_eq!(
+            body,
+            json!({"error": {
+                "type": "invalid_request",
+                "code": "invalid_field",
+                "message": "bad",
+                "param": "limits.vcpus",
+                "retryable": false,
+                "request_id": "req-1",
+                "docs_url": "https://docs.example/errors#invalid_field",
+            }})
+        );
+    }
+
+    #[test]
+    fn error_body_nulls_when_absent() {
+        let err = ApiError::new(ErrorCode::NoCapacity, "full");
+        let body = err.body("abc", None);
+        let inner = body["error"].as_object().unwrap();
+        assert_eq!(inner.len(), 7);
+        assert_eq!(inner["param"], Value::Null);
+        assert_eq!(inner["docs_url"], Value::Null);
+        assert_eq!(inner["retryable"], Value::Bool(true));
+        assert_eq!(inner["type"], "unavailable");
+        assert_eq!(inner["request_id"], "abc");
+    }
+
+    #[test]
+    fn api_error_helpers() {
+        let e = ApiError::invalid_field("cwd", "must be absolute");
+        assert_eq!(e.code, ErrorCode::InvalidField);
+        assert_eq!(e.param.as_deref(), Some("cwd"));
+        assert_eq!(e.status(), 400);
+        assert_eq!(e.error_type(), "invalid_request");
+        assert!(!e.retryable());
+        assert_eq!(e.to_string(), "invalid_field: must be absolute");
+        let i = ApiError::internal();
+        assert_eq!(i.status(), 500);
+        assert_eq!(i.param, None);
+        let boxed: Box<dyn std::error::Error> = Box::new(i);
+        assert!(boxed.to_string().starts_with("internal: "));
+    }
+}

@@ -1,0 +1,26 @@
+//! Wire types of the sbx HTTP API: requests, replies, events, ids, names and the error-code
+//! table. No I/O (except the OS's randomness for new ids).
+//!
+//! - [`ids`]: new ids (`sbx-…`, `exe-…`), request ids, names.
+//! - [`error`]: [`ErrorCode`] (code -> type, status, retryable), [`ApiError`], [`error_body`].
+//! - [`run`]: `POST /v1/run`'s body, parsed and validated: [`parse_run_request`].
+//! - [`exec`]: the exec object a run answers with, signal names, RFC 3339 times.
+//! - [`events`]: the kinds of a command's event stream and their framing.
+
+pub mod error;
+pub mod events;
+pub mod exec;
+pub mod ids;
+pub mod run;
+
+pub use error::{error_body, ApiError, ErrorCode};
+pub use events::{sse, sse_event, EventKind};
+pub use exec::{
+    format_rfc3339_millis, parse_rfc3339, signal_name, signal_number, ExecObject, ExecObjectKind,
+    ExecStatus, ExecUsage, OutputInfo,
+};
+pub use ids::{is_id, new_id, new_request_id, request_id_or_new, valid_name, valid_request_id};
+pub use run::{
+    parse_run_request, parse_run_value, validate_idempotency_key, Command, Encoding, Init, Limits,
+    OnExpiry, Ready, Region, RunRequest, SecretEnv, Stop, Tmp, VolumeMount,
+};

@@ -1,0 +1,401 @@
+//! `sbx`: the command line of an sbx node.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use clap::{Parser, Subcommand};
+use serde_json::{json, Map, Value};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sbx",
+    version,
+    about = "Run commands in isolated sandboxes on an sbx node"
+)]
+struct Cli {
+    /// The node (also SBX_URL).
+    #[arg(
+        long,
+        env = "SBX_URL",
+        default_value = "http://127.0.0.1:7700",
+        global = true
+    )]
+    url: String,
+    /// API key (also SBX_API_KEY).
+    #[arg(long, env = "SBX_API_KEY", hide_env_values = true, global = true)]
+    api_key: Option<String>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a command in a new sandbox and stream its output; exits with the command's code.
+    ///
+    /// One argument after -- is a line for sh -c; several are run as they are, without a shell.
+    Run(RunArgs),
+    /// Images of the node.
+    Image {
+        #[command(subcommand)]
+        command: ImageCmd,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ImageCmd {
+    /// Build the base image now (debootstrap from this machine's apt sources), with progress.
+    BuildBase {
+        /// The node's data directory.
+        #[arg(long, default_value = "/var/lib/sbx", env = "SBX_DATA_DIR")]
+        data_dir: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Image or catalog name (python, node); default: the node's base image.
+    #[arg(long)]
+    image: Option<String>,
+    /// Environment variable, K=V (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "K=V")]
+    env: Vec<String>,
+    /// Directory to run in.
+    #[arg(long)]
+    cwd: Option<String>,
+    /// User to run as (name, uid or uid:gid).
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    /// Seconds before the command is killed.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Memory limit: bytes, or with a unit (512m, 1g, 256MiB).
+    #[arg(long)]
+    memory: Option<String>,
+    /// vCPUs.
+    #[arg(long)]
+    cpus: Option<u32>,
+    /// Name of the sandbox.
+    #[arg(long)]
+    name: Option<String>,
+    /// Print the exec object as JSON at the end instead of streaming.
+    #[arg(long)]
+    json: bool,
+    /// The command.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match real_main(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("sbx: {e:#}");
+            ExitCode::from(125)
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> anyhow::Result<u8> {
+    match &cli.command {
+        Cmd::Run(args) => {
+            ensure_node(&cli)?;
+            run(&cli, args)
+        }
+        Cmd::Image {
+            command: ImageCmd::BuildBase { data_dir },
+        } => {
+            build_base(data_dir)?;
+            Ok(0)
+        }
+    }
+}
+
+/// Parses 512m, 1g, 256MiB, 1.5G or plain bytes.
+fn parse_memory(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| anyhow!("bad memory size {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => bail!("bad memory unit {other:?} (use k, m or g)"),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+fn run_body(args: &RunArgs) -> anyhow::Result<Value> {
+    let mut body = Map::new();
+    let command = if args.command.len() == 1 {
+        json!(args.command[0])
+    } else {
+        json!(args.command)
+    };
+    body.insert("command".into(), command);
+    if let Some(i) = &args.image {
+        body.insert("image".into(), json!(i));
+    }
+    if !args.env.is_empty() {
+        let mut env = Map::new();
+        for kv in &args.env {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| anyhow!("-e takes K=V, got {kv:?}"))?;
+            env.insert(k.into(), json!(v));
+        }
+        body.insert("env".into(), Value::Object(env));
+    }
+    if let Some(c) = &args.cwd {
+        body.insert("cwd".into(), json!(c));
+    }
+    if let Some(u) = &args.user {
+        body.insert("user".into(), json!(u));
+    }
+    if let Some(t) = args.timeout {
+        body.insert("timeout_seconds".into(), json!(t));
+    }
+    let mut limits = Map::new();
+    if let Some(m) = &args.memory {
+        limits.insert("memory_bytes".into(), json!(parse_memory(m)?));
+    }
+    if let Some(c) = args.cpus {
+        limits.insert("vcpus".into(), json!(c));
+    }
+    if !limits.is_empty() {
+        body.insert("limits".into(), Value::Object(limits));
+    }
+    if let Some(n) = &args.name {
+        body.insert("name".into(), json!(n));
+    }
+    body.insert("stream".into(), json!(!args.json));
+    Ok(Value::Object(body))
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(5))
+        .build()
+}
+
+fn api_error(e: ureq::Error) -> anyhow::Error {
+    match e {
+        ureq::Error::Status(code, resp) => {
+            let body: Value = resp.into_json().unwrap_or(Value::Null);
+            let err = &body["error"];
+            match (err["code"].as_str(), err["message"].as_str()) {
+                (Some(c), Some(m)) => {
+                    let param = err["param"]
+                        .as_str()
+                        .map(|p| format!(" (param {p})"))
+                        .unwrap_or_default();
+                    anyhow!("{c}: {m}{param}")
+                }
+                _ => anyhow!("the node answered {code}"),
+            }
+        }
+        other => anyhow!("cannot reach the node: {other}"),
+    }
+}
+
+fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<u8> {
+    let body = run_body(args)?;
+    let mut req = agent()
+        .post(&format!("{}/v1/run", cli.url.trim_end_matches('/')))
+        .set("content-type", "application/json");
+    if let Some(k) = &cli.api_key {
+        req = req.set("authorization", &format!("Bearer {k}"));
+    }
+    if args.json {
+        let resp = req.send_json(body).map_err(api_error)?;
+        let obj: Value = resp.into_json().context("the node's answer")?;
+        println!("{}", serde_json::to_string_pretty(&obj)?);
+        return Ok(obj["exit_code"].as_i64().unwrap_or(125).clamp(0, 255) as u8);
+    }
+    let resp = req
+        .set("accept", "text/event-stream")
+        .send_json(body)
+        .map_err(api_error)?;
+    let reader = BufReader::new(resp.into_reader());
+    let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
+    let mut event = String::new();
+    for line in reader.lines() {
+        let line = line.context("the node's stream")?;
+        if let Some(e) = line.strip_prefix("event: ") {
+            event = e.to_string();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            let data: Value = serde_json::from_str(d).context("an event's data")?;
+            match event.as_str() {
+                "stdout" => {
+                    out.write_all(data["data"].as_str().unwrap_or("").as_bytes())?;
+                    out.flush()?;
+                }
+                "stderr" => {
+                    err.write_all(data["data"].as_str().unwrap_or("").as_bytes())?;
+                    err.flush()?;
+                }
+                "gap" => eprintln!(
+                    "sbx: output from {} to {} is no longer kept",
+                    data["from"], data["to"]
+                ),
+                "exit" => {
+                    let code = data["exit_code"].as_i64().unwrap_or(125);
+                    match data["status"].as_str() {
+                        Some("timed_out") => eprintln!("sbx: the command timed out"),
+                        Some("killed") => eprintln!(
+                            "sbx: the command was killed by {}",
+                            data["signal"].as_str().unwrap_or("a signal")
+                        ),
+                        _ => {}
+                    }
+                    return Ok(code.clamp(0, 255) as u8);
+                }
+                "error" => {
+                    let e = &data["error"];
+                    bail!(
+                        "{}: {}",
+                        e["code"].as_str().unwrap_or("error"),
+                        e["message"].as_str().unwrap_or("")
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+    bail!("the node's stream ended without an exit event")
+}
+
+fn sibling(name: &str) -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .map(|p| p.with_file_name(name))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+fn build_base(data_dir: &PathBuf) -> anyhow::Result<()> {
+    let status = Command::new(sibling("sandboxd"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .arg("build-base")
+        .status()
+        .context("start sandboxd build-base")?;
+    if !status.success() {
+        bail!("building the base image failed ({status})");
+    }
+    Ok(())
+}
+
+fn node_addr(url: &str) -> Option<SocketAddr> {
+    let rest = url.strip_prefix("http://")?;
+    let hostport = rest.split('/').next()?;
+    let hostport = hostport.replace("localhost", "127.0.0.1");
+    hostport.parse().ok()
+}
+
+fn healthy(url: &str) -> bool {
+    agent()
+        .get(&format!("{}/healthz", url.trim_end_matches('/')))
+        .timeout(Duration::from_secs(2))
+        .call()
+        .is_ok()
+}
+
+/// Starts a node on this machine when none answers at a loopback SBX_URL.
+fn ensure_node(cli: &Cli) -> anyhow::Result<()> {
+    if healthy(&cli.url) {
+        return Ok(());
+    }
+    let Some(addr) = node_addr(&cli.url).filter(|a| a.ip().is_loopback()) else {
+        bail!("no node answers at {}", cli.url);
+    };
+    if TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_ok() {
+        bail!(
+            "something listens at {} but does not answer as a node",
+            cli.url
+        );
+    }
+    let data_dir =
+        PathBuf::from(std::env::var("SBX_DATA_DIR").unwrap_or_else(|_| "/var/lib/sbx".into()));
+    let base_ready = data_dir.join("images/base/image.json").is_file()
+        || std::env::var_os("SBX_IMAGES_DIR").is_some();
+    if !base_ready {
+        eprintln!("sbx: no node is running; building its base image first");
+        build_base(&data_dir)?;
+    }
+    std::fs::create_dir_all(&data_dir).with_context(|| format!("mkdir {}", data_dir.display()))?;
+    let log_path = data_dir.join("sandboxd.log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("open {}", log_path.display()))?;
+    let child = Command::new(sibling("sandboxd"))
+        .arg("--listen")
+        .arg(addr.to_string())
+        .arg("--data-dir")
+        .arg(&data_dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("start sandboxd")?;
+    eprintln!(
+        "sbx: started sandboxd (pid {}) on {addr}; its log is {}",
+        child.id(),
+        log_path.display()
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if healthy(&cli.url) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!(
+        "sandboxd did not answer within 60 s; see {}",
+        log_path.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_sizes() {
+        assert_eq!(parse_memory("512m").unwrap(), 512 << 20);
+        assert_eq!(parse_memory("1g").unwrap(), 1 << 30);
+        assert_eq!(parse_memory("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_memory("1048576").unwrap(), 1 << 20);
+        assert!(parse_memory("12x").is_err());
+    }
+
+    #[test]
+    fn one_argument_is_a_shell_line_several_are_argv() {
+        let parse = |v: &[&str]| {
+            let mut a = vec!["sbx", "run", "--"];
+            a.extend_from_slice(v);
+            match Cli::parse_from(a).command {
+                Cmd::Run(r) => run_body(&r).unwrap(),
+                _ => unreachable!(),
+            }
+        };
+        assert_eq!(
+            parse(&["echo hi | wc -c"])["command"],
+            json!("echo hi | wc -c")
+        );
+        assert_eq!(
+            parse(&["python3", "-c", "print(2+2)"])["command"],
+            json!(["python3", "-c", "print(2+2)"])
+        );
+    }
+}

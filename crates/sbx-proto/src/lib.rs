@@ -1,0 +1,413 @@
+//! The protocol between `sandboxd` (the host) and `sbx-agent` (PID 1 of a sandbox).
+//!
+//! A connection carries frames both ways. A frame is a little-endian `u32` length of what
+//! follows, one kind byte, and the payload:
+//! - kind 1 (`Msg`): a JSON document, [`HostMsg`] from the host or [`AgentMsg`] from the agent;
+//! - kind 2 (`Data`): bytes of a command's stream, binary so that output needs no escaping:
+//!   `u8` stream, `u64` position, `u8` exec id length, exec id, then the bytes.
+//!
+//! Versioning: the agent's first frame is [`AgentMsg::Hello`] with [`PROTO_VERSION`]. Fields are
+//! only ever added, as `Option`s or with `#[serde(default)]`, so an older peer ignores them
+//! (`deny_unknown_fields` is never used here). A change that an old peer would misread bumps the
+//! version. `tests::schema_snapshot` pins the JSON shape of every message.
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The generation of this protocol.
+pub const PROTO_VERSION: u32 = 1;
+/// The largest frame either side accepts (a data frame carries at most [`MAX_DATA`] bytes).
+pub const MAX_FRAME: usize = 4 << 20;
+/// The most bytes one data frame carries.
+pub const MAX_DATA: usize = 1 << 20;
+
+const KIND_MSG: u8 = 1;
+const KIND_DATA: u8 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes is over the limit")]
+    TooLarge(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    #[error("bad message: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Which stream bytes belong to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    Stdin = 0,
+    Stdout = 1,
+    Stderr = 2,
+}
+
+impl Stream {
+    fn from_u8(b: u8) -> Option<Stream> {
+        match b {
+            0 => Some(Stream::Stdin),
+            1 => Some(Stream::Stdout),
+            2 => Some(Stream::Stderr),
+            _ => None,
+        }
+    }
+}
+
+/// What a command runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Program {
+    /// One line for `/bin/sh -c`.
+    Shell(String),
+    /// Arguments run as they are; the first found along the command's own PATH.
+    Argv(Vec<String>),
+}
+
+/// A command to start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecSpec {
+    pub exec_id: String,
+    pub program: Program,
+    /// Added to the sandbox's environment; the same name wins here. In order.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Absolute directory to run in; `None`: the image's working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// A user name, a uid, or uid:gid; `None`: the image's user.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Kill the command's process group after this many milliseconds.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Keep stdin open for later [`HostMsg::Stdin`] data; false closes it after `stdin`.
+    #[serde(default)]
+    pub stdin_open: bool,
+    /// Send output to this connection as it comes.
+    #[serde(default)]
+    pub attach: bool,
+}
+
+/// The host's messages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum HostMsg {
+    /// Start a command. Answered by `Started` or `ExecFailed`.
+    Exec(ExecSpec),
+    /// Close the command's stdin (after the data frames sent before it).
+    CloseStdin { exec_id: String },
+    /// Send a signal to the command's process group.
+    Signal { exec_id: String, signal: i32 },
+    /// Send this connection the command's output from `from`, then live, then its exit.
+    Attach { exec_id: String, from: u64 },
+    /// Ask for the state of a command.
+    Status { exec_id: String },
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    /// `exited`, `timed_out` or `killed`.
+    pub status: String,
+    pub exit_code: i32,
+    /// The signal number that ended it, if one did.
+    pub signal: Option<i32>,
+    pub duration_ns: u64,
+    pub cpu_ns: u64,
+    pub max_rss_bytes: u64,
+}
+
+/// Output counters of a command.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputCounts {
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    /// Position of the oldest byte kept.
+    pub start: u64,
+    /// Position after the newest byte.
+    pub end: u64,
+}
+
+/// Why a command could not be started (kept apart from exits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecFailKind {
+    NoSuchUser,
+    DuplicateId,
+    NoSuchExec,
+    Internal,
+}
+
+/// The agent's messages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AgentMsg {
+    Hello {
+        version: u32,
+        agent: String,
+    },
+    Started {
+        exec_id: String,
+        pid: u32,
+        /// Wall clock of the sandbox, nanoseconds since the epoch.
+        started_at_ns: i64,
+    },
+    ExecFailed {
+        exec_id: String,
+        kind: ExecFailKind,
+        message: String,
+    },
+    /// Bytes from `from` to `to` are no longer kept.
+    Gap {
+        exec_id: String,
+        from: u64,
+        to: u64,
+    },
+    Exited {
+        exec_id: String,
+        exit: ExitInfo,
+        output: OutputCounts,
+    },
+    /// Answer to `Status`.
+    State {
+        exec_id: String,
+        pid: u32,
+        started_at_ns: i64,
+        exit: Option<ExitInfo>,
+        output: OutputCounts,
+    },
+}
+
+/// A frame as read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Frame<M> {
+    Msg(M),
+    Data {
+        exec_id: String,
+        stream: Stream,
+        pos: u64,
+        bytes: Vec<u8>,
+    },
+}
+
+/// Encodes a message frame.
+pub fn encode_msg<M: Serialize>(msg: &M) -> Result<Vec<u8>, ProtoError> {
+    let json = serde_json::to_vec(msg)?;
+    let mut out = Vec::with_capacity(json.len() + 5);
+    out.extend_from_slice(&((json.len() + 1) as u32).to_le_bytes());
+    out.push(KIND_MSG);
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+/// Encodes a data frame header; the caller writes `len` bytes after it.
+pub fn encode_data_header(exec_id: &str, stream: Stream, pos: u64, len: usize) -> Vec<u8> {
+    let id = exec_id.as_bytes();
+    let id_len = id.len().min(255);
+    let body = 1 + 1 + 8 + 1 + id_len + len;
+    let mut out = Vec::with_capacity(4 + body - len);
+    out.extend_from_slice(&(body as u32).to_le_bytes());
+    out.push(KIND_DATA);
+    out.push(stream as u8);
+    out.extend_from_slice(&pos.to_le_bytes());
+    out.push(id_len as u8);
+    out.extend_from_slice(&id[..id_len]);
+    out
+}
+
+/// Encodes a whole data frame.
+pub fn encode_data(exec_id: &str, stream: Stream, pos: u64, bytes: &[u8]) -> Vec<u8> {
+    let mut out = encode_data_header(exec_id, stream, pos, bytes.len());
+    out.extend_from_slice(bytes);
+    out
+}
+
+fn decode<M: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Frame<M>, ProtoError> {
+    let (&kind, rest) = buf
+        .split_first()
+        .ok_or_else(|| ProtoError::Malformed("empty frame".into()))?;
+    match kind {
+        KIND_MSG => Ok(Frame::Msg(serde_json::from_slice(rest)?)),
+        KIND_DATA => {
+            if rest.len() < 10 {
+                return Err(ProtoError::Malformed("short data frame".into()));
+            }
+            let stream = Stream::from_u8(rest[0])
+                .ok_or_else(|| ProtoError::Malformed(format!("stream {}", rest[0])))?;
+            let mut pos = [0u8; 8];
+            pos.copy_from_slice(&rest[1..9]);
+            let id_len = rest[9] as usize;
+            let id_end = 10 + id_len;
+            if rest.len() < id_end {
+                return Err(ProtoError::Malformed("short exec id".into()));
+            }
+            let exec_id = String::from_utf8(rest[10..id_end].to_vec())
+                .map_err(|_| ProtoError::Malformed("exec id is not UTF-8".into()))?;
+            Ok(Frame::Data {
+                exec_id,
+                stream,
+                pos: u64::from_le_bytes(pos),
+                bytes: rest[id_end..].to_vec(),
+            })
+        }
+        other => Err(ProtoError::Malformed(format!("frame kind {other}"))),
+    }
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of the connection.
+pub async fn read_frame<M, R>(r: &mut R) -> Result<Option<Frame<M>>, ProtoError>
+where
+    M: for<'de> Deserialize<'de>,
+    R: AsyncRead + Unpin,
+{
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(ProtoError::TooLarge(len));
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf).await?;
+    decode(&buf).map(Some)
+}
+
+/// Writes a message frame.
+pub async fn write_msg<M: Serialize, W: AsyncWrite + Unpin>(
+    w: &mut W,
+    msg: &M,
+) -> Result<(), ProtoError> {
+    w.write_all(&encode_msg(msg)?).await?;
+    Ok(())
+}
+
+/// Writes a data frame (split into frames of at most [`MAX_DATA`] bytes).
+pub async fn write_data<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    exec_id: &str,
+    stream: Stream,
+    mut pos: u64,
+    bytes: &[u8],
+) -> Result<(), ProtoError> {
+    for chunk in bytes.chunks(MAX_DATA) {
+        w.write_all(&encode_data_header(exec_id, stream, pos, chunk.len()))
+            .await?;
+        w.write_all(chunk).await?;
+        pos += chunk.len() as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip() {
+        let spec = ExecSpec {
+            exec_id: "exe-0123456789abcdef".into(),
+            program: Program::Argv(vec!["echo".into(), "hi".into()]),
+            env: vec![("A".into(), "b".into())],
+            cwd: Some("/tmp".into()),
+            user: None,
+            timeout_ms: Some(5),
+            stdin_open: false,
+            attach: true,
+        };
+        let mut buf = encode_msg(&HostMsg::Exec(spec.clone())).unwrap();
+        buf.extend(encode_data(
+            "exe-0123456789abcdef",
+            Stream::Stdout,
+            7,
+            b"\x00\xffhi",
+        ));
+        let mut r = &buf[..];
+        let f1: Frame<HostMsg> = read_frame(&mut r).await.unwrap().unwrap();
+        assert_eq!(f1, Frame::Msg(HostMsg::Exec(spec)));
+        let f2: Frame<HostMsg> = read_frame(&mut r).await.unwrap().unwrap();
+        assert_eq!(
+            f2,
+            Frame::Data {
+                exec_id: "exe-0123456789abcdef".into(),
+                stream: Stream::Stdout,
+                pos: 7,
+                bytes: b"\x00\xffhi".to_vec()
+            }
+        );
+        assert!(read_frame::<HostMsg, _>(&mut r).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn oversized_and_malformed_frames_are_refused() {
+        let mut big = ((MAX_FRAME + 1) as u32).to_le_bytes().to_vec();
+        big.push(KIND_MSG);
+        let mut r = &big[..];
+        assert!(matches!(
+            read_frame::<HostMsg, _>(&mut r).await,
+            Err(ProtoError::TooLarge(_))
+        ));
+        let bad = [2u8, 0, 0, 0, 9, 0];
+        let mut r = &bad[..];
+        assert!(matches!(
+            read_frame::<HostMsg, _>(&mut r).await,
+            Err(ProtoError::Malformed(_))
+        ));
+    }
+
+    /// Pins the wire shape: a change here is a protocol change (see the module doc).
+    #[test]
+    fn schema_snapshot() {
+        let hello = serde_json::to_string(&AgentMsg::Hello {
+            version: PROTO_VERSION,
+            agent: "sbx-agent 0.1.0".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            hello,
+            r#"{"type":"hello","version":1,"agent":"sbx-agent 0.1.0"}"#
+        );
+        let exited = serde_json::to_string(&AgentMsg::Exited {
+            exec_id: "exe-x".into(),
+            exit: ExitInfo {
+                status: "exited".into(),
+                exit_code: 0,
+                signal: None,
+                duration_ns: 1,
+                cpu_ns: 2,
+                max_rss_bytes: 3,
+            },
+            output: OutputCounts::default(),
+        })
+        .unwrap();
+        assert_eq!(
+            exited,
+            r#"{"type":"exited","exec_id":"exe-x","exit":{"status":"exited","exit_code":0,"signal":null,"duration_ns":1,"cpu_ns":2,"max_rss_bytes":3},"output":{"stdout_bytes":0,"stderr_bytes":0,"start":0,"end":0}}"#
+        );
+        let exec = serde_json::to_string(&HostMsg::Exec(ExecSpec {
+            exec_id: "exe-x".into(),
+            program: Program::Shell("true".into()),
+            env: vec![],
+            cwd: None,
+            user: None,
+            timeout_ms: None,
+            stdin_open: false,
+            attach: false,
+        }))
+        .unwrap();
+        assert_eq!(
+            exec,
+            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"attach":false}"#
+        );
+        // An older host that sends no optional fields is still understood.
+        let old: HostMsg =
+            serde_json::from_str(r#"{"type":"exec","exec_id":"e","program":{"argv":["a"]}}"#)
+                .unwrap();
+        assert!(matches!(old, HostMsg::Exec(ExecSpec { attach: false, .. })));
+    }
+}

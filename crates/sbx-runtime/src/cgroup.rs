@@ -1,0 +1,398 @@
+//! Cgroups for sandboxes, v1 and v2 behind one interface.
+//!
+//! Each sandbox gets a group `sbx/<id>` under the node's own cgroup in every hierarchy that it
+//! uses (v1: memory, cpu, pids, freezer; v2: the unified tree with those controllers enabled).
+//! The node's own cgroup is read from `/proc/self/cgroup`, so a node that runs nested (as on these
+//! machines, where the memory controller puts the node under `/process_api/...`) keeps its
+//! sandboxes inside whatever limits it is itself under.
+
+use std::fs;
+use std::io::{ErrorKind, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no cgroup hierarchy holds the {0} controller")]
+    NoController(&'static str),
+    #[error("cgroup {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cgroup {0} still has processes")]
+    Busy(PathBuf),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
+    move |source| CgroupError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Resource limits of one sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    pub vcpus: u32,
+    pub pids: u32,
+}
+
+/// Which cgroup layout the node runs under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layout {
+    /// v1 hierarchies: controller -> the node's group directory in it.
+    V1(Vec<(&'static str, PathBuf)>),
+    /// The unified hierarchy: the directory sandboxes' groups are made in.
+    V2(PathBuf),
+}
+
+const V1_CONTROLLERS: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
+
+/// The node's cgroup layout, found from `/proc/self/mountinfo` and `/proc/self/cgroup`.
+#[derive(Debug, Clone)]
+pub struct Cgroups {
+    layout: Layout,
+}
+
+impl Cgroups {
+    /// Finds where sandboxes' groups go. `prefix` is the folder made under the node's group
+    /// (e.g. `sbx`).
+    pub fn discover(prefix: &str) -> Result<Cgroups, CgroupError> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo")
+            .map_err(io_err(Path::new("/proc/self/mountinfo")))?;
+        let own = fs::read_to_string("/proc/self/cgroup")
+            .map_err(io_err(Path::new("/proc/self/cgroup")))?;
+        let mounts = parse_mountinfo(&mountinfo);
+        let own = parse_proc_cgroup(&own);
+        let mut v1 = Vec::new();
+        for ctrl in V1_CONTROLLERS {
+            let mount = mounts
+                .iter()
+                .find(|m| m.fstype == "cgroup" && m.options.iter().any(|o| o == ctrl));
+            let path = own
+                .iter()
+                .find(|(ctrls, _)| ctrls.split(',').any(|c| c == ctrl))
+                .map(|(_, p)| p.clone());
+            if let (Some(m), Some(p)) = (mount, path) {
+                let rel = p.trim_start_matches('/');
+                // The mount's root is a prefix of the path we are in.
+                let root = m.root.trim_start_matches('/');
+                let rel = rel
+                    .strip_prefix(root)
+                    .unwrap_or(rel)
+                    .trim_start_matches('/');
+                v1.push((ctrl, m.mount_point.join(rel).join(prefix)));
+            }
+        }
+        if v1.iter().any(|(c, _)| *c == "memory") && v1.iter().any(|(c, _)| *c == "pids") {
+            return Ok(Cgroups {
+                layout: Layout::V1(v1),
+            });
+        }
+        let unified = mounts
+            .iter()
+            .find(|m| m.fstype == "cgroup2")
+            .ok_or(CgroupError::NoController("memory"))?;
+        let controllers_file = unified.mount_point.join("cgroup.controllers");
+        let controllers = fs::read_to_string(&controllers_file).unwrap_or_default();
+        if !controllers.split_whitespace().any(|c| c == "memory") {
+            return Err(CgroupError::NoController("memory"));
+        }
+        let path = own
+            .iter()
+            .find(|(ctrls, _)| ctrls.is_empty())
+            .map(|(_, p)| p.clone())
+            .unwrap_or_else(|| "/".into());
+        let base = unified.mount_point.join(path.trim_start_matches('/'));
+        Ok(Cgroups {
+            layout: Layout::V2(base.join(prefix)),
+        })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Prepares the parent folders once (and, on v2, enables the controllers in them).
+    pub fn prepare(&self) -> Result<(), CgroupError> {
+        match &self.layout {
+            Layout::V1(dirs) => {
+                for (_, d) in dirs {
+                    fs::create_dir_all(d).map_err(io_err(d))?;
+                }
+                Ok(())
+            }
+            Layout::V2(base) => {
+                fs::create_dir_all(base).map_err(io_err(base))?;
+                let ctl = base.join("cgroup.subtree_control");
+                let mut f = fs::OpenOptions::new()
+                    .write(true)
+                    .open(&ctl)
+                    .map_err(io_err(&ctl))?;
+                f.write_all(b"+memory +cpu +pids").map_err(io_err(&ctl))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The group of sandbox `id` (not made yet).
+    pub fn group(&self, id: &str) -> Group {
+        let dirs = match &self.layout {
+            Layout::V1(dirs) => dirs.iter().map(|(c, d)| (Some(*c), d.join(id))).collect(),
+            Layout::V2(base) => vec![(None, base.join(id))],
+        };
+        Group { dirs }
+    }
+
+    /// Names of the groups under the node's folder (sandbox ids), for reconciliation.
+    pub fn list(&self) -> Vec<String> {
+        let base = match &self.layout {
+            Layout::V1(dirs) => match dirs.first() {
+                Some((_, d)) => d.clone(),
+                None => return Vec::new(),
+            },
+            Layout::V2(b) => b.clone(),
+        };
+        let Ok(rd) = fs::read_dir(base) else {
+            return Vec::new();
+        };
+        rd.filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect()
+    }
+}
+
+/// One sandbox's group, in each hierarchy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    dirs: Vec<(Option<&'static str>, PathBuf)>,
+}
+
+fn write_file(path: &Path, value: &str) -> Result<(), CgroupError> {
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(io_err(path))?;
+    f.write_all(value.as_bytes()).map_err(io_err(path))
+}
+
+impl Group {
+    fn dir(&self, ctrl: &str) -> Option<&Path> {
+        self.dirs
+            .iter()
+            .find(|(c, _)| c.is_none() || *c == Some(ctrl))
+            .map(|(_, d)| d.as_path())
+    }
+
+    fn is_v2(&self) -> bool {
+        self.dirs.iter().any(|(c, _)| c.is_none())
+    }
+
+    /// Makes the group and sets its limits.
+    pub fn create(&self, limits: &Limits) -> Result<(), CgroupError> {
+        for (_, d) in &self.dirs {
+            match fs::create_dir(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io_err(d)(e)),
+            }
+        }
+        let quota = u64::from(limits.vcpus.max(1)) * 100_000;
+        if self.is_v2() {
+            let d = self.dirs[0].1.clone();
+            write_file(&d.join("memory.max"), &limits.memory_bytes.to_string())?;
+            // No swap: a sandbox over its memory is killed, not paged out.
+            let _ = write_file(&d.join("memory.swap.max"), "0");
+            write_file(&d.join("cpu.max"), &format!("{quota} 100000"))?;
+            write_file(&d.join("pids.max"), &limits.pids.to_string())?;
+        } else {
+            if let Some(d) = self.dir("memory") {
+                write_file(
+                    &d.join("memory.limit_in_bytes"),
+                    &limits.memory_bytes.to_string(),
+                )?;
+                let memsw = d.join("memory.memsw.limit_in_bytes");
+                if memsw.exists() {
+                    write_file(&memsw, &limits.memory_bytes.to_string())?;
+                }
+                let _ = write_file(&d.join("memory.swappiness"), "0");
+            }
+            if let Some(d) = self.dir("cpu") {
+                write_file(&d.join("cpu.cfs_period_us"), "100000")?;
+                write_file(&d.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            }
+            if let Some(d) = self.dir("pids") {
+                write_file(&d.join("pids.max"), &limits.pids.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The `cgroup.procs` files a process writes its pid into to join the group.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs
+            .iter()
+            .map(|(_, d)| d.join("cgroup.procs"))
+            .collect()
+    }
+
+    /// Moves `pid` into the group.
+    pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
+        for f in self.procs_files() {
+            write_file(&f, &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Processes in the group now.
+    pub fn pids(&self) -> Vec<u32> {
+        let Some((_, d)) = self.dirs.first() else {
+            return Vec::new();
+        };
+        fs::read_to_string(d.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// Whether the group was ever OOM-killed in.
+    pub fn oom_killed(&self) -> bool {
+        if self.is_v2() {
+            let d = &self.dirs[0].1;
+            return fs::read_to_string(d.join("memory.events"))
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.starts_with("oom_kill ") && !l.ends_with(" 0"));
+        }
+        self.dir("memory")
+            .and_then(|d| fs::read_to_string(d.join("memory.oom_control")).ok())
+            .map(|s| {
+                s.lines()
+                    .any(|l| l.starts_with("oom_kill ") && !l.ends_with(" 0"))
+            })
+            .unwrap_or(false)
+    }
+
+    /// Peak memory of the group.
+    pub fn memory_peak(&self) -> Option<u64> {
+        let (d, file) = if self.is_v2() {
+            (self.dirs[0].1.as_path(), "memory.peak")
+        } else {
+            (self.dir("memory")?, "memory.max_usage_in_bytes")
+        };
+        fs::read_to_string(d.join(file)).ok()?.trim().parse().ok()
+    }
+
+    /// Kills every process left in the group and removes it. Waits up to `wait` for the
+    /// processes to go.
+    pub fn destroy(&self, wait: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() {
+                break;
+            }
+            for p in pids {
+                crate::process::kill_pid(p, libc::SIGKILL);
+            }
+            if Instant::now() > deadline {
+                return Err(CgroupError::Busy(self.dirs[0].1.clone()));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        for (_, d) in &self.dirs {
+            let deadline = Instant::now() + wait;
+            loop {
+                match fs::remove_dir(d) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == ErrorKind::NotFound => break,
+                    // The last task may still be leaving the group.
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => return Err(io_err(d)(e)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any of the group's folders exist.
+    pub fn exists(&self) -> bool {
+        self.dirs.iter().any(|(_, d)| d.exists())
+    }
+}
+
+struct Mount {
+    root: String,
+    mount_point: PathBuf,
+    fstype: String,
+    options: Vec<String>,
+}
+
+fn parse_mountinfo(s: &str) -> Vec<Mount> {
+    s.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let l: Vec<&str> = left.split(' ').collect();
+            let r: Vec<&str> = right.split(' ').collect();
+            Some(Mount {
+                root: l.get(3)?.to_string(),
+                mount_point: PathBuf::from(l.get(4)?),
+                fstype: r.first()?.to_string(),
+                options: r
+                    .get(2)
+                    .map(|o| o.split(',').map(String::from).collect())
+                    .unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+/// `(controllers, path)` pairs of `/proc/self/cgroup`.
+fn parse_proc_cgroup(s: &str) -> Vec<(String, String)> {
+    s.lines()
+        .filter_map(|l| {
+            let mut it = l.splitn(3, ':');
+            let _id = it.next()?;
+            let ctrls = it.next()?.to_string();
+            let path = it.next()?.to_string();
+            Some((ctrls, path))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hybrid_layout_files() {
+        let mi =
+            "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:10 - cgroup cgroup rw,memory\n\
+                  31 25 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+        let m = parse_mountinfo(mi);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].mount_point, PathBuf::from("/sys/fs/cgroup/memory"));
+        assert!(m[0].options.iter().any(|o| o == "memory"));
+        assert_eq!(m[1].fstype, "cgroup2");
+        let pc = parse_proc_cgroup("4:memory:/process_api/x\n0::/\n");
+        assert_eq!(pc[0], ("memory".into(), "/process_api/x".into()));
+        assert_eq!(pc[1], ("".into(), "/".into()));
+    }
+
+    #[test]
+    fn discovers_this_machine() {
+        // Every Linux machine these tests run on has some cgroup layout with memory.
+        let cg = Cgroups::discover("sbx-test").unwrap();
+        let g = cg.group("x");
+        assert!(!g.procs_files().is_empty());
+    }
+}

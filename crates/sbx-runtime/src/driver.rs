@@ -1,0 +1,248 @@
+//! The driver trait and the namespace driver, as the node sees them.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::cgroup::{Cgroups, Group, Limits};
+use crate::init::InitConfig;
+use crate::process::PidFd;
+use crate::RuntimeError;
+
+/// What a sandbox is made of.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub id: String,
+    /// The image's root directory (read-only lower layer).
+    pub image_rootfs: PathBuf,
+    /// The sandbox's own directory on the host (upper layer, socket).
+    pub dir: PathBuf,
+    pub hostname: String,
+    pub limits: Limits,
+    pub tmp_memory: bool,
+    pub image_env: Vec<(String, String)>,
+    pub image_user: Option<String>,
+    pub image_workdir: Option<String>,
+}
+
+/// A running sandbox.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub id: String,
+    /// The agent's pid on the host.
+    pub pid: u32,
+    /// The agent's start time, to tell a reused pid apart after a restart.
+    pub start_time: Option<u64>,
+    pub socket: PathBuf,
+    pub dir: PathBuf,
+    group: Group,
+    pidfd: Option<PidFd>,
+}
+
+impl Sandbox {
+    /// Whether the sandbox's agent still runs.
+    pub fn is_alive(&self) -> bool {
+        match &self.pidfd {
+            Some(p) => !p.has_exited(),
+            None => false,
+        }
+    }
+
+    /// Whether the kernel's OOM killer has killed in the sandbox.
+    pub fn oom_killed(&self) -> bool {
+        self.group.oom_killed()
+    }
+
+    pub fn memory_peak(&self) -> Option<u64> {
+        self.group.memory_peak()
+    }
+}
+
+/// Makes and ends sandboxes. The namespace driver is the one these machines have; a microVM
+/// driver comes behind the same trait where KVM boots a guest.
+pub trait Driver: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Makes a sandbox whose agent listens on `Sandbox::socket`. Blocking (a few ms).
+    fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError>;
+    /// Ends the sandbox's processes and removes its cgroups. Its directory is the caller's to
+    /// remove (`remove_dir`), which may take long for a large upper layer.
+    fn destroy(&self, sandbox: &Sandbox) -> Result<(), RuntimeError>;
+    /// Finds a sandbox that a previous run of the node made (after a restart), if it still runs.
+    fn adopt(&self, id: &str, dir: &Path, pid: u32, start_time: Option<u64>) -> Option<Sandbox>;
+    /// Removes what is left of a sandbox that no longer runs (cgroups); for reconciliation.
+    fn remove_leftovers(&self, id: &str) -> Result<(), RuntimeError>;
+    /// Ids of the sandboxes whose cgroups exist.
+    fn list_groups(&self) -> Vec<String>;
+}
+
+/// Sandboxes as Linux namespaces + cgroups + seccomp + an overlay root, with `sbx-agent` as PID 1.
+#[derive(Debug)]
+pub struct NamespaceDriver {
+    agent: PathBuf,
+    cgroups: Cgroups,
+    uid_base: u32,
+    uid_count: u32,
+}
+
+impl NamespaceDriver {
+    /// `agent` is the `sbx-agent` binary; sandbox root is host uid `uid_base`; sandboxes'
+    /// cgroups go in a folder `cgroup_name` under the node's own cgroup.
+    pub fn with_cgroup_name(
+        agent: PathBuf,
+        cgroup_name: &str,
+        uid_base: u32,
+        uid_count: u32,
+    ) -> Result<Self, RuntimeError> {
+        if !agent.is_file() {
+            return Err(RuntimeError::AgentMissing(agent));
+        }
+        let cgroups = Cgroups::discover(cgroup_name)?;
+        cgroups.prepare()?;
+        crate::process::set_child_subreaper().map_err(|e| RuntimeError::Io {
+            what: "subreaper".into(),
+            source: e,
+        })?;
+        Ok(NamespaceDriver {
+            agent,
+            cgroups,
+            uid_base,
+            uid_count,
+        })
+    }
+
+    pub fn uid_base(&self) -> u32 {
+        self.uid_base
+    }
+
+    fn launch(&self, spec: &SandboxSpec, group: &Group) -> Result<u32, RuntimeError> {
+        let cfg = InitConfig {
+            id: spec.id.clone(),
+            lower: spec.image_rootfs.clone(),
+            dir: spec.dir.clone(),
+            hostname: spec.hostname.clone(),
+            uid_base: self.uid_base,
+            uid_count: self.uid_count,
+            cgroup_procs: group.procs_files(),
+            tmp_memory_bytes: spec.tmp_memory.then_some(spec.limits.memory_bytes / 2),
+            image_env: spec.image_env.clone(),
+            image_user: spec.image_user.clone(),
+            image_workdir: spec.image_workdir.clone(),
+        };
+        let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
+        let io = |what: &str| {
+            let what = what.to_string();
+            move |source| RuntimeError::Io { what, source }
+        };
+        let mut child = Command::new(&self.agent)
+            .arg("init")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear()
+            .spawn()
+            .map_err(io("start agent"))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(&cfg).map_err(io("agent config"))?;
+        }
+        let mut out = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            stdout
+                .read_to_string(&mut out)
+                .map_err(io("agent output"))?;
+        }
+        let mut err = String::new();
+        if let Some(mut stderr) = child.stderr.take() {
+            let _ = stderr.read_to_string(&mut err);
+        }
+        let status = child.wait().map_err(io("agent init"))?;
+        let pid = out
+            .trim()
+            .strip_prefix("pid ")
+            .and_then(|p| p.parse::<u32>().ok());
+        match (status.success(), pid) {
+            (true, Some(pid)) => Ok(pid),
+            _ => Err(RuntimeError::Start(if err.trim().is_empty() {
+                format!("agent init ended with {status}")
+            } else {
+                err.trim().to_string()
+            })),
+        }
+    }
+}
+
+impl Driver for NamespaceDriver {
+    fn name(&self) -> &'static str {
+        "namespace"
+    }
+
+    fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        let group = self.cgroups.group(&spec.id);
+        group.create(&spec.limits)?;
+        std::fs::create_dir_all(&spec.dir).map_err(|e| RuntimeError::Io {
+            what: format!("mkdir {}", spec.dir.display()),
+            source: e,
+        })?;
+        let pid = match self.launch(spec, &group) {
+            Ok(pid) => pid,
+            Err(e) => {
+                let _ = group.destroy(Duration::from_secs(5));
+                return Err(e);
+            }
+        };
+        let pidfd = PidFd::open(pid).ok();
+        Ok(Sandbox {
+            id: spec.id.clone(),
+            pid,
+            start_time: crate::process::start_time(pid),
+            socket: spec.dir.join("agent.sock"),
+            dir: spec.dir.clone(),
+            group,
+            pidfd,
+        })
+    }
+
+    fn destroy(&self, sandbox: &Sandbox) -> Result<(), RuntimeError> {
+        if let Some(p) = &sandbox.pidfd {
+            // Killing PID 1 of the sandbox's PID namespace ends every process in it.
+            let _ = p.signal(libc::SIGKILL);
+            p.wait_exit(Duration::from_secs(10));
+        }
+        sandbox.group.destroy(Duration::from_secs(10))?;
+        Ok(())
+    }
+
+    fn adopt(&self, id: &str, dir: &Path, pid: u32, start_time: Option<u64>) -> Option<Sandbox> {
+        let now = crate::process::start_time(pid)?;
+        if start_time.is_some_and(|t| t != now) {
+            return None;
+        }
+        let pidfd = PidFd::open(pid).ok()?;
+        Some(Sandbox {
+            id: id.to_string(),
+            pid,
+            start_time: Some(now),
+            socket: dir.join("agent.sock"),
+            dir: dir.to_path_buf(),
+            group: self.cgroups.group(id),
+            pidfd: Some(pidfd),
+        })
+    }
+
+    fn remove_leftovers(&self, id: &str) -> Result<(), RuntimeError> {
+        self.cgroups.group(id).destroy(Duration::from_secs(10))?;
+        Ok(())
+    }
+
+    fn list_groups(&self) -> Vec<String> {
+        self.cgroups.list()
+    }
+}
+
+/// Removes a sandbox's directory (its upper layer can be large: call off the request path).
+pub fn remove_dir(dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}

@@ -1,0 +1,36 @@
+//! Isolation for sbx. Every syscall and every `unsafe` block of the project lives in this crate,
+//! behind safe functions:
+//! - [`driver`]: the [`Driver`] trait and the [`NamespaceDriver`] (the node's side);
+//! - [`init`]: stages 0 and 1 of a sandbox, run by `sbx-agent init` (the sandbox's side);
+//! - [`process`]: starting, reaping and signalling processes (the agent's side);
+//! - [`cgroup`]: cgroups v1 and v2 behind one interface;
+//! - [`seccomp`]: the sandbox's syscall filter;
+//! - [`fsutil`]: ownership shifting of image trees.
+
+pub mod cgroup;
+pub mod driver;
+pub mod fsutil;
+pub mod init;
+pub mod process;
+pub mod seccomp;
+
+pub use cgroup::Limits;
+pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("agent binary not found at {0}")]
+    AgentMissing(PathBuf),
+    #[error(transparent)]
+    Cgroup(#[from] cgroup::CgroupError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("sandbox did not start: {0}")]
+    Start(String),
+}
