@@ -179,8 +179,12 @@ impl Tail {
             self.buf.drain(..over);
         }
     }
-    fn bytes(&mut self) -> &[u8] {
+    fn bytes(&mut self, encoding: Encoding) -> &[u8] {
         let s = self.buf.make_contiguous();
+        if encoding == Encoding::Base64 {
+            // Bytes, not text: the tail is the last bytes, whatever they are.
+            return s;
+        }
         // A tail cut inside a UTF-8 character starts after it.
         let skip = s
             .iter()
@@ -246,8 +250,8 @@ fn exec_object(
             start: output.start,
             end: output.end,
         },
-        stdout: meta.encoding.encode(stdout.bytes()),
-        stderr: meta.encoding.encode(stderr.bytes()),
+        stdout: meta.encoding.encode(stdout.bytes(meta.encoding)),
+        stderr: meta.encoding.encode(stderr.bytes(meta.encoding)),
         truncated,
         encoding: meta.encoding,
     }
@@ -554,8 +558,14 @@ mod tests {
         let mut t = Tail::new();
         t.push(&vec![b'a'; 1 << 20]);
         t.push(b"bc");
-        let b = t.bytes();
+        let b = t.bytes(Encoding::Utf8);
         assert_eq!(b.len(), 1 << 20);
         assert_eq!(&b[b.len() - 2..], b"bc");
+        // Binary output is cut where the last mebibyte starts, even inside what would be a
+        // UTF-8 character.
+        let mut t = Tail::new();
+        t.push(&vec![0x80; (1 << 20) + 5]);
+        assert_eq!(t.bytes(Encoding::Base64).len(), 1 << 20);
+        assert_eq!(t.bytes(Encoding::Utf8).len(), (1 << 20) - 3);
     }
 }

@@ -172,14 +172,23 @@ async fn serve(
         .await
         .with_context(|| format!("listen on {listen}"))?;
     tracing::info!(%listen, "sandboxd serves");
+    // The sandboxes are ended as soon as the node is told to stop: the graceful shutdown waits
+    // for every open request, and a run's request lasts as long as its command.
+    let stopping = {
+        let node = node.clone();
+        async move {
+            stop_signal().await;
+            tracing::info!("stopping: ending every sandbox");
+            node.shutdown().await;
+        }
+    };
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
-    .with_graceful_shutdown(stop_signal())
+    .with_graceful_shutdown(stopping)
     .await
     .context("serve")?;
-    tracing::info!("stopping: ending every sandbox");
     node.shutdown().await;
     Ok(())
 }

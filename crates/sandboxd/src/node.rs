@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,6 +47,8 @@ pub struct Node {
     table: Mutex<Table>,
     live: Mutex<HashMap<String, Arc<Sandbox>>>,
     teardowns: AtomicUsize,
+    /// Set when the node stops: no sandbox is made from then on.
+    stopping: AtomicBool,
 }
 
 /// A run, validated and resolved: nothing is made yet.
@@ -87,6 +89,13 @@ pub enum RunEvent {
     Failed(ApiError),
 }
 
+fn stopping_error() -> ApiError {
+    ApiError::new(
+        ErrorCode::Unavailable,
+        "the node is stopping: its sandboxes are ended",
+    )
+}
+
 fn not_served(param: &str, what: &str) -> ApiError {
     ApiError::new(
         ErrorCode::NotServedHere,
@@ -104,6 +113,7 @@ impl Node {
             table: Mutex::new(Table::default()),
             live: Mutex::new(HashMap::new()),
             teardowns: AtomicUsize::new(0),
+            stopping: AtomicBool::new(false),
         })
     }
 
@@ -130,6 +140,10 @@ impl Node {
         n
     }
 
+    fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
     /// Teardowns still under way.
     pub fn pending_teardowns(&self) -> usize {
         self.teardowns.load(Ordering::SeqCst)
@@ -148,6 +162,9 @@ impl Node {
     /// Checks a run against what this node serves and reserves its name. Every refusal
     /// happens here, before anything is made.
     pub fn plan_run(&self, req: RunRequest) -> Result<RunPlan, ApiError> {
+        if self.is_stopping() {
+            return Err(stopping_error());
+        }
         if req.egress.as_ref().is_some_and(|e| !e.is_null()) {
             return Err(not_served("egress", "egress rules"));
         }
@@ -394,6 +411,7 @@ impl Node {
             image_workdir: plan.image.meta.workdir.clone(),
         };
         let driver = self.driver.clone();
+        let t0 = std::time::Instant::now();
         let made = tokio::task::spawn_blocking(move || driver.create(&spec))
             .await
             .map_err(|_| ApiError::internal())?;
@@ -410,7 +428,14 @@ impl Node {
         if let Ok(mut l) = self.live.lock() {
             l.insert(plan.sandbox_id.clone(), sandbox.clone());
         }
+        if self.is_stopping() {
+            // Made while the node began to stop: `shutdown` did not see it; `run` ends it.
+            return Err(stopping_error());
+        }
         let failed = |e: crate::agent::AgentError| {
+            if self.is_stopping() {
+                return stopping_error();
+            }
             tracing::error!(sandbox = %plan.sandbox_id, error = %e, "agent");
             if sandbox.oom_killed() {
                 ApiError::new(
@@ -424,9 +449,11 @@ impl Node {
                 )
             }
         };
+        let t_made = t0.elapsed();
         let mut conn = AgentConn::connect(&sandbox.socket, Duration::from_secs(10))
             .await
             .map_err(failed)?;
+        let t_hello = t0.elapsed();
         conn.send(&HostMsg::Exec(plan.exec.clone()))
             .await
             .map_err(failed)?;
@@ -465,6 +492,13 @@ impl Node {
                 }) => RunEvent::Started { pid, started_at_ns },
                 Frame::Msg(AgentMsg::Gap { from, to, .. }) => RunEvent::Gap { from, to },
                 Frame::Msg(AgentMsg::Exited { exit, output, .. }) => {
+                    tracing::debug!(
+                        sandbox = %plan.sandbox_id,
+                        made_us = t_made.as_micros() as u64,
+                        hello_us = t_hello.as_micros() as u64,
+                        exited_us = t0.elapsed().as_micros() as u64,
+                        "run timings"
+                    );
                     return Ok(Some((exit, output)));
                 }
                 Frame::Msg(AgentMsg::ExecFailed { kind, message, .. }) => {
@@ -488,6 +522,7 @@ impl Node {
 
     /// Ends every sandbox (the node is stopping) and waits for their teardown.
     pub async fn shutdown(self: &Arc<Self>) {
+        self.stopping.store(true, Ordering::SeqCst);
         let all: Vec<Arc<Sandbox>> = self
             .live
             .lock()

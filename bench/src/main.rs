@@ -1,0 +1,200 @@
+//! `sbx-bench run`: `POST /v1/run` of `echo hi` against `runc run` of the same command on the
+//! same root filesystem, at concurrency 1 and 8, in one run. Prints a table.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use serde_json::{json, Value};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// The node to measure.
+    #[arg(long, default_value = "http://127.0.0.1:7799")]
+    url: String,
+    /// Root filesystem for runc (the node's base image rootfs).
+    #[arg(long)]
+    rootfs: PathBuf,
+    /// Where the runc bundle is written.
+    #[arg(long, default_value = "/tmp/sbx-bench-bundle")]
+    bundle: PathBuf,
+    /// Runs per cell.
+    #[arg(long, default_value_t = 200)]
+    runs: usize,
+    /// Runs per runc cell (runc is slow).
+    #[arg(long, default_value_t = 60)]
+    runc_runs: usize,
+    /// Skip runc.
+    #[arg(long)]
+    no_runc: bool,
+}
+
+struct Cell {
+    lat: Vec<Duration>,
+    wall: Duration,
+}
+
+impl Cell {
+    fn pct(&self, p: f64) -> f64 {
+        let mut v: Vec<f64> = self.lat.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+        v.get(i).copied().unwrap_or(f64::NAN)
+    }
+    fn rate(&self) -> f64 {
+        self.lat.len() as f64 / self.wall.as_secs_f64()
+    }
+}
+
+/// Runs `one` `runs` times on `conc` threads.
+fn measure(
+    runs: usize,
+    conc: usize,
+    one: Arc<dyn Fn(usize) -> anyhow::Result<()> + Send + Sync>,
+) -> anyhow::Result<Cell> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for _ in 0..conc {
+        let next = next.clone();
+        let one = one.clone();
+        handles.push(std::thread::spawn(
+            move || -> anyhow::Result<Vec<Duration>> {
+                let mut lat = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= runs {
+                        return Ok(lat);
+                    }
+                    let t = Instant::now();
+                    one(i)?;
+                    lat.push(t.elapsed());
+                }
+            },
+        ));
+    }
+    let mut lat = Vec::new();
+    for h in handles {
+        match h.join() {
+            Ok(r) => lat.extend(r?),
+            Err(_) => bail!("a bench thread panicked"),
+        }
+    }
+    Ok(Cell {
+        lat,
+        wall: start.elapsed(),
+    })
+}
+
+fn sbx_one(agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
+    let resp: Value = agent
+        .post(&format!("{url}/v1/run"))
+        .send_json(json!({"command": ["echo", "hi"]}))
+        .context("POST /v1/run")?
+        .into_json()?;
+    if resp["stdout"] != "hi\n" || resp["exit_code"] != 0 {
+        bail!("unexpected answer: {resp}");
+    }
+    Ok(())
+}
+
+fn runc_bundle(bundle: &Path, rootfs: &Path) -> anyhow::Result<()> {
+    let _ = std::fs::remove_dir_all(bundle);
+    std::fs::create_dir_all(bundle)?;
+    let st = Command::new("runc")
+        .args(["spec", "--bundle"])
+        .arg(bundle)
+        .status()
+        .context("runc spec (apt-get install runc)")?;
+    if !st.success() {
+        bail!("runc spec failed");
+    }
+    let path = bundle.join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    cfg["process"]["terminal"] = json!(false);
+    cfg["process"]["args"] = json!(["echo", "hi"]);
+    cfg["root"]["path"] = json!(rootfs);
+    cfg["root"]["readonly"] = json!(true);
+    std::fs::write(&path, serde_json::to_vec_pretty(&cfg)?)?;
+    Ok(())
+}
+
+fn runc_one(bundle: &Path, i: usize) -> anyhow::Result<()> {
+    let out = Command::new("runc")
+        .args(["run", "--bundle"])
+        .arg(bundle)
+        .arg(format!("sbx-bench-{}-{i}", std::process::id()))
+        .stdin(Stdio::null())
+        .output()
+        .context("runc run")?;
+    if out.stdout != b"hi\n" {
+        bail!(
+            "runc: {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let url = args.url.trim_end_matches('/').to_string();
+    let agent = ureq::AgentBuilder::new().max_idle_connections(16).build();
+    // Warm up: the first runs pay for page cache and allocator growth.
+    for _ in 0..10 {
+        sbx_one(&agent, &url)?;
+    }
+    let mut rows = Vec::new();
+    for conc in [1, 8] {
+        let (a, u) = (agent.clone(), url.clone());
+        let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&a, &u)))?;
+        rows.push(("sbx POST /v1/run", conc, cell));
+    }
+    if !args.no_runc {
+        runc_bundle(&args.bundle, &args.rootfs)?;
+        runc_one(&args.bundle, usize::MAX)?;
+        for conc in [1, 8] {
+            let b = args.bundle.clone();
+            let cell = measure(args.runc_runs, conc, Arc::new(move |i| runc_one(&b, i)))?;
+            rows.push(("runc run", conc, cell));
+        }
+    }
+    println!(
+        "echo hi in a new sandbox, on this machine ({} cores)",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0)
+    );
+    println!(
+        "{:<18} {:>5} {:>6} {:>9} {:>9} {:>9}",
+        "what", "conc", "runs", "p50 ms", "p95 ms", "runs/s"
+    );
+    for (what, conc, c) in &rows {
+        println!(
+            "{:<18} {:>5} {:>6} {:>9.2} {:>9.2} {:>9.1}",
+            what,
+            conc,
+            c.lat.len(),
+            c.pct(0.5),
+            c.pct(0.95),
+            c.rate()
+        );
+    }
+    let p50 = |name: &str, conc: usize| {
+        rows.iter()
+            .find(|(w, c, _)| *w == name && *c == conc)
+            .map(|(_, _, c)| c.pct(0.5))
+    };
+    if let (Some(s), Some(r)) = (p50("sbx POST /v1/run", 1), p50("runc run", 1)) {
+        println!(
+            "sbx p50 / runc p50 at concurrency 1: {:.3}x (goal <= 0.2x; p50 goal <= 5 ms)",
+            s / r
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! Sandboxes leave nothing behind: no process, mount, cgroup or directory, after many runs,
+//! after a caller hangs up, and when the node stops.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::TestNode;
+use serde_json::json;
+
+#[test]
+fn two_hundred_runs_leave_nothing() {
+    let node = TestNode::start();
+    const THREADS: usize = 4;
+    const RUNS: usize = 200;
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            s.spawn(|| {
+                for _ in 0..RUNS / THREADS {
+                    let v = node.run_ok(&json!({ "command": "echo hi" }));
+                    assert_eq!(v["stdout"], "hi\n", "{v}");
+                    assert_eq!(v["exit_code"], 0, "{v}");
+                }
+            });
+        }
+    });
+    node.assert_clean(Duration::from_secs(30));
+    // Nothing of the node's sandboxes is anywhere: each kind checked on its own.
+    let sandboxes = std::fs::read_dir(node.data_dir.join("sandboxes"))
+        .unwrap()
+        .count();
+    assert_eq!(sandboxes, 0, "upper directories left");
+    for ctrl in ["memory", "pids"] {
+        let dir = node.cgroup_dir(ctrl).unwrap();
+        let groups = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .count();
+        assert_eq!(groups, 0, "cgroups left in {}", dir.display());
+    }
+}
+
+#[test]
+fn a_caller_that_hangs_up_ends_its_sandbox() {
+    let node = TestNode::start();
+    let mut s = node.open_sse(&json!({ "command": "sleep 60", "stream": true }));
+    let start = s.next_event().expect("start event");
+    assert_eq!(start.event, "start", "{:?}", start.data);
+    let id = start.data["sandbox_id"].as_str().unwrap().to_string();
+    assert!(node.sandbox_dir(&id).exists(), "the sandbox is not there");
+    assert!(!node.leftovers().is_empty());
+    let t = Instant::now();
+    drop(s);
+    node.assert_clean(Duration::from_secs(10));
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_json_caller_that_hangs_up_ends_its_sandbox() {
+    let node = TestNode::start();
+    // A JSON run hung up on: a socket that sends the request and closes.
+    use std::io::Write;
+    let body = br#"{"command":"sleep 60"}"#;
+    let mut sock = std::net::TcpStream::connect(&node.addr).unwrap();
+    write!(
+        sock,
+        "POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    sock.write_all(body).unwrap();
+    // Wait for the sandbox to be there, then hang up.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.leftovers().iter().all(|l| !l.starts_with("process")) {
+        assert!(Instant::now() < deadline, "the sandbox did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(sock);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn a_stopping_node_ends_its_sandboxes() {
+    let mut node = TestNode::start();
+    let mut s = node.open_sse(&json!({ "command": "sleep 60", "stream": true }));
+    let start = s.next_event().expect("start event");
+    assert_eq!(start.event, "start");
+    let t = Instant::now();
+    let status = node.stop().expect("the node was running");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "the node took {:?} to stop",
+        t.elapsed()
+    );
+    assert!(status.success(), "the node exited with {status}");
+    let left = node.leftovers();
+    assert!(left.is_empty(), "left after the node stopped: {left:?}");
+    // The caller is told why its command ended.
+    let rest = s.rest();
+    let last = rest.last().expect("an event after the start");
+    assert_eq!(last.event, "error", "{rest:?}");
+    assert_eq!(last.data["error"]["code"], "unavailable", "{:?}", last.data);
+    assert_eq!(last.data["error"]["retryable"], true, "{:?}", last.data);
+}
+
+#[test]
+fn a_killed_node_cleans_up_when_it_starts_again() {
+    let mut node = TestNode::start();
+    let mut s = node.open_sse(&json!({ "command": "sleep 60 & sleep 60", "stream": true }));
+    let start = s.next_event().expect("start event");
+    assert_eq!(start.event, "start");
+    node.kill();
+    drop(s);
+    // Its sandbox outlives the node...
+    std::thread::sleep(Duration::from_millis(200));
+    let left = node.leftovers();
+    assert!(
+        left.iter().filter(|l| l.starts_with("process")).count() >= 3,
+        "{left:?}"
+    );
+    // ...until the node starts again and removes what it finds.
+    node.restart();
+    node.assert_clean(Duration::from_secs(10));
+    let v = node.run_ok(&json!({ "command": "echo again" }));
+    assert_eq!(v["stdout"], "again\n");
+    node.assert_clean(Duration::from_secs(10));
+}

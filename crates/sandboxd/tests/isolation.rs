@@ -1,0 +1,364 @@
+//! A sandbox is kept apart from the host and from other sandboxes: processes, files,
+//! hostname, network, users, memory, processes' count and syscalls.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, Instant};
+
+use common::{unique, TestNode};
+use serde_json::json;
+
+const CLEAN: Duration = Duration::from_secs(10);
+
+fn stdout(v: &serde_json::Value) -> &str {
+    v["stdout"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no stdout: {v}"))
+}
+
+#[test]
+fn sandbox_sees_only_its_own_processes() {
+    let node = TestNode::start();
+    let node_pid = node.pid().unwrap();
+    let v = node.run_ok(&json!({
+        "command": format!(
+            "ls /proc; echo ---; test -e /proc/{node_pid} && echo NODE-SEEN || echo NODE-HIDDEN"
+        )
+    }));
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let out = stdout(&v);
+    let (listing, rest) = out.split_once("---\n").expect("the separator");
+    let pids: Vec<u32> = listing
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    // The agent (1), the shell (2) and ls (3): nothing of the host.
+    assert!(
+        !pids.is_empty() && pids.len() <= 4,
+        "pids seen in the sandbox: {pids:?}"
+    );
+    assert!(pids.contains(&1), "no PID 1 in the sandbox: {pids:?}");
+    assert!(pids.iter().all(|p| *p < 10), "host pids seen: {pids:?}");
+    let host_pids = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|s| s.parse::<u32>().is_ok())
+        })
+        .count();
+    assert!(host_pids > pids.len(), "the host has {host_pids} processes");
+    assert_eq!(rest.trim(), "NODE-HIDDEN", "the node's own pid is visible");
+
+    let v = node.run_ok(&json!({ "command": ["cat", "/proc/1/cmdline"] }));
+    let cmdline: Vec<&str> = stdout(&v).split('\0').collect();
+    assert!(
+        cmdline[0].ends_with("sbx-agent"),
+        "PID 1 of the sandbox is not sbx-agent: {cmdline:?}"
+    );
+    assert_eq!(cmdline.get(1), Some(&"init"), "{cmdline:?}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn sandbox_cannot_see_host_files() {
+    let node = TestNode::start();
+    let name = unique("sbx-marker");
+    let marker = std::env::temp_dir().join(&name);
+    std::fs::write(&marker, "host secret\n").unwrap();
+    let host_file = marker.display().to_string();
+    let data_dir = node.data_dir.display().to_string();
+    let v = node.run_ok(&json!({
+        "command": format!(
+            "for p in {host_file} {data_dir} /var/lib/sbx/images/base/image.json; do \
+               if test -e $p; then echo SEEN $p; else echo ABSENT $p; fi; done; \
+             cat {host_file} 2>&1; true"
+        )
+    }));
+    let out = stdout(&v);
+    assert!(marker.exists(), "the marker is gone from the host");
+    let _ = std::fs::remove_file(&marker);
+    assert!(!out.contains("SEEN"), "the sandbox sees host files:\n{out}");
+    assert_eq!(out.matches("ABSENT").count(), 3, "{out}");
+    assert!(!out.contains("host secret"), "read the host's file:\n{out}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn hostname_is_the_sandboxes_own() {
+    let node = TestNode::start();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let v = node.run_ok(&json!({ "command": "hostname; cat /etc/hostname; echo $HOSTNAME" }));
+    let id = v["sandbox_id"].as_str().unwrap();
+    let lines: Vec<&str> = stdout(&v).lines().collect();
+    assert_eq!(lines, [id, id, id], "{v}");
+    assert_ne!(lines[0], host.trim(), "the sandbox has the host's hostname");
+
+    let v = node.run_ok(&json!({
+        "command": "hostname; cat /etc/hostname",
+        "hostname": "box-one.example"
+    }));
+    let lines: Vec<&str> = stdout(&v).lines().collect();
+    assert_eq!(lines, ["box-one.example", "box-one.example"], "{v}");
+    // The host's name is untouched.
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(),
+        host
+    );
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn network_is_loopback_only() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": ["cat", "/proc/net/dev"] }));
+    let ifaces: Vec<&str> = stdout(&v)
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    assert_eq!(ifaces, ["lo"], "{}", stdout(&v));
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn writes_reach_neither_the_image_nor_another_sandbox() {
+    let node = TestNode::start();
+    let x = unique("m");
+    let image_copy = node
+        .images_dir
+        .join("base/rootfs/usr")
+        .join(format!("marker-{x}"));
+    assert!(!image_copy.exists());
+    let mut a = node.open_sse(&json!({
+        "command": format!(
+            "echo data > /usr/marker-{x} && echo data > /tmp/tmp-{x} && echo written; sleep 30"
+        ),
+        "stream": true
+    }));
+    let start = a.next_event().expect("start event");
+    assert_eq!(start.event, "start");
+    let a_id = start.data["sandbox_id"].as_str().unwrap().to_string();
+    loop {
+        let e = a.next_event().expect("the writer's output");
+        assert_ne!(e.event, "exit", "the writer ended: {:?}", e.data);
+        if e.event == "stdout" && e.data["data"].as_str().unwrap().contains("written") {
+            break;
+        }
+    }
+    // The write went to the writer's own upper layer...
+    let upper = node
+        .sandbox_dir(&a_id)
+        .join("upper/usr")
+        .join(format!("marker-{x}"));
+    assert!(upper.is_file(), "{} is missing", upper.display());
+    // ...not to the image...
+    assert!(
+        !image_copy.exists(),
+        "the write reached the image: {}",
+        image_copy.display()
+    );
+    // ...nor to a sandbox running at the same time.
+    let v = node.run_ok(&json!({
+        "command": format!(
+            "for p in /usr/marker-{x} /tmp/tmp-{x}; do \
+               if test -e $p; then echo SEEN $p; else echo ABSENT $p; fi; done"
+        )
+    }));
+    let out = stdout(&v);
+    assert!(
+        !out.contains("SEEN"),
+        "another sandbox sees the write:\n{out}"
+    );
+    assert_eq!(out.matches("ABSENT").count(), 2, "{out}");
+    drop(a);
+    node.assert_clean(CLEAN);
+    assert!(!image_copy.exists(), "the write reached the image");
+}
+
+#[test]
+fn root_in_the_sandbox_is_not_root_on_the_host() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "id -u; id -g" }));
+    assert_eq!(stdout(&v), "0\n0\n", "{v}");
+
+    let mut s = node.open_sse(&json!({ "command": "touch /owned; sleep 20" }));
+    let start = s.next_event().expect("start event");
+    assert_eq!(start.event, "start", "{:?}", start.data);
+    let id = start.data["sandbox_id"].as_str().unwrap().to_string();
+    let owned = node.sandbox_dir(&id).join("upper/owned");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let meta = loop {
+        match std::fs::symlink_metadata(&owned) {
+            Ok(m) => break m,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("{}: {e}", owned.display()),
+        }
+    };
+    assert_eq!(meta.uid(), 100_000, "owner on the host of a file root made");
+    assert_eq!(meta.gid(), 100_000, "group on the host of a file root made");
+    drop(s);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn a_memory_bomb_is_killed_and_the_next_run_works() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({
+        "command": ["python3", "-c", "x = b'\\x01' * (1 << 30)\nprint(len(x))"],
+        "limits": { "memory_bytes": 134217728 }
+    }));
+    assert_eq!(v["status"], "killed", "{v}");
+    assert_eq!(v["signal"], "SIGKILL", "{v}");
+    assert_eq!(v["exit_code"], 137, "{v}");
+    assert_eq!(v["stdout"], "", "{v}");
+    let peak = v["usage"]["max_memory_bytes"].as_u64().unwrap();
+    assert!(
+        peak <= 134_217_728 + (8 << 20),
+        "peak {peak} over the limit"
+    );
+
+    let v = node.run_ok(&json!({ "command": "echo still here" }));
+    assert_eq!(v["status"], "exited", "{v}");
+    assert_eq!(stdout(&v), "still here\n");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn a_fork_bomb_stops_at_the_pids_limit() {
+    let node = TestNode::start();
+    // Every fork failure ends dash's subshell; the rest uses builtins (no fork) and exec.
+    let mut s = node.open_sse(&json!({
+        "command": "(for i in $(seq 300); do sleep 60 & done) 2>/tmp/err; \
+                    set -- /proc/[0-9]*; echo procs=$#; \
+                    while read -r l; do echo \"err: $l\"; done </tmp/err; exec sleep 2",
+    }));
+    let start = s.next_event().expect("start event");
+    let id = start.data["sandbox_id"].as_str().unwrap().to_string();
+    let pids = node.cgroup_dir("pids").expect("a pids hierarchy").join(&id);
+    let limit = std::fs::read_to_string(pids.join("pids.max")).unwrap_or_default();
+    // Watch the group from the host while the command runs.
+    let watcher = std::thread::spawn(move || {
+        let mut most = 0u64;
+        let mut events = String::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let Ok(cur) = std::fs::read_to_string(pids.join("pids.current")) else {
+                break;
+            };
+            most = most.max(cur.trim().parse().unwrap_or(0));
+            if let Ok(e) = std::fs::read_to_string(pids.join("pids.events")) {
+                events = e;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (most, events)
+    });
+    let rest = s.rest();
+    let exit = rest.last().expect("events");
+    assert_eq!(exit.event, "exit", "{rest:?}");
+    let out = exit.data["stdout"].as_str().unwrap().to_string();
+    let (most, events) = watcher.join().unwrap();
+    assert_eq!(limit.trim(), "128", "pids.max of the sandbox's group");
+    let procs: u32 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("procs="))
+        .unwrap_or_else(|| panic!("no count: {out}"))
+        .parse()
+        .unwrap();
+    assert!(procs <= 128, "{procs} processes in the sandbox:\n{out}");
+    assert!(procs >= 100, "the loop made only {procs} processes:\n{out}");
+    assert!(
+        out.to_lowercase().contains("fork"),
+        "the shell reported no fork failure:\n{out}"
+    );
+    assert!(most <= 128, "the host saw {most} tasks in the group");
+    let max_hits: u64 = events
+        .lines()
+        .find_map(|l| l.strip_prefix("max "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(
+        max_hits > 0,
+        "pids.events shows no refused fork: {events:?}"
+    );
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn seccomp_refuses_denied_syscalls_with_eperm() {
+    let node = TestNode::start();
+    let keyctl = if cfg!(target_arch = "aarch64") {
+        219
+    } else {
+        250
+    };
+    let getpid = if cfg!(target_arch = "aarch64") {
+        172
+    } else {
+        39
+    };
+    // unshare(CLONE_NEWUSER) needs no capability: only the filter refuses it.
+    let script = format!(
+        "import ctypes\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         def call(name, f):\n\
+         \x20   ctypes.set_errno(0)\n\
+         \x20   r = f()\n\
+         \x20   print(name, r, ctypes.get_errno() if r == -1 else 0)\n\
+         call('getpid', lambda: 1 if libc.syscall({getpid}) > 0 else -1)\n\
+         call('keyctl', lambda: libc.syscall({keyctl}, 0, 0, 0, 0, 0))\n\
+         call('unshare', lambda: libc.unshare(0x10000000))\n\
+         call('mount', lambda: libc.mount(b'none', b'/mnt', b'tmpfs', 0, None))\n"
+    );
+    let v = node.run_ok(&json!({ "command": ["python3", "-c", script] }));
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let lines: Vec<&str> = stdout(&v).lines().collect();
+    assert_eq!(
+        lines,
+        ["getpid 1 0", "keyctl -1 1", "unshare -1 1", "mount -1 1"],
+        "{v}"
+    );
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn limits_are_set_on_the_sandboxes_cgroup() {
+    let node = TestNode::start();
+    let read = |ctrl: &str, id: &str, file: &str| {
+        let dir = node.cgroup_dir(ctrl).unwrap().join(id);
+        std::fs::read_to_string(dir.join(file))
+            .unwrap_or_else(|e| panic!("{}/{file}: {e}", dir.display()))
+            .trim()
+            .to_string()
+    };
+    for (limits, memory) in [
+        (
+            json!({ "memory_bytes": 256 << 20, "vcpus": 1 }),
+            256u64 << 20,
+        ),
+        (json!(null), 512 << 20),
+    ] {
+        let mut s = node.open_sse(&json!({ "command": "sleep 30", "limits": limits }));
+        let start = s.next_event().expect("start event");
+        let id = start.data["sandbox_id"].as_str().unwrap().to_string();
+        if node.cgroup_dir("unified").is_some() {
+            assert_eq!(read("memory", &id, "memory.max"), memory.to_string());
+            assert_eq!(read("pids", &id, "pids.max"), "128");
+        } else {
+            assert_eq!(
+                read("memory", &id, "memory.limit_in_bytes"),
+                memory.to_string()
+            );
+            assert_eq!(read("pids", &id, "pids.max"), "128");
+            if node.cgroup_dir("cpu").is_some() {
+                assert_eq!(read("cpu", &id, "cpu.cfs_quota_us"), "100000");
+            }
+        }
+        drop(s);
+    }
+    node.assert_clean(CLEAN);
+}

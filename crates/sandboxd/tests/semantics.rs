@@ -1,0 +1,393 @@
+//! What `POST /v1/run` answers: exits, signals, timeouts, input, environment, users, output
+//! limits, event streams, request ids and names.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_error, b64_decode, b64_encode, is_id, valid_request_id, TestNode};
+use serde_json::{json, Value};
+
+const CLEAN: Duration = Duration::from_secs(10);
+
+fn stdout(v: &Value) -> &str {
+    v["stdout"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no stdout: {v}"))
+}
+
+#[test]
+fn exit_codes_are_results() {
+    let node = TestNode::start();
+    for (command, code) in [
+        (json!("true"), 0),
+        (json!("exit 3"), 3),
+        (json!(["false"]), 1),
+        (json!("exit 255"), 255),
+        (json!(["no-such-command-here"]), 127),
+        (json!("no-such-command-here"), 127),
+        (json!(["/etc/passwd"]), 126),
+        (json!("kill -KILL $$; echo not reached"), 137),
+    ] {
+        let v = node.run_ok(&json!({ "command": command }));
+        assert_eq!(v["exit_code"], code, "{command}: {v}");
+        if code == 137 {
+            assert_eq!(v["status"], "killed", "{command}: {v}");
+            assert_eq!(v["signal"], "SIGKILL", "{command}: {v}");
+            assert_eq!(v["stdout"], "", "{command}: {v}");
+        } else {
+            assert_eq!(v["status"], "exited", "{command}: {v}");
+            assert!(v["signal"].is_null(), "{command}: {v}");
+        }
+        assert!(is_id("exe", v["id"].as_str().unwrap()), "{v}");
+        assert!(is_id("sbx", v["sandbox_id"].as_str().unwrap()), "{v}");
+        assert!(v["duration_seconds"].as_f64().unwrap() >= 0.0, "{v}");
+        assert!(v["usage"].is_object(), "{v}");
+        assert_eq!(v["tty"], false);
+        assert_eq!(v["encoding"], "utf8");
+    }
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn a_signal_death_is_killed() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "kill -TERM $$" }));
+    assert_eq!(v["status"], "killed", "{v}");
+    assert_eq!(v["exit_code"], 143, "{v}");
+    assert_eq!(v["signal"], "SIGTERM", "{v}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn a_timeout_ends_the_command() {
+    let node = TestNode::start();
+    let t = Instant::now();
+    let v = node.run_ok(&json!({ "command": "sleep 100", "timeout_seconds": 1 }));
+    let took = t.elapsed();
+    assert_eq!(v["status"], "timed_out", "{v}");
+    assert!(
+        took < Duration::from_secs(5),
+        "the answer came after {took:?}"
+    );
+    let d = v["duration_seconds"].as_f64().unwrap();
+    assert!((0.9..5.0).contains(&d), "duration {d}");
+    // The process is gone with its sandbox.
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn stdin_as_text_and_as_base64() {
+    let node = TestNode::start();
+    let text = "héllo\nwörld €\n";
+    let v = node.run_ok(&json!({ "command": "cat", "stdin": text }));
+    assert_eq!(stdout(&v), text, "{v}");
+    assert_eq!(v["output"]["stdout_bytes"], text.len());
+
+    let bytes: Vec<u8> = (0..=255u8).rev().chain(0..=255u8).collect();
+    let v = node.run_ok(&json!({
+        "command": ["cat"],
+        "stdin": b64_encode(&bytes),
+        "encoding": "base64"
+    }));
+    assert_eq!(v["encoding"], "base64", "{v}");
+    assert_eq!(b64_decode(stdout(&v)), bytes, "{v}");
+
+    // Output that is not text comes back whole in base64.
+    let v = node.run_ok(&json!({
+        "command": "printf '\\377\\000\\001abc'; printf '\\376' >&2",
+        "encoding": "base64"
+    }));
+    assert_eq!(b64_decode(stdout(&v)), b"\xff\x00\x01abc", "{v}");
+    assert_eq!(b64_decode(v["stderr"].as_str().unwrap()), b"\xfe", "{v}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn env_wins_over_the_image_and_its_path_finds_commands() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "echo $LANG" }));
+    assert_eq!(stdout(&v), "C.UTF-8\n", "the image's LANG");
+    let v = node.run_ok(&json!({
+        "command": "echo $LANG $EXTRA",
+        "env": { "LANG": "en_GB.UTF-8", "EXTRA": "a b" }
+    }));
+    assert_eq!(stdout(&v), "en_GB.UTF-8 a b\n", "{v}");
+
+    // A list command is found along the PATH that env gives.
+    let v = node.run_ok(&json!({
+        "command": ["printenv", "PATH"],
+        "env": { "PATH": "/usr/bin:/opt/nothing" }
+    }));
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(stdout(&v), "/usr/bin:/opt/nothing\n");
+    let v = node.run_ok(&json!({
+        "command": ["printenv", "PATH"],
+        "env": { "PATH": "/opt/nothing" }
+    }));
+    assert_eq!(v["exit_code"], 127, "found printenv outside PATH: {v}");
+    // sysctl is in /usr/sbin only.
+    let v = node.run_ok(&json!({
+        "command": ["sysctl", "-n", "kernel.ostype"],
+        "env": { "PATH": "/usr/sbin" }
+    }));
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(stdout(&v), "Linux\n");
+    let v = node.run_ok(&json!({
+        "command": ["sysctl", "-n", "kernel.ostype"],
+        "env": { "PATH": "/usr/bin" }
+    }));
+    assert_eq!(v["exit_code"], 127, "{v}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn cwd() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "pwd", "cwd": "/etc" }));
+    assert_eq!(stdout(&v), "/etc\n");
+    let v = node.run_ok(&json!({ "command": "pwd", "cwd": "/does/not/exist" }));
+    assert_eq!(v["status"], "exited", "{v}");
+    assert_eq!(v["exit_code"], 126, "{v}");
+    assert_eq!(v["stdout"], "", "{v}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn list_and_string_commands() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": ["echo", "$HOME", "a  b", "*"] }));
+    assert_eq!(stdout(&v), "$HOME a  b *\n", "{v}");
+    assert_eq!(v["command"], "echo $HOME a  b *");
+    let v = node.run_ok(&json!({ "command": "echo $HOME" }));
+    assert_eq!(stdout(&v), "/root\n", "{v}");
+    assert_eq!(v["command"], "echo $HOME");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn users() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "id -u; id -g", "user": "nobody" }));
+    assert_eq!(stdout(&v), "65534\n65534\n", "{v}");
+    let v = node.run_ok(&json!({ "command": "id -u; id -g; id -G", "user": "1234:5678" }));
+    assert_eq!(stdout(&v), "1234\n5678\n5678\n", "{v}");
+    let v = node.run_ok(&json!({ "command": "id -u", "user": "0" }));
+    assert_eq!(stdout(&v), "0\n", "{v}");
+    let (status, body) = node.run(&json!({ "command": "id", "user": "no-such-user" }));
+    assert_error(status, &body, 400, "no_such_user", Some("user"));
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn output_over_one_mebibyte_keeps_the_last_one() {
+    let node = TestNode::start();
+    const N: usize = 3_000_000;
+    const MIB: usize = 1 << 20;
+    let expected: Vec<u8> = (0..N)
+        .map(|i| b'a' + ((i * 31 + i / 977) % 26) as u8)
+        .collect();
+    let script = format!(
+        "import sys\n\
+         sys.stdout.buffer.write(bytes(97 + (i * 31 + i // 977) % 26 for i in range({N})))\n"
+    );
+    let v = node.run_ok(&json!({ "command": ["python3", "-c", script] }));
+    assert_eq!(v["exit_code"], 0, "{}", v["stderr"]);
+    let out = stdout(&v);
+    assert_eq!(out.len(), MIB, "stdout is not 1 MiB");
+    assert!(
+        out.as_bytes() == &expected[N - MIB..],
+        "stdout is not the last MiB of the output"
+    );
+    assert_eq!(v["truncated"], true);
+    assert_eq!(v["output"]["stdout_bytes"], N);
+    assert_eq!(v["output"]["stderr_bytes"], 0);
+    assert_eq!(v["output"]["start"], 0);
+    assert_eq!(v["output"]["end"], N);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn binary_output_over_one_mebibyte_keeps_the_last_one_in_base64() {
+    let node = TestNode::start();
+    const N: usize = 1_500_000;
+    const MIB: usize = 1 << 20;
+    // Bytes that are not text: a cut among them is no character's middle.
+    let expected: Vec<u8> = (0..N).map(|i| 0x80 + (i % 61) as u8).collect();
+    let script =
+        format!("import sys\nsys.stdout.buffer.write(bytes(0x80 + i % 61 for i in range({N})))\n");
+    let v = node.run_ok(&json!({ "command": ["python3", "-c", script], "encoding": "base64" }));
+    assert_eq!(v["exit_code"], 0, "{}", v["stderr"]);
+    let out = b64_decode(stdout(&v));
+    assert_eq!(out.len(), MIB, "stdout is not the last MiB");
+    assert!(
+        out == expected[N - MIB..],
+        "stdout is not the last MiB of the output"
+    );
+    assert_eq!(v["truncated"], true);
+    assert_eq!(v["output"]["stdout_bytes"], N);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn event_stream_order_and_ids() {
+    let node = TestNode::start();
+    let events = node.run_sse(&json!({
+        "command": "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done; printf tail",
+        "stream": true
+    }));
+    let start = &events[0];
+    assert_eq!(start.event, "start", "{events:?}");
+    assert_eq!(start.id, 0);
+    assert_eq!(start.data["status"], "running");
+    assert!(start.data["exit_code"].is_null());
+    let exit = events.last().unwrap();
+    assert_eq!(exit.event, "exit", "{events:?}");
+    assert_eq!(exit.data["status"], "exited");
+    assert_eq!(exit.data["exit_code"], 0);
+    assert_eq!(exit.id, exit.data["output"]["end"].as_u64().unwrap());
+    assert_eq!(exit.data["id"], start.data["id"]);
+    assert_eq!(exit.data["sandbox_id"], start.data["sandbox_id"]);
+
+    let (mut out, mut err) = (String::new(), String::new());
+    let mut cursor = 0u64;
+    for e in &events[1..events.len() - 1] {
+        let data = e.data["data"].as_str().unwrap();
+        let position = e.data["position"].as_u64().unwrap();
+        match e.event.as_str() {
+            "stdout" => out.push_str(data),
+            "stderr" => err.push_str(data),
+            other => panic!("unexpected event {other}: {events:?}"),
+        }
+        assert_eq!(
+            position, cursor,
+            "events do not follow each other: {events:?}"
+        );
+        assert_eq!(e.id, position + data.len() as u64, "{e:?}");
+        assert!(e.id > cursor, "ids do not increase: {events:?}");
+        cursor = e.id;
+    }
+    assert_eq!(cursor, exit.id, "the exit is not after the last output");
+    assert_eq!(out, "out1\nout2\nout3\ntail");
+    assert_eq!(err, "err1\nerr2\nerr3\n");
+    assert_eq!(exit.data["stdout"], out.as_str());
+    assert_eq!(exit.data["stderr"], err.as_str());
+    assert_eq!(exit.data["output"]["stdout_bytes"], out.len());
+    assert_eq!(exit.data["output"]["stderr_bytes"], err.len());
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn accept_header_alone_streams() {
+    let node = TestNode::start();
+    // No stream field: the Accept header decides.
+    let events = node.run_sse(&json!({ "command": "echo hi" }));
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(kinds, ["start", "stdout", "exit"], "{events:?}");
+    assert_eq!(events[1].data["data"], "hi\n");
+    // Without it the answer is JSON; stream: false wins over the header.
+    let r = node.run_with(&json!({ "command": "echo hi" }), &[]);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("application/json"));
+    let r = node.run_with(
+        &json!({ "command": "echo hi", "stream": false }),
+        &[("Accept", "text/event-stream")],
+    );
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("application/json"));
+    assert_eq!(r.json()["stdout"], "hi\n");
+    let r = node.run_with(
+        &json!({ "command": "echo hi", "stream": true }),
+        &[("Accept", "application/json")],
+    );
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn request_ids_are_echoed_or_made() {
+    let node = TestNode::start();
+    let r = node.run_with(
+        &json!({ "command": "true" }),
+        &[("X-Request-Id", "my-req.id_42")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-request-id"), Some("my-req.id_42"));
+
+    let r = node.run_with(&json!({}), &[("X-Request-Id", "my-req.id_43")]);
+    assert_eq!(r.header("x-request-id"), Some("my-req.id_43"));
+    let body = r.json();
+    assert_error(r.status, &body, 400, "missing_command", Some("command"));
+    assert_eq!(body["error"]["request_id"], "my-req.id_43");
+
+    let long = "x".repeat(65);
+    for bad in ["bad id!", "a/b", long.as_str()] {
+        let r = node.run_with(&json!({}), &[("X-Request-Id", bad)]);
+        let rid = r.header("x-request-id").expect("a request id").to_string();
+        assert_ne!(rid, bad);
+        assert!(valid_request_id(&rid), "{rid}");
+        assert!(is_id("req", &rid), "{rid}");
+        let body = r.json();
+        assert_eq!(body["error"]["request_id"], rid.as_str());
+    }
+    // Made ids differ.
+    let a = node.run_with(&json!({}), &[]);
+    let b = node.run_with(&json!({}), &[]);
+    assert_ne!(a.header("x-request-id"), b.header("x-request-id"));
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn a_name_is_free_again_after_the_answer() {
+    let node = TestNode::start();
+    for _ in 0..3 {
+        let v = node.run_ok(&json!({ "command": "true", "name": "reused-name" }));
+        assert_eq!(v["exit_code"], 0);
+    }
+    let mut held = node.open_sse(&json!({ "command": "sleep 30", "name": "held-name" }));
+    let start = held.next_event().expect("start event");
+    assert_eq!(start.event, "start");
+    let (status, body) = node.run(&json!({ "command": "true", "name": "held-name" }));
+    assert_error(status, &body, 409, "name_taken", Some("name"));
+    // Other names are free meanwhile.
+    node.run_ok(&json!({ "command": "true", "name": "other-name" }));
+    drop(held);
+    node.assert_clean(CLEAN);
+    let v = node.run_ok(&json!({ "command": "true", "name": "held-name" }));
+    assert_eq!(v["exit_code"], 0);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn tmp_in_memory() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": ["stat", "-f", "-c", "%T", "/tmp"], "tmp": "memory" }));
+    assert_eq!(stdout(&v), "tmpfs\n", "{v}");
+    let v = node.run_ok(&json!({ "command": ["stat", "-f", "-c", "%T", "/tmp"] }));
+    assert_ne!(stdout(&v), "tmpfs\n", "{v}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn children_left_behind_do_not_hold_the_answer() {
+    let node = TestNode::start();
+    let t = Instant::now();
+    let v = node.run_ok(&json!({ "command": "sleep 60 & echo started" }));
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(v["status"], "exited", "{v}");
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(stdout(&v), "started\n");
+    // The sleep goes with the sandbox.
+    node.assert_clean(CLEAN);
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The main job, on a fresh Debian/Ubuntu machine, as root: installs what sbx needs, builds it,
+# starts a node (sandboxd) on its defaults and runs a command in a sandbox. With no arguments
+# the command is python3 -c 'print(2+2)', which prints 4. Build logs go to stderr.
+#   ./run.sh                      -> 4
+#   ./run.sh -- node -e 'console.log(6*7)'
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/lib.sh
+need_root
+install_node_packages
+need_cargo
+cargo build --release --quiet --bin sandboxd --bin sbx --bin sbx-agent >&2
+[ "${1:-}" = "--" ] && shift
+if [ "$#" -eq 0 ]; then
+  set -- python3 -c 'print(2+2)'
+fi
+# sbx starts a node when none answers (building its base image first, with progress).
+exec target/release/sbx run -- "$@"

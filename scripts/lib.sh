@@ -1,0 +1,42 @@
+# Shared by run.sh, test.sh and bench/run.sh: install what sbx needs on Debian/Ubuntu, as root.
+# Uses the machine's own apt and cargo configuration; names no host.
+
+need_root() {
+  if [ "$(id -u)" != 0 ]; then
+    echo "sbx: run this as root (sandboxes need namespaces, cgroups and mounts)" >&2
+    exit 1
+  fi
+}
+
+# apt packages, installed only when missing (apt-get update once, only then).
+install_packages() {
+  local missing=()
+  for p in "$@"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "sbx: installing ${missing[*]}" >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+  fi
+}
+
+need_cargo() {
+  if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+  fi
+  if ! command -v cargo >/dev/null 2>&1; then
+    install_packages cargo rustc
+  fi
+  local v
+  v=$(rustc --version | awk '{print $2}')
+  if [ "$(printf '%s\n1.89.0\n' "$v" | sort -V | head -n1)" != "1.89.0" ]; then
+    echo "sbx: Rust $v is too old; sbx needs 1.89 or newer (rustup, or a newer distribution's rustc)" >&2
+    exit 1
+  fi
+}
+
+# The packages every sbx node needs: debootstrap builds the base image; gcc links.
+install_node_packages() {
+  install_packages debootstrap gcc libc6-dev ca-certificates
+}

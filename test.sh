@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The tests, on a fresh Debian/Ubuntu machine, as root: installs what they need, builds, makes
+# the base image once (cached in /var/lib/sbx/images, or $SBX_TEST_IMAGES), and runs every test
+# against real sandboxes. CI runs exactly this (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/lib.sh
+need_root
+install_node_packages
+need_cargo
+export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
+cargo build --workspace --all-targets
+target/debug/sandboxd --images-dir "$SBX_TEST_IMAGES" build-base
+cargo test --workspace
