@@ -41,6 +41,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/v1/run", post(run))
+        .route("/internal/node", get(node_info))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), edge))
@@ -113,6 +114,25 @@ fn authenticate(st: &AppState, headers: &HeaderMap, peer: SocketAddr) -> Result<
 
 async fn healthz() -> &'static str {
     "ok\n"
+}
+
+/// What the node is and holds: its driver, its shape limits, the warm pool.
+async fn node_info(State(st): State<Arc<AppState>>) -> Response {
+    let n = &st.node;
+    axum::Json(serde_json::json!({
+        "object": "node",
+        "driver": n.driver_name(),
+        "max_vcpus": n.cfg.max_vcpus,
+        "max_memory_bytes": n.cfg.max_memory_bytes,
+        "default_vcpus": n.cfg.default_vcpus,
+        "default_memory_bytes": n.cfg.default_memory_bytes,
+        "pids_max": n.cfg.pids_max,
+        "sandboxes": n.sandbox_count(),
+        "teardowns": n.pending_teardowns(),
+        "warm_pool": { "target": n.cfg.warm_pool, "ready": n.warm_ids() },
+        "templates": ["base"],
+    }))
+    .into_response()
 }
 
 async fn not_found(

@@ -53,6 +53,10 @@ struct Cli {
     /// Most processes in one sandbox.
     #[arg(long, default_value_t = 1024)]
     pids_max: u32,
+    /// Sandboxes of the base image kept made ahead, so that a run does not wait for one
+    /// (0: none).
+    #[arg(long, default_value_t = 2)]
+    warm_pool: usize,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -141,6 +145,7 @@ fn main() -> anyhow::Result<()> {
         pids_max: cli.pids_max,
         max_memory_bytes: host_memory(),
         max_vcpus: cpus,
+        warm_pool: cli.warm_pool,
     };
     std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
         .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
@@ -172,6 +177,7 @@ async fn serve(
         .await
         .with_context(|| format!("listen on {listen}"))?;
     tracing::info!(%listen, "sandboxd serves");
+    node.refill();
     // The sandboxes are ended as soon as the node is told to stop: the graceful shutdown waits
     // for every open request, and a run's request lasts as long as its command.
     let stopping = {

@@ -26,6 +26,8 @@ pub struct NodeConfig {
     pub pids_max: u32,
     pub max_memory_bytes: u64,
     pub max_vcpus: u32,
+    /// Sandboxes of the base image kept made ahead, so that a run does not wait for one.
+    pub warm_pool: usize,
 }
 
 /// A sandbox in the table.
@@ -40,8 +42,17 @@ struct Table {
     names: HashMap<String, String>,
 }
 
+/// A sandbox made ahead of the request that will use it, with its agent's hello already read.
+struct Warm {
+    sandbox: Arc<Sandbox>,
+    conn: AgentConn,
+    limits: Limits,
+}
+
 pub struct Node {
     pub cfg: NodeConfig,
+    warm: Mutex<Vec<Warm>>,
+    refilling: AtomicBool,
     driver: Arc<dyn Driver>,
     images: ImageStore,
     table: Mutex<Table>,
@@ -51,8 +62,7 @@ pub struct Node {
     stopping: AtomicBool,
 }
 
-/// A run, validated and resolved: nothing is made yet.
-#[derive(Debug)]
+/// A run, validated and resolved: nothing is made yet (but a warm sandbox may be taken).
 pub struct RunPlan {
     pub sandbox_id: String,
     pub exec_id: String,
@@ -64,6 +74,7 @@ pub struct RunPlan {
     tmp_memory: bool,
     exec: ExecSpec,
     stdin: Option<Vec<u8>>,
+    warm: Option<Warm>,
 }
 
 /// What a run reports, in order: `Started`, output and gaps, then `Exited` or `Failed`.
@@ -108,6 +119,8 @@ impl Node {
     pub fn new(cfg: NodeConfig, driver: Arc<dyn Driver>, images: ImageStore) -> Arc<Node> {
         Arc::new(Node {
             cfg,
+            warm: Mutex::new(Vec::new()),
+            refilling: AtomicBool::new(false),
             driver,
             images,
             table: Mutex::new(Table::default()),
@@ -142,6 +155,15 @@ impl Node {
 
     fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
+    }
+
+    pub fn driver_name(&self) -> &'static str {
+        self.driver.name()
+    }
+
+    /// Sandboxes in use by runs now (not counting warm ones).
+    pub fn sandbox_count(&self) -> usize {
+        self.table.lock().map(|t| t.by_id.len()).unwrap_or(0)
     }
 
     /// Teardowns still under way.
@@ -301,7 +323,11 @@ impl Node {
                 return Err(ApiError::new(ErrorCode::Unavailable, e.to_string()));
             }
         };
-        let sandbox_id = sbx_api::new_id("sbx");
+        let limits = Limits {
+            memory_bytes: memory,
+            vcpus,
+            pids: self.cfg.pids_max,
+        };
         let exec_id = sbx_api::new_id("exe");
         let mut env: Vec<(String, String)> = req.env.clone().into_iter().collect();
         env.extend(req.secret_env.0.clone());
@@ -319,7 +345,11 @@ impl Node {
             stdin_open: false,
             attach: true,
         };
-        {
+        // A warm sandbox serves a run of the base image whose machine it can become: any
+        // limits (set on its cgroup), but not another hostname or a /tmp in memory.
+        let can_be_warm =
+            image.meta.name == "base" && req.hostname.is_none() && req.tmp == Tmp::Disk;
+        let (sandbox_id, warm) = {
             let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
             if let Some(n) = &req.name {
                 if t.names.contains_key(n) {
@@ -329,6 +359,17 @@ impl Node {
                     )
                     .with_param("name"));
                 }
+            }
+            let warm = if can_be_warm {
+                self.warm.lock().ok().and_then(|mut w| w.pop())
+            } else {
+                None
+            };
+            let sandbox_id = match &warm {
+                Some(w) => w.sandbox.id.clone(),
+                None => sbx_api::new_id("sbx"),
+            };
+            if let Some(n) = &req.name {
                 t.names.insert(n.clone(), sandbox_id.clone());
             }
             t.by_id.insert(
@@ -337,7 +378,8 @@ impl Node {
                     name: req.name.clone(),
                 },
             );
-        }
+            (sandbox_id, warm)
+        };
         Ok(RunPlan {
             hostname: req.hostname.clone().unwrap_or_else(|| sandbox_id.clone()),
             sandbox_id,
@@ -345,14 +387,11 @@ impl Node {
             command: req.command.display(),
             encoding: req.encoding,
             image,
-            limits: Limits {
-                memory_bytes: memory,
-                vcpus,
-                pids: self.cfg.pids_max,
-            },
+            limits,
             tmp_memory: req.tmp == Tmp::Memory,
             exec,
             stdin: req.stdin,
+            warm,
         })
     }
 
@@ -396,38 +435,28 @@ impl Node {
 
     async fn run_inner(
         self: &Arc<Self>,
-        plan: RunPlan,
+        mut plan: RunPlan,
         tx: &mpsc::Sender<RunEvent>,
     ) -> Result<Option<(ExitInfo, OutputCounts)>, ApiError> {
-        let spec = SandboxSpec {
-            id: plan.sandbox_id.clone(),
-            image_rootfs: plan.image.rootfs.clone(),
-            dir: self.sandboxes_dir().join(&plan.sandbox_id),
-            hostname: plan.hostname.clone(),
-            limits: plan.limits,
-            tmp_memory: plan.tmp_memory,
-            image_env: plan.image.meta.env.clone(),
-            image_user: plan.image.meta.user.clone(),
-            image_workdir: plan.image.meta.workdir.clone(),
-        };
-        let driver = self.driver.clone();
         let t0 = std::time::Instant::now();
-        let made = tokio::task::spawn_blocking(move || driver.create(&spec))
-            .await
-            .map_err(|_| ApiError::internal())?;
-        let sandbox = match made {
-            Ok(sb) => Arc::new(sb),
-            Err(e) => {
-                tracing::error!(sandbox = %plan.sandbox_id, error = %e, "sandbox did not start");
-                return Err(ApiError::new(
-                    ErrorCode::SandboxFailed,
-                    format!("the sandbox could not be started: {e}"),
-                ));
+        let warm = plan.warm.take();
+        let from_pool = warm.is_some();
+        let (sandbox, mut conn) = match warm {
+            Some(w) => {
+                self.refill();
+                if w.limits != plan.limits {
+                    if let Err(e) = w.sandbox.set_limits(&plan.limits) {
+                        tracing::error!(sandbox = %plan.sandbox_id, error = %e, "set limits");
+                        self.live_insert(&w.sandbox);
+                        return Err(ApiError::internal());
+                    }
+                }
+                self.live_insert(&w.sandbox);
+                (w.sandbox, w.conn)
             }
+            None => self.make(&plan).await?,
         };
-        if let Ok(mut l) = self.live.lock() {
-            l.insert(plan.sandbox_id.clone(), sandbox.clone());
-        }
+        let t_ready = t0.elapsed();
         if self.is_stopping() {
             // Made while the node began to stop: `shutdown` did not see it; `run` ends it.
             return Err(stopping_error());
@@ -449,11 +478,6 @@ impl Node {
                 )
             }
         };
-        let t_made = t0.elapsed();
-        let mut conn = AgentConn::connect(&sandbox.socket, Duration::from_secs(10))
-            .await
-            .map_err(failed)?;
-        let t_hello = t0.elapsed();
         conn.send(&HostMsg::Exec(plan.exec.clone()))
             .await
             .map_err(failed)?;
@@ -494,8 +518,8 @@ impl Node {
                 Frame::Msg(AgentMsg::Exited { exit, output, .. }) => {
                     tracing::debug!(
                         sandbox = %plan.sandbox_id,
-                        made_us = t_made.as_micros() as u64,
-                        hello_us = t_hello.as_micros() as u64,
+                        from_pool,
+                        ready_us = t_ready.as_micros() as u64,
                         exited_us = t0.elapsed().as_micros() as u64,
                         "run timings"
                     );
@@ -520,9 +544,150 @@ impl Node {
         }
     }
 
+    fn live_insert(&self, sb: &Arc<Sandbox>) {
+        if let Ok(mut l) = self.live.lock() {
+            l.insert(sb.id.clone(), sb.clone());
+        }
+    }
+
+    /// Makes a sandbox (in the node's table of live ones) and connects to its agent.
+    async fn create(
+        self: &Arc<Self>,
+        spec: SandboxSpec,
+    ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
+        let id = spec.id.clone();
+        let driver = self.driver.clone();
+        let made = tokio::task::spawn_blocking(move || driver.create(&spec))
+            .await
+            .map_err(|_| ApiError::internal())?;
+        let sandbox = match made {
+            Ok(sb) => Arc::new(sb),
+            Err(e) => {
+                tracing::error!(sandbox = %id, error = %e, "sandbox did not start");
+                return Err(ApiError::new(
+                    ErrorCode::SandboxFailed,
+                    format!("the sandbox could not be started: {e}"),
+                ));
+            }
+        };
+        self.live_insert(&sandbox);
+        match AgentConn::connect(&sandbox.socket, Duration::from_secs(10)).await {
+            Ok(conn) => Ok((sandbox, conn)),
+            Err(e) => {
+                tracing::error!(sandbox = %id, error = %e, "agent did not answer");
+                Err(ApiError::new(
+                    ErrorCode::SandboxFailed,
+                    format!("the sandbox's agent did not answer: {e}"),
+                ))
+            }
+        }
+    }
+
+    async fn make(self: &Arc<Self>, plan: &RunPlan) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
+        self.create(SandboxSpec {
+            id: plan.sandbox_id.clone(),
+            image_rootfs: plan.image.rootfs.clone(),
+            dir: self.sandboxes_dir().join(&plan.sandbox_id),
+            hostname: plan.hostname.clone(),
+            limits: plan.limits,
+            tmp_memory: plan.tmp_memory,
+            image_env: plan.image.meta.env.clone(),
+            image_user: plan.image.meta.user.clone(),
+            image_workdir: plan.image.meta.workdir.clone(),
+        })
+        .await
+    }
+
+    /// Ids of the warm sandboxes.
+    pub fn warm_ids(&self) -> Vec<String> {
+        self.warm
+            .lock()
+            .map(|w| w.iter().map(|w| w.sandbox.id.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
+    pub fn refill(self: &Arc<Self>) {
+        if self.cfg.warm_pool == 0 || self.refilling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let have = node.warm.lock().map(|w| w.len()).unwrap_or(usize::MAX);
+                if have >= node.cfg.warm_pool || node.is_stopping() {
+                    break;
+                }
+                let Ok(image) = node.images.base() else {
+                    break;
+                };
+                let id = sbx_api::new_id("sbx");
+                let limits = Limits {
+                    memory_bytes: node.cfg.default_memory_bytes,
+                    vcpus: node.cfg.default_vcpus,
+                    pids: node.cfg.pids_max,
+                };
+                let spec = SandboxSpec {
+                    id: id.clone(),
+                    image_rootfs: image.rootfs.clone(),
+                    dir: node.sandboxes_dir().join(&id),
+                    hostname: id.clone(),
+                    limits,
+                    tmp_memory: false,
+                    image_env: image.meta.env.clone(),
+                    image_user: image.meta.user.clone(),
+                    image_workdir: image.meta.workdir.clone(),
+                };
+                match node.create(spec).await {
+                    Ok((sandbox, conn)) => {
+                        // `create` put it in `live` too, so that a stopping node ends it.
+                        if let Ok(mut w) = node.warm.lock() {
+                            w.push(Warm {
+                                sandbox,
+                                conn,
+                                limits,
+                            });
+                        }
+                        if node.is_stopping() {
+                            // `shutdown` may have run between the check above and now.
+                            node.drain_warm();
+                        }
+                    }
+                    Err(_) => {
+                        if let Some(sb) = node.live.lock().ok().and_then(|mut l| l.remove(&id)) {
+                            node.teardown(sb);
+                        }
+                        // Do not spin on a node that cannot make sandboxes.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+            node.refilling.store(false, Ordering::SeqCst);
+        });
+    }
+
+    fn drain_warm(self: &Arc<Self>) {
+        let warm: Vec<Warm> = self
+            .warm
+            .lock()
+            .map(|mut w| w.drain(..).collect())
+            .unwrap_or_default();
+        for w in warm {
+            if let Some(sb) = self
+                .live
+                .lock()
+                .ok()
+                .and_then(|mut l| l.remove(&w.sandbox.id))
+            {
+                self.teardown(sb);
+            }
+        }
+    }
+
     /// Ends every sandbox (the node is stopping) and waits for their teardown.
     pub async fn shutdown(self: &Arc<Self>) {
         self.stopping.store(true, Ordering::SeqCst);
+        self.drain_warm();
         let all: Vec<Arc<Sandbox>> = self
             .live
             .lock()

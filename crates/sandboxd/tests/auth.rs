@@ -18,7 +18,7 @@ fn api_keys_are_required_and_checked() {
         "# the test's keys\nkey-one-7f3a\n\n  key-two-91bc  \n",
     )
     .unwrap();
-    let node = TestNode::start_with(&["--api-keys", keys.to_str().unwrap()]);
+    let mut node = TestNode::start_with(&["--api-keys", keys.to_str().unwrap()]);
     let _ = std::fs::remove_dir_all(&dir);
     let body = json!({ "command": "echo authorised" });
 
@@ -50,6 +50,9 @@ fn api_keys_are_required_and_checked() {
     assert_eq!(r.status, 200);
     let r = node.get("/healthz", &[("Authorization", "Bearer nope")]);
     assert_eq!(r.status, 200);
+    let r = node.get("/internal/node", &[]);
+    assert_error(r.status, &r.json(), 401, "missing_api_key", None);
+    node.auth = Some("Bearer key-one-7f3a".into());
     node.assert_clean(Duration::from_secs(10));
 }
 

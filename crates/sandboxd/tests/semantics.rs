@@ -391,3 +391,36 @@ fn children_left_behind_do_not_hold_the_answer() {
     // The sleep goes with the sandbox.
     node.assert_clean(CLEAN);
 }
+
+#[test]
+fn warm_sandboxes_serve_runs_and_the_pool_refills() {
+    let node = TestNode::start();
+    let wait_full = || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let w = node.warm_ids();
+            if w.len() == 2 || Instant::now() > deadline {
+                return w;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let before = wait_full();
+    assert_eq!(before.len(), 2, "the pool fills at start");
+    // A run of the base image takes a warm sandbox, whatever limits it asks for.
+    let v = node.run_ok(&json!({ "command": "cat /sys/fs/cgroup/memory.max 2>/dev/null; hostname", "limits": { "memory_bytes": 268435456u64 } }));
+    let id = v["sandbox_id"].as_str().unwrap().to_string();
+    assert!(before.contains(&id), "{id} was not one of {before:?}");
+    assert!(stdout(&v).ends_with(&format!("{id}\n")), "{v}");
+    let after = wait_full();
+    assert_eq!(after.len(), 2, "the pool refills");
+    assert!(
+        !after.contains(&id),
+        "a used sandbox never goes back to the pool"
+    );
+    // A run that wants another machine (its own hostname) gets a sandbox made for it.
+    let v = node.run_ok(&json!({ "command": "hostname", "hostname": "my-box" }));
+    assert_eq!(stdout(&v), "my-box\n");
+    assert!(!after.contains(&v["sandbox_id"].as_str().unwrap().to_string()));
+    node.assert_clean(CLEAN);
+}

@@ -201,33 +201,53 @@ impl Group {
                 Err(e) => return Err(io_err(d)(e)),
             }
         }
-        let quota = u64::from(limits.vcpus.max(1)) * 100_000;
-        if self.is_v2() {
-            let d = self.dirs[0].1.clone();
-            write_file(&d.join("memory.max"), &limits.memory_bytes.to_string())?;
-            // No swap: a sandbox over its memory is killed, not paged out.
-            let _ = write_file(&d.join("memory.swap.max"), "0");
-            write_file(&d.join("cpu.max"), &format!("{quota} 100000"))?;
-            write_file(&d.join("pids.max"), &limits.pids.to_string())?;
-        } else {
+        if !self.is_v2() {
             if let Some(d) = self.dir("memory") {
-                write_file(
-                    &d.join("memory.limit_in_bytes"),
-                    &limits.memory_bytes.to_string(),
-                )?;
-                let memsw = d.join("memory.memsw.limit_in_bytes");
-                if memsw.exists() {
-                    write_file(&memsw, &limits.memory_bytes.to_string())?;
-                }
                 let _ = write_file(&d.join("memory.swappiness"), "0");
             }
             if let Some(d) = self.dir("cpu") {
                 write_file(&d.join("cpu.cfs_period_us"), "100000")?;
-                write_file(&d.join("cpu.cfs_quota_us"), &quota.to_string())?;
             }
-            if let Some(d) = self.dir("pids") {
-                write_file(&d.join("pids.max"), &limits.pids.to_string())?;
+        }
+        self.set_limits(limits)
+    }
+
+    /// Sets the group's limits (also of a group in use: a sandbox taken from the warm pool).
+    pub fn set_limits(&self, limits: &Limits) -> Result<(), CgroupError> {
+        let quota = u64::from(limits.vcpus.max(1)) * 100_000;
+        let mem = limits.memory_bytes.to_string();
+        if self.is_v2() {
+            let d = self.dirs[0].1.clone();
+            write_file(&d.join("memory.max"), &mem)?;
+            // No swap: a sandbox over its memory is killed, not paged out.
+            let _ = write_file(&d.join("memory.swap.max"), "0");
+            write_file(&d.join("cpu.max"), &format!("{quota} 100000"))?;
+            write_file(&d.join("pids.max"), &limits.pids.to_string())?;
+            return Ok(());
+        }
+        if let Some(d) = self.dir("memory") {
+            let memsw = d.join("memory.memsw.limit_in_bytes");
+            let has_memsw = memsw.exists();
+            // memsw may never be below the memory limit: raise in the order that keeps it so.
+            let current: u64 = fs::read_to_string(d.join("memory.limit_in_bytes"))
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(u64::MAX);
+            if has_memsw && limits.memory_bytes > current {
+                write_file(&memsw, &mem)?;
+                write_file(&d.join("memory.limit_in_bytes"), &mem)?;
+            } else {
+                write_file(&d.join("memory.limit_in_bytes"), &mem)?;
+                if has_memsw {
+                    write_file(&memsw, &mem)?;
+                }
             }
+        }
+        if let Some(d) = self.dir("cpu") {
+            write_file(&d.join("cpu.cfs_quota_us"), &quota.to_string())?;
+        }
+        if let Some(d) = self.dir("pids") {
+            write_file(&d.join("pids.max"), &limits.pids.to_string())?;
         }
         Ok(())
     }

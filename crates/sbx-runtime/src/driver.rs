@@ -57,6 +57,12 @@ impl Sandbox {
     pub fn memory_peak(&self) -> Option<u64> {
         self.group.memory_peak()
     }
+
+    /// Changes the sandbox's limits while it runs.
+    pub fn set_limits(&self, limits: &Limits) -> Result<(), RuntimeError> {
+        self.group.set_limits(limits)?;
+        Ok(())
+    }
 }
 
 /// Makes and ends sandboxes. The namespace driver is the one these machines have; a microVM

@@ -346,6 +346,8 @@ pub struct TestNode {
     http: ureq::Agent,
     agent: PathBuf,
     args: Vec<String>,
+    /// An `Authorization` value the fixture's own calls (`warm_ids`) send.
+    pub auth: Option<String>,
 }
 
 impl TestNode {
@@ -384,6 +386,7 @@ impl TestNode {
             http,
             agent,
             args: args.iter().map(|a| a.to_string()).collect(),
+            auth: None,
         };
         assert!(
             !node.cgroup_dirs.is_empty(),
@@ -621,7 +624,39 @@ impl TestNode {
 
     /// What is left on the host of this node's sandboxes: their directories, cgroups, mounts
     /// and processes. Empty when every sandbox is gone.
+    /// Ids of the sandboxes the node keeps made ahead (its warm pool): they are the node's,
+    /// not leftovers of a run. Empty when the node does not answer.
+    pub fn warm_ids(&self) -> Vec<String> {
+        if self.child.is_none() {
+            return Vec::new();
+        }
+        let r = match &self.auth {
+            Some(a) => self.get("/internal/node", &[("Authorization", a.as_str())]),
+            None => self.get("/internal/node", &[]),
+        };
+        if r.status != 200 {
+            return Vec::new();
+        }
+        r.json()["warm_pool"]["ready"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// What is left of runs' sandboxes: everything of the node's sandboxes but its warm pool.
     pub fn leftovers(&self) -> Vec<String> {
+        let warm = self.warm_ids();
+        let mut all = self.all_sandbox_traces();
+        all.retain(|l| !warm.iter().any(|w| l.contains(w.as_str())));
+        all
+    }
+
+    /// Everything of the node's sandboxes on the host, warm ones included.
+    pub fn all_sandbox_traces(&self) -> Vec<String> {
         let mut out = Vec::new();
         if let Ok(rd) = fs::read_dir(self.data_dir.join("sandboxes")) {
             for e in rd.flatten() {
