@@ -7,6 +7,7 @@ cd "$(dirname "$0")"
 . scripts/lib.sh
 need_root
 install_node_packages
+install_packages docker-registry
 need_cargo
 export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
 cargo build --workspace --all-targets

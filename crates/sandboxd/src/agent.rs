@@ -68,3 +68,44 @@ impl AgentConn {
         }
     }
 }
+
+impl AgentConn {
+    /// Sends `msg` and returns the agent's next message (data frames before it are skipped).
+    pub async fn request(&mut self, msg: &HostMsg) -> Result<AgentMsg, AgentError> {
+        self.send(msg).await?;
+        loop {
+            if let Frame::Msg(m) = self.recv().await? {
+                return Ok(m);
+            }
+        }
+    }
+}
+
+/// One request on a connection of its own; its answer within 10 s (`Wait` excepted: its
+/// answer comes when the command ends, and the caller bounds it).
+pub async fn one_shot(socket: &Path, msg: &HostMsg) -> Result<AgentMsg, AgentError> {
+    let mut c = AgentConn::connect(socket, Duration::from_secs(5)).await?;
+    if matches!(msg, HostMsg::Wait { .. }) {
+        return c.request(msg).await;
+    }
+    tokio::time::timeout(Duration::from_secs(10), c.request(msg))
+        .await
+        .map_err(|_| AgentError::Timeout)?
+}
+
+/// Sends a signal to a command's process group (and waits until the agent has sent it).
+pub async fn signal(socket: &Path, exec_id: &str, signal: i32) -> Result<(), AgentError> {
+    let mut c = AgentConn::connect(socket, Duration::from_secs(5)).await?;
+    c.send(&HostMsg::Signal {
+        exec_id: exec_id.into(),
+        signal,
+    })
+    .await?;
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        c.request(&HostMsg::Sync { token: 0 }),
+    )
+    .await
+    .map_err(|_| AgentError::Timeout)??;
+    Ok(())
+}

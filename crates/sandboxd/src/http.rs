@@ -34,7 +34,7 @@ pub struct AppState {
 }
 
 #[derive(Clone)]
-struct RequestId(String);
+pub(crate) struct RequestId(pub String);
 
 /// The router of the node's API.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -42,13 +42,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/v1/run", post(run))
         .route("/internal/node", get(node_info))
+        .merge(crate::api::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), edge))
         .with_state(state)
 }
 
-fn error_response(err: &ApiError, request_id: &str, docs: Option<&str>) -> Response {
+pub(crate) fn error_response(err: &ApiError, request_id: &str, docs: Option<&str>) -> Response {
     let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = sbx_api::error_body(err, request_id, docs);
     let mut resp = (status, axum::Json(body)).into_response();
@@ -160,33 +161,34 @@ async fn method_not_allowed(
     )
 }
 
-/// What every exec object of a run shares.
+/// What every exec object of a command shares.
 #[derive(Clone)]
-struct ExecMeta {
-    sandbox_id: String,
-    exec_id: String,
-    command: String,
-    encoding: Encoding,
+pub(crate) struct ExecMeta {
+    pub sandbox_id: String,
+    pub exec_id: String,
+    pub command: String,
+    pub encoding: Encoding,
+    pub tty: bool,
 }
 
-#[derive(Default)]
-struct Started {
-    pid: u32,
-    started_at_ns: i64,
+#[derive(Default, Clone, Copy)]
+pub(crate) struct Started {
+    pub pid: u32,
+    pub started_at_ns: i64,
 }
 
 /// The last bytes of one stream.
-struct Tail {
+pub(crate) struct Tail {
     buf: VecDeque<u8>,
 }
 
 impl Tail {
-    fn new() -> Tail {
+    pub(crate) fn new() -> Tail {
         Tail {
             buf: VecDeque::new(),
         }
     }
-    fn push(&mut self, data: &[u8]) {
+    pub(crate) fn push(&mut self, data: &[u8]) {
         let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES;
         if data.len() >= cap {
             self.buf.clear();
@@ -215,17 +217,19 @@ impl Tail {
     }
 }
 
-fn exec_object(
+/// The exec object of a command: `exit` when it has ended, its output counters, the tails.
+pub(crate) fn exec_object(
     meta: &ExecMeta,
     started: &Started,
-    end: Option<(&ExitInfo, &OutputCounts)>,
+    exit: Option<&ExitInfo>,
+    output: OutputCounts,
     stdout: &mut Tail,
     stderr: &mut Tail,
     gap: bool,
 ) -> ExecObject {
     let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES as u64;
-    let (status, exit_code, signal, duration, usage, output) = match end {
-        Some((x, o)) => (
+    let (status, exit_code, signal, duration, usage) = match exit {
+        Some(x) => (
             match x.status.as_str() {
                 "timed_out" => ExecStatus::TimedOut,
                 "killed" => ExecStatus::Killed,
@@ -238,16 +242,8 @@ fn exec_object(
                 cpu_seconds: x.cpu_ns as f64 / 1e9,
                 max_memory_bytes: x.max_rss_bytes,
             }),
-            *o,
         ),
-        None => (
-            ExecStatus::Running,
-            None,
-            None,
-            None,
-            None,
-            OutputCounts::default(),
-        ),
+        None => (ExecStatus::Running, None, None, None, None),
     };
     let truncated =
         gap || output.start > 0 || output.stdout_bytes > cap || output.stderr_bytes > cap;
@@ -256,7 +252,7 @@ fn exec_object(
         object: ExecObjectKind::Exec,
         sandbox_id: meta.sandbox_id.clone(),
         command: meta.command.clone(),
-        tty: false,
+        tty: meta.tty,
         status,
         exit_code,
         signal,
@@ -314,6 +310,7 @@ async fn run(
         exec_id: plan.exec_id.clone(),
         command: plan.command.clone(),
         encoding: plan.encoding,
+        tty: false,
     };
     tracing::info!(request_id = %rid.0, sandbox = %meta.sandbox_id, exec = %meta.exec_id, "run");
     let (tx, rx) = mpsc::channel(64);
@@ -325,7 +322,7 @@ async fn run(
     }
 }
 
-async fn read_body(body: Body) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_body(body: Body) -> Result<Bytes, ApiError> {
     use http_body_util::{BodyExt, Limited};
     match Limited::new(body, MAX_BODY).collect().await {
         Ok(c) => Ok(c.to_bytes()),
@@ -366,7 +363,8 @@ async fn json_response(
                 let obj = exec_object(
                     &meta,
                     &started,
-                    Some((&exit, &output)),
+                    Some(&exit),
+                    output,
                     &mut out,
                     &mut err,
                     gap,
@@ -431,17 +429,30 @@ fn sse_response(
     rid: String,
     docs: Option<String>,
 ) -> Response {
+    event_stream(rx, meta, Started::default(), 0, rid, docs)
+}
+
+/// An event stream of a command's events from position `from` (`started`: what is known of it
+/// when the stream does not begin with its start).
+pub(crate) fn event_stream(
+    rx: mpsc::Receiver<RunEvent>,
+    meta: ExecMeta,
+    started: Started,
+    from: u64,
+    rid: String,
+    docs: Option<String>,
+) -> Response {
     let state = SseState {
         rx,
         meta,
         rid,
         docs,
-        started: Started::default(),
+        started,
         out: Tail::new(),
         err: Tail::new(),
         carry_out: Vec::new(),
         carry_err: Vec::new(),
-        cursor: 0,
+        cursor: from,
         gap: false,
         done: false,
     };
@@ -481,6 +492,7 @@ async fn next_sse(s: &mut SseState) -> String {
                     &s.meta,
                     &s.started,
                     None,
+                    OutputCounts::default(),
                     &mut Tail::new(),
                     &mut Tail::new(),
                     false,
@@ -538,7 +550,8 @@ async fn next_sse(s: &mut SseState) -> String {
                 let obj = exec_object(
                     &s.meta,
                     &s.started,
-                    Some((&exit, &output)),
+                    Some(&exit),
+                    output,
                     &mut s.out,
                     &mut s.err,
                     s.gap,

@@ -1,9 +1,12 @@
 //! `sandboxd`: the sbx node daemon.
 
 mod agent;
+mod api;
 mod http;
 mod image;
 mod node;
+mod sandboxes;
+mod store;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -57,6 +60,9 @@ struct Cli {
     /// (0: none).
     #[arg(long, default_value_t = 2)]
     warm_pool: usize,
+    /// Commands one sandbox may run at once.
+    #[arg(long, default_value_t = 4)]
+    max_execs_per_sandbox: usize,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -146,19 +152,29 @@ fn main() -> anyhow::Result<()> {
         max_memory_bytes: host_memory(),
         max_vcpus: cpus,
         warm_pool: cli.warm_pool,
+        max_execs_per_sandbox: cli.max_execs_per_sandbox.max(1),
     };
     std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
         .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
-    let node = node::Node::new(cfg, Arc::new(driver), images);
-    let removed = node.reconcile();
-    if removed > 0 {
-        tracing::info!(removed, "removed what a previous run left");
-    }
+    let store =
+        store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
+    store.idem_tidy().context("tidy idempotency records")?;
+    let node = node::Node::new(cfg, Arc::new(driver), images, store);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("tokio runtime")?;
-    rt.block_on(serve(cli.listen, node, api_keys, cli.docs_url))
+    rt.block_on(async move {
+        let (adopted, lost) = node.recover();
+        if adopted + lost > 0 {
+            tracing::info!(adopted, lost, "sandboxes of the previous run");
+        }
+        let removed = node.reconcile();
+        if removed > 0 {
+            tracing::info!(removed, "removed what a previous run left");
+        }
+        serve(cli.listen, node, api_keys, cli.docs_url).await
+    })
 }
 
 async fn serve(

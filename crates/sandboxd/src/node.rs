@@ -28,6 +28,8 @@ pub struct NodeConfig {
     pub max_vcpus: u32,
     /// Sandboxes of the base image kept made ahead, so that a run does not wait for one.
     pub warm_pool: usize,
+    /// Commands one sandbox may run at once.
+    pub max_execs_per_sandbox: usize,
 }
 
 /// A sandbox in the table.
@@ -51,15 +53,25 @@ struct Warm {
 
 pub struct Node {
     pub cfg: NodeConfig,
+    pub(crate) store: crate::store::Store,
+    pub(crate) managed: Mutex<HashMap<String, Arc<crate::sandboxes::Managed>>>,
     warm: Mutex<Vec<Warm>>,
     refilling: AtomicBool,
-    driver: Arc<dyn Driver>,
-    images: ImageStore,
+    pub(crate) driver: Arc<dyn Driver>,
+    pub(crate) images: ImageStore,
     table: Mutex<Table>,
     live: Mutex<HashMap<String, Arc<Sandbox>>>,
     teardowns: AtomicUsize,
     /// Set when the node stops: no sandbox is made from then on.
     stopping: AtomicBool,
+}
+
+/// What a sandbox is made of, resolved.
+pub struct Machine {
+    pub image: Image,
+    pub limits: Limits,
+    /// Milliseconds until `expires_at`.
+    pub expires_in_ms: Option<u64>,
 }
 
 /// A run, validated and resolved: nothing is made yet (but a warm sandbox may be taken).
@@ -100,7 +112,7 @@ pub enum RunEvent {
     Failed(ApiError),
 }
 
-fn stopping_error() -> ApiError {
+pub(crate) fn stopping_error() -> ApiError {
     ApiError::new(
         ErrorCode::Unavailable,
         "the node is stopping: its sandboxes are ended",
@@ -116,9 +128,16 @@ fn not_served(param: &str, what: &str) -> ApiError {
 }
 
 impl Node {
-    pub fn new(cfg: NodeConfig, driver: Arc<dyn Driver>, images: ImageStore) -> Arc<Node> {
+    pub fn new(
+        cfg: NodeConfig,
+        driver: Arc<dyn Driver>,
+        images: ImageStore,
+        store: crate::store::Store,
+    ) -> Arc<Node> {
         Arc::new(Node {
             cfg,
+            store,
+            managed: Mutex::new(HashMap::new()),
             warm: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
             driver,
@@ -130,15 +149,24 @@ impl Node {
         })
     }
 
-    fn sandboxes_dir(&self) -> PathBuf {
+    pub(crate) fn sandboxes_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("sandboxes")
     }
 
-    /// Removes what a previous run of the node left: sandboxes whose table is gone with it.
-    /// (The node keeps no table across restarts yet: every leftover is ended.)
+    /// Removes what a previous run of the node left that the table does not keep: the
+    /// sandboxes of runs and the warm pool (call after `recover`).
     pub fn reconcile(&self) -> usize {
+        let kept = self.kept_ids();
+        let known: std::collections::HashSet<String> = self
+            .managed
+            .lock()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
         let mut n = 0;
         for id in self.driver.list_groups() {
+            if kept.contains(&id) {
+                continue;
+            }
             if let Err(e) = self.driver.remove_leftovers(&id) {
                 tracing::warn!(sandbox = %id, error = %e, "cannot remove a leftover cgroup");
             }
@@ -146,6 +174,9 @@ impl Node {
         }
         if let Ok(rd) = std::fs::read_dir(self.sandboxes_dir()) {
             for e in rd.flatten() {
+                if e.file_name().to_str().is_some_and(|id| known.contains(id)) {
+                    continue;
+                }
                 let _ = sbx_runtime::driver::remove_dir(&e.path());
                 n += 1;
             }
@@ -153,7 +184,7 @@ impl Node {
         n
     }
 
-    fn is_stopping(&self) -> bool {
+    pub(crate) fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
     }
 
@@ -181,12 +212,9 @@ impl Node {
         }
     }
 
-    /// Checks a run against what this node serves and reserves its name. Every refusal
-    /// happens here, before anything is made.
-    pub fn plan_run(&self, req: RunRequest) -> Result<RunPlan, ApiError> {
-        if self.is_stopping() {
-            return Err(stopping_error());
-        }
+    /// Checks what a run or a create asks of the machine against what this node serves, and
+    /// resolves its image and shape. Every refusal happens here, before anything is made.
+    pub fn check_machine(&self, req: &RunRequest, long_lived: bool) -> Result<Machine, ApiError> {
         if req.egress.as_ref().is_some_and(|e| !e.is_null()) {
             return Err(not_served("egress", "egress rules"));
         }
@@ -233,15 +261,28 @@ impl Node {
         if req.runtime.as_ref().is_some_and(|r| !r.is_null()) {
             return Err(not_served("runtime", "runtime settings"));
         }
-        if req.start == Some(true) || req.start_command.is_some() || req.ready.is_some() {
-            let param = if req.start_command.is_some() {
-                "start_command"
-            } else if req.ready.is_some() {
+        if req.start == Some(true)
+            || req.ready.is_some()
+            || (!long_lived && req.start_command.is_some())
+        {
+            let param = if req.ready.is_some() {
                 "ready"
-            } else {
+            } else if req.start == Some(true) {
                 "start"
+            } else {
+                "start_command"
             };
-            return Err(not_served(param, "start commands"));
+            return Err(not_served(
+                param,
+                if long_lived {
+                    "an image's start command or ready checks"
+                } else {
+                    "start commands in a run"
+                },
+            ));
+        }
+        if req.on_expiry != sbx_api::OnExpiry::Delete {
+            return Err(not_served("on_expiry", "sleep"));
         }
         if req.guest_mitigations == Some(true) {
             return Err(not_served(
@@ -276,7 +317,7 @@ impl Node {
             )
             .with_param("checkpoint"));
         }
-        let mut deadline_ms = (req.timeout_seconds * 1000.0).ceil() as u64;
+        let mut expires_in_ms = None;
         if let Some(at) = &req.expires_at {
             let at_ns = sbx_api::parse_rfc3339(at).ok_or_else(|| {
                 ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
@@ -289,8 +330,7 @@ impl Node {
                 )
                 .with_param("expires_at"));
             }
-            // The sandbox is deleted when it expires: the command ends then at the latest.
-            deadline_ms = deadline_ms.min((left_ns / 1_000_000) as u64 + 1);
+            expires_in_ms = Some((left_ns / 1_000_000) as u64 + 1);
         }
         let memory = req
             .limits
@@ -328,6 +368,29 @@ impl Node {
             vcpus,
             pids: self.cfg.pids_max,
         };
+        Ok(Machine {
+            image,
+            limits,
+            expires_in_ms,
+        })
+    }
+
+    /// Checks a run against what this node serves and reserves its name. Every refusal
+    /// happens here, before anything is made.
+    pub fn plan_run(&self, req: RunRequest) -> Result<RunPlan, ApiError> {
+        if self.is_stopping() {
+            return Err(stopping_error());
+        }
+        let Machine {
+            image,
+            limits,
+            expires_in_ms,
+        } = self.check_machine(&req, false)?;
+        let mut deadline_ms = (req.timeout_seconds * 1000.0).ceil() as u64;
+        if let Some(left) = expires_in_ms {
+            // The sandbox is deleted when it expires: the command ends then at the latest.
+            deadline_ms = deadline_ms.min(left);
+        }
         let exec_id = sbx_api::new_id("exe");
         let mut env: Vec<(String, String)> = req.env.clone().into_iter().collect();
         env.extend(req.secret_env.0.clone());
@@ -544,14 +607,60 @@ impl Node {
         }
     }
 
-    fn live_insert(&self, sb: &Arc<Sandbox>) {
+    pub(crate) fn live_insert(&self, sb: &Arc<Sandbox>) {
         if let Ok(mut l) = self.live.lock() {
             l.insert(sb.id.clone(), sb.clone());
         }
     }
 
+    pub(crate) fn live_remove(&self, id: &str) {
+        if let Ok(mut l) = self.live.lock() {
+            l.remove(id);
+        }
+    }
+
+    /// Ends a sandbox of the node's live table now (in the background).
+    pub(crate) fn end_run_sandbox(self: &Arc<Self>, id: &str) {
+        if let Some(sb) = self.live.lock().ok().and_then(|mut l| l.remove(id)) {
+            self.teardown(sb);
+        }
+    }
+
+    /// Takes a warm sandbox (out of the node's live table: the caller keeps it).
+    pub(crate) fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
+        let w = self.warm.lock().ok().and_then(|mut w| w.pop())?;
+        self.live_remove(&w.sandbox.id);
+        self.refill();
+        Some(w.sandbox)
+    }
+
+    /// Reserves a name for sandbox `id` (409 name_taken when another has it).
+    pub(crate) fn reserve_name(&self, name: Option<&str>, id: &str) -> Result<(), ApiError> {
+        let Some(n) = name else {
+            return Ok(());
+        };
+        let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
+        match t.names.get(n) {
+            Some(other) if other != id => Err(ApiError::new(
+                ErrorCode::NameTaken,
+                format!("a sandbox is named {n}"),
+            )
+            .with_param("name")),
+            _ => {
+                t.names.insert(n.to_string(), id.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn release_name(&self, name: Option<&str>) {
+        if let (Some(n), Ok(mut t)) = (name, self.table.lock()) {
+            t.names.remove(n);
+        }
+    }
+
     /// Makes a sandbox (in the node's table of live ones) and connects to its agent.
-    async fn create(
+    pub(crate) async fn create(
         self: &Arc<Self>,
         spec: SandboxSpec,
     ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {

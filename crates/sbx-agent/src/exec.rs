@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use sbx_proto::{ExecFailKind, ExecSpec, ExitInfo, OutputCounts, Program, Stream};
+use sbx_proto::{ExecFailKind, ExecSpec, ExecState, ExitInfo, OutputCounts, Program, Stream};
 use sbx_runtime::process::{self, Ended, Reaped, SpawnSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -110,6 +110,16 @@ impl Exec {
 
     fn bump(&self) {
         self.notify.send_modify(|v| *v += 1);
+    }
+
+    pub fn snapshot(&self) -> ExecState {
+        ExecState {
+            exec_id: self.id.clone(),
+            pid: self.pid,
+            started_at_ns: self.started_at_ns,
+            exit: self.state.borrow().exit.clone(),
+            output: self.counts(),
+        }
     }
 
     pub fn counts(&self) -> OutputCounts {

@@ -201,18 +201,38 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
         },
         HostMsg::Status { exec_id } => match find(agent, &exec_id) {
             Some(e) => {
-                let exit = e.state.borrow().exit.clone();
-                let msg = AgentMsg::State {
-                    exec_id,
-                    pid: e.pid,
-                    started_at_ns: e.started_at_ns,
-                    exit,
-                    output: e.counts(),
-                };
-                send(out, &msg).await;
+                send(out, &AgentMsg::State(e.snapshot())).await;
             }
             None => no_such_exec(out, exec_id).await,
         },
+        HostMsg::Wait { exec_id } => match find(agent, &exec_id) {
+            Some(e) => {
+                let out = out.clone();
+                spawn_local(async move {
+                    let mut changed = e.subscribe();
+                    loop {
+                        changed.borrow_and_update();
+                        if e.state.borrow().exit.is_some() {
+                            break;
+                        }
+                        if changed.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                    send(&out, &AgentMsg::State(e.snapshot())).await;
+                });
+            }
+            None => no_such_exec(out, exec_id).await,
+        },
+        HostMsg::List => {
+            let mut execs: Vec<Rc<Exec>> = agent.execs.borrow().values().cloned().collect();
+            execs.sort_by_key(|e| (e.started_at_ns, e.id.clone()));
+            let execs = execs.iter().map(|e| e.snapshot()).collect();
+            send(out, &AgentMsg::Execs { execs }).await;
+        }
+        HostMsg::Sync { token } => {
+            send(out, &AgentMsg::Synced { token }).await;
+        }
     }
 }
 

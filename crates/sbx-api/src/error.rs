@@ -102,6 +102,12 @@ pub enum ErrorCode {
     NoIpv6,
     /// checkpoint is on, and this node takes no checkpoints.
     CheckpointsUnavailable,
+    /// The sandbox is not in a state that takes this call (its status says which it is in).
+    SandboxNotRunning,
+    /// The sandbox runs as many commands at once as it may.
+    TooManyCommands,
+    /// The command's stdin is closed, or it has ended.
+    StdinClosed,
 
     // 413 too_large
     /// The request body is over 64 MiB.
@@ -131,7 +137,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 49] = [
+    pub const ALL: [ErrorCode; 52] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -173,6 +179,9 @@ impl ErrorCode {
         ErrorCode::NoProjectAddress,
         ErrorCode::NoIpv6,
         ErrorCode::CheckpointsUnavailable,
+        ErrorCode::SandboxNotRunning,
+        ErrorCode::TooManyCommands,
+        ErrorCode::StdinClosed,
         ErrorCode::BodyTooLarge,
         ErrorCode::Internal,
         ErrorCode::Unavailable,
@@ -227,6 +236,9 @@ impl ErrorCode {
             ErrorCode::NoProjectAddress => "no_project_address",
             ErrorCode::NoIpv6 => "no_ipv6",
             ErrorCode::CheckpointsUnavailable => "checkpoints_unavailable",
+            ErrorCode::SandboxNotRunning => "sandbox_not_running",
+            ErrorCode::TooManyCommands => "too_many_commands",
+            ErrorCode::StdinClosed => "stdin_closed",
             ErrorCode::BodyTooLarge => "body_too_large",
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
@@ -296,7 +308,10 @@ impl ErrorCode {
             | SnapshotLost
             | NoProjectAddress
             | NoIpv6
-            | CheckpointsUnavailable => 409,
+            | CheckpointsUnavailable
+            | SandboxNotRunning
+            | TooManyCommands
+            | StdinClosed => 409,
             BodyTooLarge => 413,
             Internal => 500,
             Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,
@@ -320,6 +335,7 @@ impl ErrorCode {
         matches!(
             self,
             ErrorCode::IdempotencyInProgress
+                | ErrorCode::TooManyCommands
                 | ErrorCode::Unavailable
                 | ErrorCode::NoCapacity
                 | ErrorCode::MemoryFull
@@ -500,6 +516,7 @@ mod tests {
             retryable,
             vec![
                 ErrorCode::IdempotencyInProgress,
+                ErrorCode::TooManyCommands,
                 ErrorCode::Unavailable,
                 ErrorCode::NoCapacity,
                 ErrorCode::MemoryFull,

@@ -52,6 +52,18 @@ pub fn new_id(prefix: &str) -> String {
     id
 }
 
+/// An id of `prefix` derived from `seed` (the first 16 bytes of a digest of it): the same
+/// seed gives the same id, as an Idempotency-Key's retry needs.
+pub fn derived_id(prefix: &str, seed: &[u8; 16]) -> String {
+    let mut id = String::with_capacity(prefix.len() + 1 + ID_RANDOM_LEN);
+    id.push_str(prefix);
+    id.push('-');
+    for b in seed.iter().take(ID_RANDOM_LEN) {
+        id.push(char::from(ID_ALPHABET[usize::from(b & 31)]));
+    }
+    id
+}
+
 /// Whether `s` is an id of `prefix`: `prefix-` and 16 characters of [`ID_ALPHABET`].
 pub fn is_id(prefix: &str, s: &str) -> bool {
     let Some(rest) = s.strip_prefix(prefix) else {

@@ -12,6 +12,7 @@ pub mod events;
 pub mod exec;
 pub mod ids;
 pub mod run;
+pub mod sandbox;
 
 pub use error::{error_body, ApiError, ErrorCode};
 pub use events::{sse, sse_event, EventKind};
@@ -19,8 +20,14 @@ pub use exec::{
     format_rfc3339_millis, parse_rfc3339, signal_name, signal_number, ExecObject, ExecObjectKind,
     ExecStatus, ExecUsage, OutputInfo,
 };
-pub use ids::{is_id, new_id, new_request_id, request_id_or_new, valid_name, valid_request_id};
+pub use ids::{
+    derived_id, is_id, new_id, new_request_id, request_id_or_new, valid_name, valid_request_id,
+};
 pub use run::{
     parse_run_request, parse_run_value, validate_idempotency_key, Command, Encoding, Init, Limits,
     OnExpiry, Ready, Region, RunRequest, SecretEnv, Stop, Tmp, VolumeMount,
+};
+pub use sandbox::{
+    parse_exec_request, parse_sandbox_create, ExecRequest, SandboxCreate, SandboxLimits,
+    SandboxObject, SandboxStatus,
 };

@@ -794,7 +794,11 @@ fn check_across_fields(req: &RunRequest) -> Result<(), ApiError> {
 
 // ---- field parsers ----
 
-fn parse_command(v: &Value, param: &str, max_bytes: Option<usize>) -> Result<Command, ApiError> {
+pub(crate) fn parse_command(
+    v: &Value,
+    param: &str,
+    max_bytes: Option<usize>,
+) -> Result<Command, ApiError> {
     let bad = |what: &str| invalid(param, format!("{param} {what}"));
     let cmd = match v {
         Value::String(s) => {
@@ -1032,7 +1036,7 @@ fn parse_limits(v: &Value) -> Result<Limits, ApiError> {
     })
 }
 
-fn parse_env(v: &Value, field: &str) -> Result<BTreeMap<String, String>, ApiError> {
+pub(crate) fn parse_env(v: &Value, field: &str) -> Result<BTreeMap<String, String>, ApiError> {
     let obj = object(v, field)?;
     let mut out = BTreeMap::new();
     for (key, val) in obj {
@@ -1230,11 +1234,11 @@ fn valid_time_of_day(s: &str) -> bool {
 
 // ---- helpers ----
 
-fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+pub(crate) fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
     ApiError::invalid_field(param, message)
 }
 
-fn unknown_field(param: &str, of: &str) -> ApiError {
+pub(crate) fn unknown_field(param: &str, of: &str) -> ApiError {
     ApiError::new(
         ErrorCode::UnknownField,
         format!("{param} is not a field {of} takes"),
@@ -1243,7 +1247,7 @@ fn unknown_field(param: &str, of: &str) -> ApiError {
 }
 
 /// The field's value, unless it is absent or null.
-fn given<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn given<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
@@ -1259,7 +1263,7 @@ fn reject_unknown(obj: &Map<String, Value>, at: &str, known: &[&str]) -> Result<
     }
 }
 
-fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+pub(crate) fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
     opt_bool_at(obj, key, key)
 }
 
@@ -1271,7 +1275,10 @@ fn opt_bool_at(obj: &Map<String, Value>, key: &str, param: &str) -> Result<Optio
     }
 }
 
-fn opt_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, ApiError> {
+pub(crate) fn opt_str<'a>(
+    obj: &'a Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a str>, ApiError> {
     opt_str_at(obj, key, key)
 }
 
@@ -1294,7 +1301,7 @@ fn opt_nonempty_str(obj: &Map<String, Value>, key: &str) -> Result<Option<String
     }
 }
 
-fn uint_in(v: &Value, param: &str, min: u64, max: u64) -> Result<u64, ApiError> {
+pub(crate) fn uint_in(v: &Value, param: &str, min: u64, max: u64) -> Result<u64, ApiError> {
     match v.as_u64() {
         Some(n) if (min..=max).contains(&n) => Ok(n),
         _ => Err(invalid(
@@ -1321,7 +1328,7 @@ fn opt_u32(
     }
 }
 
-fn number_in(
+pub(crate) fn number_in(
     v: &Value,
     param: &str,
     ok: impl Fn(f64) -> bool,

@@ -105,6 +105,12 @@ pub enum HostMsg {
     Attach { exec_id: String, from: u64 },
     /// Ask for the state of a command.
     Status { exec_id: String },
+    /// Answered by `State` once the command has ended.
+    Wait { exec_id: String },
+    /// Answered by `Execs`: every command the agent knows, oldest first.
+    List,
+    /// Answered by `Synced` after every frame sent before it was handled (stdin queued).
+    Sync { token: u64 },
 }
 
 /// How a command ended.
@@ -171,14 +177,26 @@ pub enum AgentMsg {
         exit: ExitInfo,
         output: OutputCounts,
     },
-    /// Answer to `Status`.
-    State {
-        exec_id: String,
-        pid: u32,
-        started_at_ns: i64,
-        exit: Option<ExitInfo>,
-        output: OutputCounts,
+    /// Answer to `Status` and `Wait`.
+    State(ExecState),
+    /// Answer to `List`.
+    Execs {
+        execs: Vec<ExecState>,
     },
+    /// Answer to `Sync`.
+    Synced {
+        token: u64,
+    },
+}
+
+/// What the agent knows of a command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecState {
+    pub exec_id: String,
+    pub pid: u32,
+    pub started_at_ns: i64,
+    pub exit: Option<ExitInfo>,
+    pub output: OutputCounts,
 }
 
 /// A frame as read.

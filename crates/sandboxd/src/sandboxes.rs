@@ -1,0 +1,1185 @@
+//! Long-lived sandboxes: create, get, list, delete, restart; their commands: exec, wait,
+//! output, stdin, signal. The table is in SQLite ([`crate::store`]); the commands' output is
+//! their agent's. A sandbox's agent outlives the node: a node that starts again adopts it.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sbx_api::{
+    ApiError, Command, Encoding, ErrorCode, ExecObject, ExecRequest, SandboxCreate, SandboxLimits,
+    SandboxObject, SandboxStatus,
+};
+use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExecState, Frame, HostMsg, Program, Stream};
+use sbx_runtime::{Limits, Sandbox, SandboxSpec};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::agent::{one_shot, AgentConn, AgentError};
+use crate::http::{exec_object, ExecMeta, Started, Tail};
+use crate::node::{Machine, Node, RunEvent};
+use crate::store::{ExecRow, SandboxRow};
+
+/// The id of the start command's exec.
+pub const START_EXEC: &str = "exe-start";
+
+/// What the node keeps of a create, to make the machine again.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StoredSpec {
+    pub image: String,
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+    pub hostname: Option<String>,
+    pub tmp_memory: bool,
+    pub env: BTreeMap<String, String>,
+    pub secret_env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub user: Option<String>,
+    pub start_command: Option<Command>,
+    pub stop_signal: i32,
+    pub stop_grace_ms: u32,
+    pub expires_at: Option<String>,
+}
+
+/// A sandbox the node keeps.
+pub struct Managed {
+    pub id: String,
+    row: Mutex<SandboxRow>,
+    spec: StoredSpec,
+    machine: Mutex<Option<Arc<Sandbox>>>,
+    running: Mutex<HashSet<String>>,
+    /// One lifecycle change at a time.
+    op: tokio::sync::Mutex<()>,
+}
+
+impl Managed {
+    fn status(&self) -> SandboxStatus {
+        self.row
+            .lock()
+            .ok()
+            .and_then(|r| SandboxStatus::parse(&r.status))
+            .unwrap_or(SandboxStatus::Failed)
+    }
+
+    fn boot(&self) -> u32 {
+        self.row.lock().map(|r| r.restarts).unwrap_or(0)
+    }
+
+    fn machine(&self) -> Option<Arc<Sandbox>> {
+        self.machine.lock().ok().and_then(|m| m.clone())
+    }
+
+    fn name(&self) -> Option<String> {
+        self.row.lock().ok().and_then(|r| r.name.clone())
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::new(ErrorCode::SandboxNotFound, format!("no sandbox {id}"))
+}
+
+fn wrong_state(status: SandboxStatus, what: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::SandboxNotRunning,
+        format!("the sandbox is {}: it cannot {what}", status.as_str()),
+    )
+}
+
+fn store_err(e: crate::store::StoreError) -> ApiError {
+    tracing::error!(error = %e, "state database");
+    ApiError::internal()
+}
+
+fn agent_lost(e: AgentError) -> ApiError {
+    tracing::warn!(error = %e, "agent");
+    ApiError::new(
+        ErrorCode::CommandLost,
+        format!("the sandbox's agent did not answer: {e}"),
+    )
+}
+
+fn program(c: &Command) -> Program {
+    match c {
+        Command::Shell(s) => Program::Shell(s.clone()),
+        Command::Argv(a) => Program::Argv(a.clone()),
+    }
+}
+
+/// Filters and page of `GET /v1/sandboxes`.
+#[derive(Debug, Default, Clone)]
+pub struct ListQuery {
+    pub status: Option<SandboxStatus>,
+    pub metadata: Vec<(String, String)>,
+    pub limit: usize,
+    pub cursor: Option<String>,
+}
+
+impl Node {
+    pub(crate) fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
+        let m = self.managed.lock().map_err(|_| ApiError::internal())?;
+        if let Some(s) = m.get(id_or_name) {
+            return Ok(s.clone());
+        }
+        m.values()
+            .find(|s| s.name().as_deref() == Some(id_or_name))
+            .cloned()
+            .ok_or_else(|| not_found(id_or_name))
+    }
+
+    pub fn sandbox_object(&self, m: &Managed) -> SandboxObject {
+        let row = m.row.lock().map(|r| r.clone()).ok();
+        let row = row.unwrap_or_else(|| SandboxRow {
+            id: m.id.clone(),
+            name: None,
+            status: "failed".into(),
+            spec: String::new(),
+            pid: None,
+            start_time: None,
+            created_at_ns: 0,
+            started_at_ns: None,
+            failure_code: None,
+            failure: None,
+            restarts: 0,
+        });
+        SandboxObject {
+            id: m.id.clone(),
+            object: "sandbox".into(),
+            name: row.name,
+            status: SandboxStatus::parse(&row.status).unwrap_or(SandboxStatus::Failed),
+            image: m.spec.image.clone(),
+            limits: SandboxLimits {
+                vcpus: m.spec.vcpus,
+                memory_bytes: m.spec.memory_bytes,
+            },
+            hostname: m.spec.hostname.clone().unwrap_or_else(|| m.id.clone()),
+            metadata: m.spec.metadata.clone(),
+            env: m.spec.env.clone(),
+            secret_env: m.spec.secret_env.keys().cloned().collect(),
+            created_at: sbx_api::format_rfc3339_millis(i128::from(row.created_at_ns)),
+            started_at: row
+                .started_at_ns
+                .map(|t| sbx_api::format_rfc3339_millis(i128::from(t))),
+            expires_at: m.spec.expires_at.clone(),
+            failure_code: row.failure_code,
+            failure: row.failure,
+            restarts: row.restarts,
+        }
+    }
+
+    fn machine_spec(&self, m: &Managed) -> Result<SandboxSpec, ApiError> {
+        let image = self
+            .images
+            .resolve(Some(&m.spec.image))
+            .map_err(|e| ApiError::new(ErrorCode::SandboxFailed, format!("image: {e}")))?;
+        Ok(SandboxSpec {
+            id: m.id.clone(),
+            image_rootfs: image.rootfs.clone(),
+            dir: self.sandboxes_dir().join(&m.id),
+            hostname: m.spec.hostname.clone().unwrap_or_else(|| m.id.clone()),
+            limits: Limits {
+                memory_bytes: m.spec.memory_bytes,
+                vcpus: m.spec.vcpus,
+                pids: self.cfg.pids_max,
+            },
+            tmp_memory: m.spec.tmp_memory,
+            image_env: image.meta.env.clone(),
+            image_user: image.meta.user.clone(),
+            image_workdir: image.meta.workdir.clone(),
+        })
+    }
+
+    fn base_env(m: &Managed) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = m.spec.env.clone().into_iter().collect();
+        env.extend(m.spec.secret_env.clone());
+        env
+    }
+
+    /// Boots the machine of `m` (made, or taken warm), starts its start command; on failure the
+    /// sandbox is `failed` with `failure_code` `boot_failed`.
+    async fn boot(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        warm: Option<Arc<Sandbox>>,
+    ) -> Result<(), ApiError> {
+        let made = match warm {
+            Some(sb) => Ok(sb),
+            None => {
+                let spec = self.machine_spec(m)?;
+                self.create(spec).await.map(|(sb, _conn)| sb)
+            }
+        };
+        let sb = match made {
+            Ok(sb) => sb,
+            Err(e) => {
+                self.set_failed(m, "boot_failed", &e.message);
+                return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
+            }
+        };
+        // `create` put it among the node's run sandboxes; a kept sandbox is its own.
+        self.live_remove(&m.id);
+        *m.machine.lock().map_err(|_| ApiError::internal())? = Some(sb.clone());
+        if let Some(start) = &m.spec.start_command {
+            // exe-start is this boot's start command: an earlier boot's record gives way.
+            self.store
+                .delete_exec(&m.id, START_EXEC)
+                .map_err(store_err)?;
+            let spec = ExecSpec {
+                exec_id: START_EXEC.into(),
+                program: program(start),
+                env: Self::base_env(m),
+                cwd: m.spec.cwd.clone(),
+                user: m.spec.user.clone(),
+                timeout_ms: None,
+                stdin_open: false,
+                attach: false,
+            };
+            if let Err(e) = self
+                .start_exec(m, &sb, spec, start.display(), None, false)
+                .await
+            {
+                self.set_failed(
+                    m,
+                    "boot_failed",
+                    &format!("the start command: {}", e.message),
+                );
+                self.end_machine(m).await;
+                return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
+            }
+        }
+        let mut row = m.row.lock().map_err(|_| ApiError::internal())?;
+        row.status = "running".into();
+        row.pid = Some(sb.pid);
+        row.start_time = sb.start_time;
+        row.started_at_ns = Some(crate::image::now_ns() as i64);
+        row.failure_code = None;
+        row.failure = None;
+        self.store.update_sandbox(&row).map_err(store_err)?;
+        Ok(())
+    }
+
+    fn set_failed(&self, m: &Managed, code: &str, why: &str) {
+        if let Ok(mut row) = m.row.lock() {
+            row.status = "failed".into();
+            row.failure_code = Some(code.into());
+            row.failure = Some(why.into());
+            row.pid = None;
+            let _ = self.store.update_sandbox(&row);
+        }
+    }
+
+    /// `POST /v1/sandboxes`.
+    pub async fn create_sandbox(
+        self: &Arc<Self>,
+        c: SandboxCreate,
+    ) -> Result<SandboxObject, ApiError> {
+        if self.is_stopping() {
+            return Err(crate::node::stopping_error());
+        }
+        let req = c.spec;
+        let Machine {
+            image,
+            limits,
+            expires_in_ms,
+        } = self.check_machine(&req, true)?;
+        let (stop_signal, stop_grace_ms) = match &req.stop {
+            Some(s) => (s.signal_number().unwrap_or(15), s.grace_ms_or_default()),
+            None => (15, 10_000),
+        };
+        let spec = StoredSpec {
+            image: if image.meta.name == "base" {
+                req.image.clone().unwrap_or_else(|| "base".into())
+            } else {
+                image.meta.name.clone()
+            },
+            vcpus: limits.vcpus,
+            memory_bytes: limits.memory_bytes,
+            hostname: req.hostname.clone(),
+            tmp_memory: req.tmp == sbx_api::Tmp::Memory,
+            env: req.env.clone(),
+            secret_env: req.secret_env.0.clone(),
+            metadata: req.metadata.clone(),
+            cwd: req.cwd.clone(),
+            user: req.user.clone(),
+            start_command: req.start_command.clone(),
+            stop_signal,
+            stop_grace_ms,
+            expires_at: req.expires_at.clone(),
+        };
+        let warm_ok = image.meta.name == "base"
+            && spec.hostname.is_none()
+            && !spec.tmp_memory
+            && limits.memory_bytes == self.cfg.default_memory_bytes
+            && limits.vcpus == self.cfg.default_vcpus;
+        let warm = if warm_ok { self.pop_warm() } else { None };
+        let id = match &warm {
+            Some(sb) => sb.id.clone(),
+            None => sbx_api::new_id("sbx"),
+        };
+        let row = SandboxRow {
+            id: id.clone(),
+            name: req.name.clone(),
+            status: "starting".into(),
+            spec: serde_json::to_string(&spec).map_err(|_| ApiError::internal())?,
+            pid: None,
+            start_time: None,
+            created_at_ns: crate::image::now_ns() as i64,
+            started_at_ns: None,
+            failure_code: None,
+            failure: None,
+            restarts: 0,
+        };
+        let give_back = |node: &Arc<Self>, warm: Option<Arc<Sandbox>>| {
+            if let Some(sb) = warm {
+                node.live_insert(&sb);
+                node.end_run_sandbox(&sb.id);
+            }
+        };
+        if let Err(e) = self.reserve_name(req.name.as_deref(), &id) {
+            give_back(self, warm);
+            return Err(e);
+        }
+        if let Err(e) = self.store.insert_sandbox(&row) {
+            self.release_name(req.name.as_deref());
+            give_back(self, warm);
+            return Err(store_err(e));
+        }
+        let m = Arc::new(Managed {
+            id: id.clone(),
+            row: Mutex::new(row),
+            spec,
+            machine: Mutex::new(None),
+            running: Mutex::new(HashSet::new()),
+            op: tokio::sync::Mutex::new(()),
+        });
+        if let Ok(mut all) = self.managed.lock() {
+            all.insert(id.clone(), m.clone());
+        }
+        let _op = m.op.lock().await;
+        // A failed boot leaves the sandbox `failed`, to be seen and deleted.
+        let _ = self.boot(&m, warm).await;
+        if let Some(ms) = expires_in_ms {
+            self.expire_at(&m, ms);
+        }
+        Ok(self.sandbox_object(&m))
+    }
+
+    fn expire_at(self: &Arc<Self>, m: &Arc<Managed>, ms: u64) {
+        let node = self.clone();
+        let id = m.id.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            tracing::info!(sandbox = %id, "expired: deleting");
+            let _ = node.delete_sandbox(&id).await;
+        });
+    }
+
+    /// `GET /v1/sandboxes`.
+    pub fn list_sandboxes(&self, q: &ListQuery) -> (Vec<SandboxObject>, Option<String>) {
+        let mut all: Vec<Arc<Managed>> = self
+            .managed
+            .lock()
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default();
+        all.sort_by_key(|m| {
+            (
+                m.row.lock().map(|r| r.created_at_ns).unwrap_or(0),
+                m.id.clone(),
+            )
+        });
+        let key = |m: &Managed| {
+            format!(
+                "{:020}.{}",
+                m.row.lock().map(|r| r.created_at_ns).unwrap_or(0),
+                m.id
+            )
+        };
+        let mut out: Vec<(String, SandboxObject)> = Vec::new();
+        let mut more = false;
+        for m in all {
+            if let Some(c) = &q.cursor {
+                if key(&m) <= *c {
+                    continue;
+                }
+            }
+            if q.status.is_some_and(|s| s != m.status()) {
+                continue;
+            }
+            if !q
+                .metadata
+                .iter()
+                .all(|(k, v)| m.spec.metadata.get(k) == Some(v))
+            {
+                continue;
+            }
+            if out.len() == q.limit {
+                more = true;
+                break;
+            }
+            out.push((key(&m), self.sandbox_object(&m)));
+        }
+        let next = if more {
+            out.last().map(|(k, _)| k.clone())
+        } else {
+            None
+        };
+        (out.into_iter().map(|(_, o)| o).collect(), next)
+    }
+
+    /// Stops the start command (its stop signal, then grace), then ends the machine.
+    async fn end_machine(self: &Arc<Self>, m: &Arc<Managed>) {
+        let Some(sb) = m.machine.lock().ok().and_then(|mut x| x.take()) else {
+            return;
+        };
+        let stop_first = m.spec.start_command.is_some() && sb.is_alive();
+        if stop_first
+            && crate::agent::signal(&sb.socket, START_EXEC, m.spec.stop_signal)
+                .await
+                .is_ok()
+        {
+            let wait = HostMsg::Wait {
+                exec_id: START_EXEC.into(),
+            };
+            let grace = Duration::from_millis(u64::from(m.spec.stop_grace_ms));
+            let _ = tokio::time::timeout(grace, one_shot(&sb.socket, &wait)).await;
+        }
+        // What ran in this boot is final now: record it before the agent goes.
+        self.record_finals(m, &sb).await;
+        let driver = self.driver.clone();
+        let _ = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
+    }
+
+    async fn record_finals(&self, m: &Arc<Managed>, sb: &Sandbox) {
+        let states = match one_shot(&sb.socket, &HostMsg::List).await {
+            Ok(AgentMsg::Execs { execs }) => execs,
+            _ => Vec::new(),
+        };
+        let rows = self.store.execs(&m.id).unwrap_or_default();
+        for row in rows
+            .iter()
+            .filter(|r| r.final_json.is_none() && r.boot == m.boot())
+        {
+            let state = states.iter().find(|s| s.exec_id == row.exec_id);
+            let obj = final_object(m, row, state);
+            if let Ok(json) = serde_json::to_string(&obj) {
+                let _ = self.store.set_exec_final(&m.id, &row.exec_id, &json);
+            }
+        }
+        if let Ok(mut r) = m.running.lock() {
+            r.clear();
+        }
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`.
+    pub async fn delete_sandbox(self: &Arc<Self>, id: &str) -> Result<SandboxObject, ApiError> {
+        let m = self.managed(id)?;
+        let _op = m.op.lock().await;
+        if !m.status().can_delete() {
+            return Err(not_found(id));
+        }
+        if let Ok(mut row) = m.row.lock() {
+            row.status = "stopping".into();
+            let _ = self.store.update_sandbox(&row);
+        }
+        self.end_machine(&m).await;
+        let dir = self.sandboxes_dir().join(&m.id);
+        let _ = tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
+        self.store.delete_sandbox(&m.id).map_err(store_err)?;
+        if let Ok(mut all) = self.managed.lock() {
+            all.remove(&m.id);
+        }
+        self.release_name(m.name().as_deref());
+        if let Ok(mut row) = m.row.lock() {
+            row.status = "deleted".into();
+        }
+        Ok(self.sandbox_object(&m))
+    }
+
+    /// `POST /v1/sandboxes/{id}/restart`: the machine is ended (start command stopped as on a
+    /// delete) and booted again over the same disk.
+    pub async fn restart_sandbox(self: &Arc<Self>, id: &str) -> Result<SandboxObject, ApiError> {
+        let m = self.managed(id)?;
+        let _op = m.op.lock().await;
+        let status = m.status();
+        if !status.can_restart() {
+            return Err(wrong_state(status, "be restarted"));
+        }
+        if let Ok(mut row) = m.row.lock() {
+            row.status = "stopping".into();
+            let _ = self.store.update_sandbox(&row);
+        }
+        self.end_machine(&m).await;
+        if let Ok(mut row) = m.row.lock() {
+            row.restarts += 1;
+            row.status = "starting".into();
+            let _ = self.store.update_sandbox(&row);
+        }
+        let _ = self.boot(&m, None).await;
+        Ok(self.sandbox_object(&m))
+    }
+
+    fn running_machine(&self, m: &Managed) -> Result<Arc<Sandbox>, ApiError> {
+        let status = m.status();
+        if !status.can_exec() {
+            return Err(wrong_state(status, "run commands"));
+        }
+        m.machine()
+            .ok_or_else(|| wrong_state(SandboxStatus::Starting, "run commands"))
+    }
+
+    /// Starts a command in `sb` and records it. `stdin` is sent before the answer; with
+    /// `close` stdin is closed after it.
+    async fn start_exec(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        sb: &Arc<Sandbox>,
+        spec: ExecSpec,
+        command: String,
+        stdin: Option<&[u8]>,
+        stdin_open: bool,
+    ) -> Result<ExecState, ApiError> {
+        let exec_id = spec.exec_id.clone();
+        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+            .await
+            .map_err(agent_lost)?;
+        match conn
+            .request(&HostMsg::Exec(spec))
+            .await
+            .map_err(agent_lost)?
+        {
+            AgentMsg::Started { .. } => {}
+            AgentMsg::ExecFailed { kind, message, .. } => {
+                return Err(match kind {
+                    ExecFailKind::NoSuchUser => {
+                        ApiError::new(ErrorCode::NoSuchUser, message).with_param("user")
+                    }
+                    ExecFailKind::DuplicateId => ApiError::new(
+                        ErrorCode::IdempotencyKeyReused,
+                        format!("a command {exec_id} exists"),
+                    ),
+                    _ => ApiError::internal(),
+                })
+            }
+            other => {
+                tracing::error!(?other, "unexpected agent answer");
+                return Err(ApiError::internal());
+            }
+        }
+        if let Some(data) = stdin {
+            conn.send_stdin(&exec_id, data).await.map_err(agent_lost)?;
+        }
+        if !stdin_open {
+            conn.send(&HostMsg::CloseStdin {
+                exec_id: exec_id.clone(),
+            })
+            .await
+            .map_err(agent_lost)?;
+        }
+        let state = match conn
+            .request(&HostMsg::Status {
+                exec_id: exec_id.clone(),
+            })
+            .await
+            .map_err(agent_lost)?
+        {
+            AgentMsg::State(s) => s,
+            _ => return Err(ApiError::internal()),
+        };
+        let row = ExecRow {
+            sandbox_id: m.id.clone(),
+            exec_id: exec_id.clone(),
+            command,
+            tty: false,
+            encoding: "utf8".into(),
+            created_at_ns: state.started_at_ns,
+            boot: m.boot(),
+            final_json: None,
+        };
+        self.store.insert_exec(&row).map_err(store_err)?;
+        if let Ok(mut r) = m.running.lock() {
+            r.insert(exec_id.clone());
+        }
+        self.watch_exec(m.clone(), sb.clone(), row);
+        Ok(state)
+    }
+
+    /// Waits for a command to end, then records its final object and frees its slot.
+    fn watch_exec(self: &Arc<Self>, m: Arc<Managed>, sb: Arc<Sandbox>, row: ExecRow) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let wait = HostMsg::Wait {
+                exec_id: row.exec_id.clone(),
+            };
+            if let Ok(AgentMsg::State(state)) = one_shot(&sb.socket, &wait).await {
+                let obj = final_object(&m, &row, Some(&state));
+                if let Ok(json) = serde_json::to_string(&obj) {
+                    let _ = node.store.set_exec_final(&m.id, &row.exec_id, &json);
+                }
+            }
+            if let Ok(mut r) = m.running.lock() {
+                r.remove(&row.exec_id);
+            }
+        });
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec`.
+    pub async fn exec(
+        self: &Arc<Self>,
+        id: &str,
+        req: ExecRequest,
+        exec_id: Option<String>,
+    ) -> Result<ExecObject, ApiError> {
+        if req.tty {
+            return Err(ApiError::new(
+                ErrorCode::NotServedHere,
+                "this node does not serve terminals yet",
+            )
+            .with_param("tty"));
+        }
+        let m = self.managed(id)?;
+        let sb = self.running_machine(&m)?;
+        {
+            let running = m.running.lock().map_err(|_| ApiError::internal())?;
+            if running.len() >= self.cfg.max_execs_per_sandbox {
+                return Err(ApiError::new(
+                    ErrorCode::TooManyCommands,
+                    format!(
+                        "the sandbox runs {} commands, as many as it may at once",
+                        running.len()
+                    ),
+                ));
+            }
+        }
+        let exec_id = exec_id.unwrap_or_else(|| sbx_api::new_id("exe"));
+        let mut env = Self::base_env(&m);
+        env.extend(req.env.clone());
+        let spec = ExecSpec {
+            exec_id: exec_id.clone(),
+            program: program(&req.command),
+            env,
+            cwd: req.cwd.clone().or_else(|| m.spec.cwd.clone()),
+            user: req.user.clone().or_else(|| m.spec.user.clone()),
+            timeout_ms: req.timeout_seconds.map(|t| (t * 1000.0).ceil() as u64),
+            stdin_open: req.stdin_open,
+            attach: false,
+        };
+        self.start_exec(
+            &m,
+            &sb,
+            spec,
+            req.command.display(),
+            req.stdin.as_deref(),
+            req.stdin_open,
+        )
+        .await?;
+        self.exec_get(id, &exec_id, req.wait_seconds, req.encoding)
+            .await
+    }
+
+    fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
+        self.store
+            .exec(&m.id, exec_id)
+            .map_err(store_err)?
+            .ok_or_else(|| ApiError::new(ErrorCode::ExecNotFound, format!("no command {exec_id}")))
+    }
+
+    /// `GET …/exec/{exec_id}?wait_seconds=`: the exec object, with the last 1 MiB of each
+    /// stream while the agent still has them.
+    pub async fn exec_get(
+        &self,
+        id: &str,
+        exec_id: &str,
+        wait_seconds: f64,
+        encoding: Encoding,
+    ) -> Result<ExecObject, ApiError> {
+        let m = self.managed(id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        let sb = m.machine().filter(|_| row.boot == m.boot());
+        let Some(sb) = sb else {
+            return final_from_row(&row).ok_or_else(ApiError::internal);
+        };
+        if wait_seconds > 0.0 {
+            let wait = HostMsg::Wait {
+                exec_id: exec_id.into(),
+            };
+            let _ = tokio::time::timeout(
+                Duration::from_secs_f64(wait_seconds),
+                one_shot(&sb.socket, &wait),
+            )
+            .await;
+        }
+        let (state, out, err, gap) = read_all(&sb, exec_id).await?;
+        let meta = meta_of(&m, &row, encoding);
+        let (mut o, mut e) = (out, err);
+        Ok(exec_object(
+            &meta,
+            &Started {
+                pid: state.pid,
+                started_at_ns: state.started_at_ns,
+            },
+            state.exit.as_ref(),
+            state.output,
+            &mut o,
+            &mut e,
+            gap,
+        ))
+    }
+
+    /// `GET …/exec`: the commands of a sandbox, oldest first (without their output).
+    pub async fn exec_list(&self, id: &str) -> Result<Vec<ExecObject>, ApiError> {
+        let m = self.managed(id)?;
+        let rows = self.store.execs(&m.id).map_err(store_err)?;
+        let states = match m.machine() {
+            Some(sb) => match one_shot(&sb.socket, &HostMsg::List).await {
+                Ok(AgentMsg::Execs { execs }) => execs,
+                _ => Vec::new(),
+            },
+            None => Vec::new(),
+        };
+        let mut out = Vec::new();
+        for row in rows {
+            if let Some(obj) = final_from_row(&row) {
+                out.push(obj);
+                continue;
+            }
+            let state = states.iter().find(|s| s.exec_id == row.exec_id);
+            out.push(current_object(&m, &row, state));
+        }
+        Ok(out)
+    }
+
+    /// `POST …/exec/{exec_id}/stdin`: appends `data` (in order with earlier calls), then
+    /// closes stdin when `close`.
+    pub async fn exec_stdin(
+        &self,
+        id: &str,
+        exec_id: &str,
+        data: &[u8],
+        close: bool,
+    ) -> Result<(), ApiError> {
+        let m = self.managed(id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        let sb = self.running_machine(&m)?;
+        if row.final_json.is_some() || row.boot != m.boot() {
+            return Err(ApiError::new(
+                ErrorCode::StdinClosed,
+                "the command has ended",
+            ));
+        }
+        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+            .await
+            .map_err(agent_lost)?;
+        if !data.is_empty() {
+            conn.send_stdin(exec_id, data).await.map_err(agent_lost)?;
+        }
+        if close {
+            conn.send(&HostMsg::CloseStdin {
+                exec_id: exec_id.into(),
+            })
+            .await
+            .map_err(agent_lost)?;
+        }
+        conn.request(&HostMsg::Sync { token: 1 })
+            .await
+            .map_err(agent_lost)?;
+        Ok(())
+    }
+
+    /// `POST …/exec/{exec_id}/signal`.
+    pub async fn exec_signal(&self, id: &str, exec_id: &str, signal: i32) -> Result<(), ApiError> {
+        let m = self.managed(id)?;
+        let _ = self.exec_row(&m, exec_id)?;
+        let sb = self.running_machine(&m)?;
+        crate::agent::signal(&sb.socket, exec_id, signal)
+            .await
+            .map_err(agent_lost)
+    }
+
+    /// `GET …/exec/{exec_id}/output` as events: from `from`, live, to the end. The sender's
+    /// receiver going away ends the reading.
+    pub async fn exec_output_events(
+        &self,
+        id: &str,
+        exec_id: &str,
+        from: u64,
+        encoding: Encoding,
+    ) -> Result<(ExecMeta, Started, mpsc::Receiver<RunEvent>), ApiError> {
+        let m = self.managed(id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        let meta = meta_of(&m, &row, encoding);
+        let (tx, rx) = mpsc::channel(64);
+        let sb = m.machine().filter(|_| row.boot == m.boot());
+        let Some(sb) = sb else {
+            // The machine it ran in is gone: its output with it.
+            let obj = final_from_row(&row).ok_or_else(ApiError::internal)?;
+            let exit = exit_of(&obj);
+            let output = sbx_proto::OutputCounts {
+                stdout_bytes: obj.output.stdout_bytes,
+                stderr_bytes: obj.output.stderr_bytes,
+                start: obj.output.end,
+                end: obj.output.end,
+            };
+            let started = Started {
+                pid: obj.pid,
+                started_at_ns: row.created_at_ns,
+            };
+            tokio::spawn(async move {
+                if from < output.end {
+                    let _ = tx
+                        .send(RunEvent::Gap {
+                            from,
+                            to: output.end,
+                        })
+                        .await;
+                }
+                let _ = tx.send(RunEvent::Exited { exit, output }).await;
+            });
+            return Ok((meta, started, rx));
+        };
+        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+            .await
+            .map_err(agent_lost)?;
+        let state = match conn
+            .request(&HostMsg::Status {
+                exec_id: exec_id.into(),
+            })
+            .await
+            .map_err(agent_lost)?
+        {
+            AgentMsg::State(s) => s,
+            _ => return Err(ApiError::internal()),
+        };
+        conn.send(&HostMsg::Attach {
+            exec_id: exec_id.into(),
+            from,
+        })
+        .await
+        .map_err(agent_lost)?;
+        tokio::spawn(async move {
+            loop {
+                let ev = tokio::select! {
+                    f = conn.recv() => match f {
+                        Ok(Frame::Data { stream, pos, bytes, .. }) => RunEvent::Output { stream, pos, data: bytes },
+                        Ok(Frame::Msg(AgentMsg::Gap { from, to, .. })) => RunEvent::Gap { from, to },
+                        Ok(Frame::Msg(AgentMsg::Exited { exit, output, .. })) => {
+                            let _ = tx.send(RunEvent::Exited { exit, output }).await;
+                            return;
+                        }
+                        Ok(Frame::Msg(_)) => continue,
+                        Err(e) => {
+                            let _ = tx.send(RunEvent::Failed(agent_lost(e))).await;
+                            return;
+                        }
+                    },
+                    _ = tx.closed() => return,
+                };
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok((
+            meta,
+            Started {
+                pid: state.pid,
+                started_at_ns: state.started_at_ns,
+            },
+            rx,
+        ))
+    }
+
+    /// Output between positions, as it is now: `(state, pieces, gap)`.
+    pub async fn exec_output_range(
+        &self,
+        id: &str,
+        exec_id: &str,
+        from: u64,
+        to: Option<u64>,
+    ) -> Result<(ExecState, Vec<(Stream, u64, Vec<u8>)>, Option<(u64, u64)>), ApiError> {
+        let m = self.managed(id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        let sb = m.machine().filter(|_| row.boot == m.boot());
+        let Some(sb) = sb else {
+            let obj = final_from_row(&row).ok_or_else(ApiError::internal)?;
+            let end = obj.output.end;
+            let state = ExecState {
+                exec_id: exec_id.into(),
+                pid: obj.pid,
+                started_at_ns: row.created_at_ns,
+                exit: Some(exit_of(&obj)),
+                output: sbx_proto::OutputCounts {
+                    stdout_bytes: obj.output.stdout_bytes,
+                    stderr_bytes: obj.output.stderr_bytes,
+                    start: end,
+                    end,
+                },
+            };
+            let gap = (from < end).then_some((from, end));
+            return Ok((state, Vec::new(), gap));
+        };
+        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+            .await
+            .map_err(agent_lost)?;
+        let state = match conn
+            .request(&HostMsg::Status {
+                exec_id: exec_id.into(),
+            })
+            .await
+            .map_err(agent_lost)?
+        {
+            AgentMsg::State(s) => s,
+            _ => return Err(ApiError::internal()),
+        };
+        let end = to.unwrap_or(u64::MAX).min(state.output.end);
+        let mut pieces = Vec::new();
+        let mut gap = None;
+        if from < end {
+            conn.send(&HostMsg::Attach {
+                exec_id: exec_id.into(),
+                from,
+            })
+            .await
+            .map_err(agent_lost)?;
+            let mut cursor = from;
+            while cursor < end {
+                match conn.recv().await.map_err(agent_lost)? {
+                    Frame::Data {
+                        stream, pos, bytes, ..
+                    } => {
+                        let take = ((end - pos) as usize).min(bytes.len());
+                        cursor = pos + take as u64;
+                        pieces.push((stream, pos, bytes[..take].to_vec()));
+                    }
+                    Frame::Msg(AgentMsg::Gap { from, to, .. }) => {
+                        gap = Some((from, to.min(end)));
+                        cursor = to;
+                    }
+                    Frame::Msg(AgentMsg::Exited { .. }) => break,
+                    Frame::Msg(_) => {}
+                }
+            }
+        }
+        Ok((state, pieces, gap))
+    }
+
+    /// At start: adopts the sandboxes whose agents still run, marks the others failed (and
+    /// removes what is left of them), and ends whatever else is in the node's cgroups.
+    pub fn recover(self: &Arc<Self>) -> (usize, usize) {
+        let rows = self.store.sandboxes().unwrap_or_default();
+        let (mut adopted, mut lost) = (0, 0);
+        for row in rows {
+            let spec: StoredSpec = match serde_json::from_str(&row.spec) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(sandbox = %row.id, error = %e, "unreadable spec");
+                    continue;
+                }
+            };
+            let m = Arc::new(Managed {
+                id: row.id.clone(),
+                row: Mutex::new(row.clone()),
+                spec,
+                machine: Mutex::new(None),
+                running: Mutex::new(HashSet::new()),
+                op: tokio::sync::Mutex::new(()),
+            });
+            let dir = self.sandboxes_dir().join(&row.id);
+            let alive = match (row.status.as_str(), row.pid) {
+                ("running" | "starting" | "stopping", Some(pid)) => {
+                    self.driver.adopt(&row.id, &dir, pid, row.start_time)
+                }
+                _ => None,
+            };
+            match alive {
+                Some(sb) => {
+                    let sb = Arc::new(sb);
+                    if let Ok(mut mm) = m.machine.lock() {
+                        *mm = Some(sb.clone());
+                    }
+                    if let Ok(mut r) = m.row.lock() {
+                        r.status = "running".into();
+                        let _ = self.store.update_sandbox(&r);
+                    }
+                    for e in self.store.execs(&row.id).unwrap_or_default() {
+                        if e.final_json.is_none() && e.boot == row.restarts {
+                            if let Ok(mut r) = m.running.lock() {
+                                r.insert(e.exec_id.clone());
+                            }
+                            self.watch_exec(m.clone(), sb.clone(), e);
+                        }
+                    }
+                    adopted += 1;
+                }
+                None => {
+                    if row.status != "failed" {
+                        self.set_failed(
+                            &m,
+                            "agent_lost",
+                            "the sandbox's agent was gone when the node started",
+                        );
+                        lost += 1;
+                    }
+                    let _ = self.driver.remove_leftovers(&row.id);
+                    let _ = sbx_runtime::driver::remove_dir(&dir);
+                }
+            }
+            if let Some(n) = m.name() {
+                let _ = self.reserve_name(Some(&n), &m.id);
+            }
+            if let Ok(mut all) = self.managed.lock() {
+                all.insert(m.id.clone(), m);
+            }
+        }
+        (adopted, lost)
+    }
+
+    /// Ids of the sandboxes the node keeps whose machine runs.
+    pub(crate) fn kept_ids(&self) -> HashSet<String> {
+        self.managed
+            .lock()
+            .map(|m| {
+                m.values()
+                    .filter(|s| s.machine().is_some())
+                    .map(|s| s.id.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+fn meta_of(m: &Managed, row: &ExecRow, encoding: Encoding) -> ExecMeta {
+    ExecMeta {
+        sandbox_id: m.id.clone(),
+        exec_id: row.exec_id.clone(),
+        command: row.command.clone(),
+        encoding,
+        tty: row.tty,
+    }
+}
+
+fn final_from_row(row: &ExecRow) -> Option<ExecObject> {
+    row.final_json
+        .as_deref()
+        .and_then(|j| serde_json::from_str(j).ok())
+}
+
+fn exit_of(obj: &ExecObject) -> sbx_proto::ExitInfo {
+    sbx_proto::ExitInfo {
+        status: obj.status.as_str().into(),
+        exit_code: obj.exit_code.unwrap_or(137),
+        signal: obj.signal.as_deref().and_then(sbx_api::signal_number),
+        duration_ns: (obj.duration_seconds.unwrap_or(0.0) * 1e9) as u64,
+        cpu_ns: obj
+            .usage
+            .as_ref()
+            .map(|u| (u.cpu_seconds * 1e9) as u64)
+            .unwrap_or(0),
+        max_rss_bytes: obj.usage.as_ref().map(|u| u.max_memory_bytes).unwrap_or(0),
+    }
+}
+
+/// The object of a command without its output, as it ended: one still running (its machine is
+/// going) or that the agent no longer knows ended with its machine (SIGKILL).
+fn final_object(m: &Managed, row: &ExecRow, state: Option<&ExecState>) -> ExecObject {
+    object_of(m, row, state, true)
+}
+
+/// The object of a command without its output, as the agent says it is now.
+fn current_object(m: &Managed, row: &ExecRow, state: Option<&ExecState>) -> ExecObject {
+    object_of(m, row, state, false)
+}
+
+fn object_of(m: &Managed, row: &ExecRow, state: Option<&ExecState>, ending: bool) -> ExecObject {
+    let meta = meta_of(m, row, Encoding::Utf8);
+    let killed = sbx_proto::ExitInfo {
+        status: "killed".into(),
+        exit_code: 137,
+        signal: Some(9),
+        duration_ns: 0,
+        cpu_ns: 0,
+        max_rss_bytes: 0,
+    };
+    let (started, exit, output) = match state {
+        Some(s) => (
+            Started {
+                pid: s.pid,
+                started_at_ns: s.started_at_ns,
+            },
+            s.exit.clone().or(ending.then_some(killed)),
+            s.output,
+        ),
+        None => (
+            Started {
+                pid: 0,
+                started_at_ns: row.created_at_ns,
+            },
+            Some(killed),
+            sbx_proto::OutputCounts::default(),
+        ),
+    };
+    exec_object(
+        &meta,
+        &started,
+        exit.as_ref(),
+        output,
+        &mut Tail::new(),
+        &mut Tail::new(),
+        false,
+    )
+}
+
+/// Everything the agent keeps of a command: its state and the tails of both streams.
+async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail, bool), ApiError> {
+    let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+        .await
+        .map_err(agent_lost)?;
+    let state = match conn
+        .request(&HostMsg::Status {
+            exec_id: exec_id.into(),
+        })
+        .await
+        .map_err(agent_lost)?
+    {
+        AgentMsg::State(s) => s,
+        AgentMsg::ExecFailed { .. } => {
+            return Err(ApiError::new(
+                ErrorCode::ExecNotFound,
+                format!("no command {exec_id}"),
+            ))
+        }
+        _ => return Err(ApiError::internal()),
+    };
+    let (mut out, mut err) = (Tail::new(), Tail::new());
+    let mut gap = state.output.start > 0;
+    let end = state.output.end;
+    if end > state.output.start {
+        conn.send(&HostMsg::Attach {
+            exec_id: exec_id.into(),
+            from: state.output.start,
+        })
+        .await
+        .map_err(agent_lost)?;
+        let mut cursor = state.output.start;
+        while cursor < end {
+            match conn.recv().await.map_err(agent_lost)? {
+                Frame::Data {
+                    stream, pos, bytes, ..
+                } => {
+                    let take = ((end - pos) as usize).min(bytes.len());
+                    cursor = pos + take as u64;
+                    match stream {
+                        Stream::Stderr => err.push(&bytes[..take]),
+                        _ => out.push(&bytes[..take]),
+                    }
+                }
+                Frame::Msg(AgentMsg::Gap { to, .. }) => {
+                    gap = true;
+                    cursor = to;
+                }
+                Frame::Msg(AgentMsg::Exited { .. }) => break,
+                Frame::Msg(_) => {}
+            }
+        }
+    }
+    Ok((state, out, err, gap))
+}

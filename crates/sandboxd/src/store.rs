@@ -1,0 +1,426 @@
+//! The node's state that outlives it: the sandbox table, commands, idempotency records. SQLite
+//! in the data directory (WAL), one connection behind a mutex; every call is short.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state database: {0}")]
+    Sql(#[from] rusqlite::Error),
+    #[error("state database lock poisoned")]
+    Poisoned,
+}
+
+/// A sandbox as the table keeps it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxRow {
+    pub id: String,
+    pub name: Option<String>,
+    pub status: String,
+    /// The create request as the node keeps it (JSON), to remake the machine on restart.
+    pub spec: String,
+    pub pid: Option<u32>,
+    pub start_time: Option<u64>,
+    pub created_at_ns: i64,
+    pub started_at_ns: Option<i64>,
+    pub failure_code: Option<String>,
+    pub failure: Option<String>,
+    pub restarts: u32,
+}
+
+/// A command as the table keeps it (its output is the agent's).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecRow {
+    pub sandbox_id: String,
+    pub exec_id: String,
+    pub command: String,
+    pub tty: bool,
+    pub encoding: String,
+    pub created_at_ns: i64,
+    /// The boot of the sandbox it ran in (restarts count up).
+    pub boot: u32,
+    /// The final exec object, once known (JSON).
+    pub final_json: Option<String>,
+}
+
+/// What an idempotency key finds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IdemBegin {
+    /// First use: the caller goes on and records the answer.
+    Fresh,
+    /// The same request was answered: here is the answer.
+    Replay { status: u16, body: String },
+    /// The key was used with another request.
+    Reused,
+    /// The first request with the key is still running.
+    InProgress,
+}
+
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sandboxes (
+  id TEXT PRIMARY KEY,
+  name TEXT UNIQUE,
+  status TEXT NOT NULL,
+  spec TEXT NOT NULL,
+  pid INTEGER,
+  start_time INTEGER,
+  created_at_ns INTEGER NOT NULL,
+  started_at_ns INTEGER,
+  failure_code TEXT,
+  failure TEXT,
+  restarts INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS execs (
+  sandbox_id TEXT NOT NULL,
+  exec_id TEXT NOT NULL,
+  command TEXT NOT NULL,
+  tty INTEGER NOT NULL,
+  encoding TEXT NOT NULL,
+  created_at_ns INTEGER NOT NULL,
+  boot INTEGER NOT NULL,
+  final_json TEXT,
+  PRIMARY KEY (sandbox_id, exec_id)
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+  scope TEXT NOT NULL,
+  key TEXT NOT NULL,
+  body_hash TEXT NOT NULL,
+  status INTEGER,
+  body TEXT,
+  created_at_ns INTEGER NOT NULL,
+  PRIMARY KEY (scope, key)
+);
+";
+
+fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
+    Ok(SandboxRow {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        status: r.get(2)?,
+        spec: r.get(3)?,
+        pid: r.get(4)?,
+        start_time: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
+        created_at_ns: r.get(6)?,
+        started_at_ns: r.get(7)?,
+        failure_code: r.get(8)?,
+        failure: r.get(9)?,
+        restarts: r.get(10)?,
+    })
+}
+
+const SANDBOX_COLS: &str = "id, name, status, spec, pid, start_time, created_at_ns, started_at_ns, failure_code, failure, restarts";
+
+fn exec_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ExecRow> {
+    Ok(ExecRow {
+        sandbox_id: r.get(0)?,
+        exec_id: r.get(1)?,
+        command: r.get(2)?,
+        tty: r.get(3)?,
+        encoding: r.get(4)?,
+        created_at_ns: r.get(5)?,
+        boot: r.get(6)?,
+        final_json: r.get(7)?,
+    })
+}
+
+const EXEC_COLS: &str =
+    "sandbox_id, exec_id, command, tty, encoding, created_at_ns, boot, final_json";
+
+impl Store {
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T, StoreError> {
+        let c = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        Ok(f(&c)?)
+    }
+
+    pub fn insert_sandbox(&self, s: &SandboxRow) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                &format!("INSERT INTO sandboxes ({SANDBOX_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"),
+                params![
+                    s.id,
+                    s.name,
+                    s.status,
+                    s.spec,
+                    s.pid,
+                    s.start_time.map(|v| v as i64),
+                    s.created_at_ns,
+                    s.started_at_ns,
+                    s.failure_code,
+                    s.failure,
+                    s.restarts
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Writes a sandbox's changing fields.
+    pub fn update_sandbox(&self, s: &SandboxRow) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET status=?2, pid=?3, start_time=?4, started_at_ns=?5, failure_code=?6, failure=?7, restarts=?8 WHERE id=?1",
+                params![
+                    s.id,
+                    s.status,
+                    s.pid,
+                    s.start_time.map(|v| v as i64),
+                    s.started_at_ns,
+                    s.failure_code,
+                    s.failure,
+                    s.restarts
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Removes a sandbox and its commands.
+    pub fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute("DELETE FROM execs WHERE sandbox_id=?1", params![id])?;
+            c.execute("DELETE FROM sandboxes WHERE id=?1", params![id])
+                .map(|_| ())
+        })
+    }
+
+    pub fn sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SANDBOX_COLS} FROM sandboxes ORDER BY created_at_ns, id"
+            ))?;
+            let rows = st.query_map([], sandbox_row)?;
+            rows.collect()
+        })
+    }
+
+    pub fn insert_exec(&self, e: &ExecRow) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                &format!("INSERT INTO execs ({EXEC_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"),
+                params![
+                    e.sandbox_id,
+                    e.exec_id,
+                    e.command,
+                    e.tty,
+                    e.encoding,
+                    e.created_at_ns,
+                    e.boot,
+                    e.final_json
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn set_exec_final(
+        &self,
+        sandbox_id: &str,
+        exec_id: &str,
+        json: &str,
+    ) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE execs SET final_json=?3 WHERE sandbox_id=?1 AND exec_id=?2",
+                params![sandbox_id, exec_id, json],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Forgets a command (the start command of an earlier boot, which a restart starts again).
+    pub fn delete_exec(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "DELETE FROM execs WHERE sandbox_id=?1 AND exec_id=?2",
+                params![sandbox_id, exec_id],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn exec(&self, sandbox_id: &str, exec_id: &str) -> Result<Option<ExecRow>, StoreError> {
+        self.with(|c| {
+            c.query_row(
+                &format!("SELECT {EXEC_COLS} FROM execs WHERE sandbox_id=?1 AND exec_id=?2"),
+                params![sandbox_id, exec_id],
+                exec_row,
+            )
+            .optional()
+        })
+    }
+
+    pub fn execs(&self, sandbox_id: &str) -> Result<Vec<ExecRow>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {EXEC_COLS} FROM execs WHERE sandbox_id=?1 ORDER BY created_at_ns, exec_id"
+            ))?;
+            let rows = st.query_map(params![sandbox_id], exec_row)?;
+            rows.collect()
+        })
+    }
+
+    /// Starts a request with an idempotency key.
+    pub fn idem_begin(&self, scope: &str, key: &str, hash: &str) -> Result<IdemBegin, StoreError> {
+        self.with(|c| {
+            let found: Option<(String, Option<u16>, Option<String>)> = c
+                .query_row(
+                    "SELECT body_hash, status, body FROM idempotency WHERE scope=?1 AND key=?2",
+                    params![scope, key],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+                .optional()?;
+            match found {
+                None => {
+                    c.execute(
+                        "INSERT INTO idempotency (scope, key, body_hash, created_at_ns) VALUES (?1,?2,?3,?4)",
+                        params![scope, key, hash, crate::image::now_ns() as i64],
+                    )?;
+                    Ok(IdemBegin::Fresh)
+                }
+                Some((h, _, _)) if h != hash => Ok(IdemBegin::Reused),
+                Some((_, Some(status), Some(body))) => Ok(IdemBegin::Replay { status, body }),
+                Some(_) => Ok(IdemBegin::InProgress),
+            }
+        })
+    }
+
+    /// Records the answer of a request with a key.
+    pub fn idem_finish(
+        &self,
+        scope: &str,
+        key: &str,
+        status: u16,
+        body: &str,
+    ) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE idempotency SET status=?3, body=?4 WHERE scope=?1 AND key=?2",
+                params![scope, key, status, body],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Forgets a key whose request failed in a way worth trying again.
+    pub fn idem_forget(&self, scope: &str, key: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "DELETE FROM idempotency WHERE scope=?1 AND key=?2",
+                params![scope, key],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// At start: requests that were running when the node stopped will never finish; records
+    /// older than a day are dropped.
+    pub fn idem_tidy(&self) -> Result<(), StoreError> {
+        let day_ago = crate::image::now_ns() as i64 - 86_400_000_000_000;
+        self.with(|c| {
+            c.execute("DELETE FROM idempotency WHERE status IS NULL", [])?;
+            c.execute(
+                "DELETE FROM idempotency WHERE created_at_ns < ?1",
+                params![day_ago],
+            )
+            .map(|_| ())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandboxes_execs_and_keys() {
+        let dir = std::env::temp_dir().join(format!("sbx-store-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = Store::open(&dir.join("state.db")).unwrap();
+        let mut row = SandboxRow {
+            id: "sbx-a".into(),
+            name: Some("a".into()),
+            status: "running".into(),
+            spec: "{}".into(),
+            pid: Some(5),
+            start_time: Some(7),
+            created_at_ns: 1,
+            started_at_ns: Some(2),
+            failure_code: None,
+            failure: None,
+            restarts: 0,
+        };
+        s.insert_sandbox(&row).unwrap();
+        assert!(s.insert_sandbox(&row).is_err(), "ids are unique");
+        row.status = "failed".into();
+        s.update_sandbox(&row).unwrap();
+        assert_eq!(s.sandboxes().unwrap(), vec![row.clone()]);
+        let e = ExecRow {
+            sandbox_id: "sbx-a".into(),
+            exec_id: "exe-1".into(),
+            command: "ls".into(),
+            tty: false,
+            encoding: "utf8".into(),
+            created_at_ns: 3,
+            boot: 0,
+            final_json: None,
+        };
+        s.insert_exec(&e).unwrap();
+        s.set_exec_final("sbx-a", "exe-1", "{}").unwrap();
+        assert_eq!(
+            s.execs("sbx-a").unwrap()[0].final_json.as_deref(),
+            Some("{}")
+        );
+        s.delete_sandbox("sbx-a").unwrap();
+        assert!(s.sandboxes().unwrap().is_empty());
+        assert!(s.exec("sbx-a", "exe-1").unwrap().is_none());
+
+        assert_eq!(
+            s.idem_begin("POST /x", "k", "h1").unwrap(),
+            IdemBegin::Fresh
+        );
+        assert_eq!(
+            s.idem_begin("POST /x", "k", "h1").unwrap(),
+            IdemBegin::InProgress
+        );
+        assert_eq!(
+            s.idem_begin("POST /x", "k", "h2").unwrap(),
+            IdemBegin::Reused
+        );
+        s.idem_finish("POST /x", "k", 201, "{\"id\":1}").unwrap();
+        assert_eq!(
+            s.idem_begin("POST /x", "k", "h1").unwrap(),
+            IdemBegin::Replay {
+                status: 201,
+                body: "{\"id\":1}".into()
+            }
+        );
+        assert_eq!(
+            s.idem_begin("POST /y", "k", "h2").unwrap(),
+            IdemBegin::Fresh
+        );
+        s.idem_tidy().unwrap();
+        assert_eq!(
+            s.idem_begin("POST /y", "k", "h3").unwrap(),
+            IdemBegin::Fresh
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,322 @@
+//! Long-lived sandboxes and their commands: `POST /v1/sandboxes` (SandboxCreate),
+//! `POST /v1/sandboxes/{id}/exec` and `…/run` (ExecRequest), and the sandbox object.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::run::{
+    given, invalid, number_in, opt_bool, opt_str, parse_command, parse_env, parse_run_value,
+    uint_in, unknown_field, Command, Encoding, RunRequest, RUN_FIELDS,
+};
+use crate::{ApiError, ErrorCode};
+
+/// RunRequest fields that describe a command, not a sandbox: not taken by a create.
+pub const COMMAND_ONLY_FIELDS: [&str; 6] = [
+    "command",
+    "stdin",
+    "encoding",
+    "stream",
+    "wait_for_reader",
+    "timeout_seconds",
+];
+
+/// A validated `POST /v1/sandboxes` body: the RunRequest fields that describe a sandbox,
+/// checked by the same rules as a run's. `spec.command` is empty and means nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SandboxCreate {
+    pub spec: RunRequest,
+}
+
+fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::new(
+            ErrorCode::InvalidJson,
+            "the body is not a JSON object",
+        )),
+        Err(e) => Err(ApiError::new(
+            ErrorCode::InvalidJson,
+            format!("the body is not a JSON object: {e}"),
+        )),
+    }
+}
+
+/// Parses and validates a `POST /v1/sandboxes` body (an empty body is `{}`).
+pub fn parse_sandbox_create(body: &[u8]) -> Result<SandboxCreate, ApiError> {
+    let mut obj = if body.iter().all(|b| b.is_ascii_whitespace()) {
+        Map::new()
+    } else {
+        object(body)?
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !RUN_FIELDS.contains(&k.as_str()) || COMMAND_ONLY_FIELDS.contains(&k.as_str()))
+    {
+        return Err(unknown_field(k, "a create"));
+    }
+    obj.insert("command".into(), Value::String("true".into()));
+    let mut spec = parse_run_value(&Value::Object(obj))?;
+    spec.command = Command::Argv(Vec::new());
+    Ok(SandboxCreate { spec })
+}
+
+/// The fields of `POST /v1/sandboxes/{id}/exec` and `…/run`.
+pub const EXEC_FIELDS: [&str; 14] = [
+    "command",
+    "env",
+    "cwd",
+    "user",
+    "timeout_seconds",
+    "stdin",
+    "stdin_open",
+    "encoding",
+    "tty",
+    "rows",
+    "cols",
+    "wait_seconds",
+    "wait_for_reader",
+    "stream",
+];
+
+/// The longest `wait_seconds`.
+pub const MAX_WAIT_SECONDS: f64 = 300.0;
+
+/// A validated command request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExecRequest {
+    pub command: Command,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub user: Option<String>,
+    /// `None`: no deadline.
+    pub timeout_seconds: Option<f64>,
+    pub stdin: Option<Vec<u8>>,
+    /// Keep stdin open after `stdin` for `…/stdin` calls.
+    pub stdin_open: bool,
+    pub encoding: Encoding,
+    pub tty: bool,
+    pub rows: u16,
+    pub cols: u16,
+    /// How long the answer waits for the command to end (0: at once).
+    pub wait_seconds: f64,
+    pub wait_for_reader: bool,
+    pub stream: Option<bool>,
+}
+
+/// Parses and validates a command request.
+pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
+    let obj = object(body)?;
+    if let Some(k) = obj.keys().find(|k| !EXEC_FIELDS.contains(&k.as_str())) {
+        return Err(unknown_field(k, "this call"));
+    }
+    let command = match given(&obj, "command") {
+        Some(v) => parse_command(v, "command", None)?,
+        None => {
+            return Err(
+                ApiError::new(ErrorCode::MissingCommand, "command is required")
+                    .with_param("command"),
+            )
+        }
+    };
+    let env = match given(&obj, "env") {
+        Some(v) => parse_env(v, "env")?,
+        None => BTreeMap::new(),
+    };
+    let cwd = opt_str(&obj, "cwd")?.map(String::from);
+    if cwd.as_deref().is_some_and(|c| !c.starts_with('/')) {
+        return Err(invalid("cwd", "cwd must be an absolute path"));
+    }
+    let user = opt_str(&obj, "user")?.map(String::from);
+    if user
+        .as_deref()
+        .is_some_and(|u| u.is_empty() || u.chars().count() > 64)
+    {
+        return Err(invalid("user", "user must be 1 to 64 characters"));
+    }
+    let timeout_seconds = given(&obj, "timeout_seconds")
+        .map(|v| {
+            number_in(
+                v,
+                "timeout_seconds",
+                |n| n > 0.0 && n <= 1e9,
+                "a number of seconds over 0 and at most 1e9",
+            )
+        })
+        .transpose()?;
+    let encoding = match opt_str(&obj, "encoding")? {
+        None | Some("utf8") => Encoding::Utf8,
+        Some("base64") => Encoding::Base64,
+        Some(_) => return Err(invalid("encoding", "encoding must be utf8 or base64")),
+    };
+    let stdin = match opt_str(&obj, "stdin")? {
+        Some(s) => Some(
+            encoding
+                .decode(s)
+                .ok_or_else(|| invalid("stdin", "stdin is not base64"))?,
+        ),
+        None => None,
+    };
+    let dim = |key: &str, default: u16| -> Result<u16, ApiError> {
+        match given(&obj, key) {
+            Some(v) => Ok(uint_in(v, key, 1, 1000)? as u16),
+            None => Ok(default),
+        }
+    };
+    let wait_seconds = match given(&obj, "wait_seconds") {
+        Some(v) => number_in(
+            v,
+            "wait_seconds",
+            |n| (0.0..=MAX_WAIT_SECONDS).contains(&n),
+            "a number of seconds from 0 to 300",
+        )?,
+        None => 0.0,
+    };
+    Ok(ExecRequest {
+        command,
+        env,
+        cwd,
+        user,
+        timeout_seconds,
+        stdin,
+        stdin_open: opt_bool(&obj, "stdin_open")?.unwrap_or(false),
+        encoding,
+        tty: opt_bool(&obj, "tty")?.unwrap_or(false),
+        rows: dim("rows", 24)?,
+        cols: dim("cols", 80)?,
+        wait_seconds,
+        wait_for_reader: opt_bool(&obj, "wait_for_reader")?.unwrap_or(false),
+        stream: opt_bool(&obj, "stream")?,
+    })
+}
+
+/// Where a sandbox is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxStatus {
+    Starting,
+    Running,
+    Stopping,
+    Failed,
+    Deleted,
+}
+
+impl SandboxStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxStatus::Starting => "starting",
+            SandboxStatus::Running => "running",
+            SandboxStatus::Stopping => "stopping",
+            SandboxStatus::Failed => "failed",
+            SandboxStatus::Deleted => "deleted",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SandboxStatus> {
+        [
+            SandboxStatus::Starting,
+            SandboxStatus::Running,
+            SandboxStatus::Stopping,
+            SandboxStatus::Failed,
+            SandboxStatus::Deleted,
+        ]
+        .into_iter()
+        .find(|x| x.as_str() == s)
+    }
+
+    /// Whether commands can be started in it.
+    pub fn can_exec(self) -> bool {
+        self == SandboxStatus::Running
+    }
+
+    /// Whether it can be restarted.
+    pub fn can_restart(self) -> bool {
+        matches!(self, SandboxStatus::Running | SandboxStatus::Failed)
+    }
+
+    /// Whether it can be deleted.
+    pub fn can_delete(self) -> bool {
+        !matches!(self, SandboxStatus::Deleted)
+    }
+}
+
+/// The shape of a sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxLimits {
+    pub vcpus: u32,
+    pub memory_bytes: u64,
+}
+
+/// The sandbox object.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxObject {
+    pub id: String,
+    pub object: String,
+    pub name: Option<String>,
+    pub status: SandboxStatus,
+    pub image: String,
+    pub limits: SandboxLimits,
+    pub hostname: String,
+    pub metadata: BTreeMap<String, String>,
+    /// Names of its variables; `secret_env`'s values are never shown, only their names.
+    pub env: BTreeMap<String, String>,
+    pub secret_env: Vec<String>,
+    pub created_at: String,
+    pub started_at: Option<String>,
+    pub expires_at: Option<String>,
+    pub failure_code: Option<String>,
+    pub failure: Option<String>,
+    /// How many times it was restarted.
+    pub restarts: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_takes_sandbox_fields_only() {
+        let c = parse_sandbox_create(br#"{"name":"box-1","env":{"A":"b"},"limits":{"vcpus":1}}"#)
+            .unwrap();
+        assert_eq!(c.spec.name.as_deref(), Some("box-1"));
+        assert_eq!(c.spec.command, Command::Argv(vec![]));
+        assert!(parse_sandbox_create(b"").is_ok());
+        let e = parse_sandbox_create(br#"{"command":"ls"}"#).unwrap_err();
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            (ErrorCode::UnknownField, Some("command"))
+        );
+        let e = parse_sandbox_create(br#"{"name":"Bad"}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidName);
+        let e = parse_sandbox_create(b"[1]").unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidJson);
+    }
+
+    #[test]
+    fn exec_requests() {
+        let r =
+            parse_exec_request(br#"{"command":["ls","-l"],"stdin_open":true,"wait_seconds":2.5}"#)
+                .unwrap();
+        assert!(r.stdin_open);
+        assert_eq!(r.wait_seconds, 2.5);
+        assert_eq!((r.rows, r.cols), (24, 80));
+        let e = parse_exec_request(br#"{}"#).unwrap_err();
+        assert_eq!(e.code, ErrorCode::MissingCommand);
+        let e = parse_exec_request(br#"{"command":"x","wait_seconds":301}"#).unwrap_err();
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            (ErrorCode::InvalidField, Some("wait_seconds"))
+        );
+        let e = parse_exec_request(br#"{"command":"x","bogus":1}"#).unwrap_err();
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            (ErrorCode::UnknownField, Some("bogus"))
+        );
+        let e = parse_exec_request(br#"{"command":"x","cwd":"rel"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("cwd"));
+        let r =
+            parse_exec_request(br#"{"command":"x","encoding":"base64","stdin":"AP8="}"#).unwrap();
+        assert_eq!(r.stdin, Some(vec![0, 255]));
+    }
+}
