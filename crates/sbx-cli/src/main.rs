@@ -1,6 +1,8 @@
 //! `sbx`: the command line of an sbx node.
 
-use std::io::{BufRead, BufReader, Write};
+mod sandboxes;
+mod terminal;
+
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
@@ -16,7 +18,7 @@ use serde_json::{json, Map, Value};
     version,
     about = "Run commands in isolated sandboxes on an sbx node"
 )]
-struct Cli {
+pub(crate) struct Cli {
     /// The node (also SBX_URL).
     #[arg(
         long,
@@ -24,10 +26,10 @@ struct Cli {
         default_value = "http://127.0.0.1:7700",
         global = true
     )]
-    url: String,
+    pub(crate) url: String,
     /// API key (also SBX_API_KEY).
     #[arg(long, env = "SBX_API_KEY", hide_env_values = true, global = true)]
-    api_key: Option<String>,
+    pub(crate) api_key: Option<String>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -43,6 +45,18 @@ enum Cmd {
         #[command(subcommand)]
         command: ImageCmd,
     },
+    /// Make a sandbox that lives until it is removed; prints its id.
+    Create(sandboxes::CreateArgs),
+    /// List sandboxes.
+    Ls(sandboxes::LsArgs),
+    /// Run a command in a sandbox; streams its output and exits with its code (-d: detach).
+    Exec(sandboxes::ExecArgs),
+    /// Print a command's output (-f: follow it until it ends, resuming if the stream drops).
+    Logs(sandboxes::LogsArgs),
+    /// Remove sandboxes (their start command is stopped with its stop signal first).
+    Rm(sandboxes::RmArgs),
+    /// Restart a sandbox: its machine is booted again over the same disk.
+    Restart(sandboxes::RestartArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -112,11 +126,17 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
             build_base(data_dir)?;
             Ok(0)
         }
+        Cmd::Create(a) => sandboxes::create(&cli, a),
+        Cmd::Ls(a) => sandboxes::ls(&cli, a),
+        Cmd::Exec(a) => sandboxes::exec(&cli, a),
+        Cmd::Logs(a) => sandboxes::logs(&cli, a),
+        Cmd::Rm(a) => sandboxes::rm(&cli, a),
+        Cmd::Restart(a) => sandboxes::restart(&cli, a),
     }
 }
 
 /// Parses 512m, 1g, 256MiB, 1.5G or plain bytes.
-fn parse_memory(s: &str) -> anyhow::Result<u64> {
+pub(crate) fn parse_memory(s: &str) -> anyhow::Result<u64> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -180,13 +200,13 @@ fn run_body(args: &RunArgs) -> anyhow::Result<Value> {
     Ok(Value::Object(body))
 }
 
-fn agent() -> ureq::Agent {
+pub(crate) fn agent() -> ureq::Agent {
     ureq::AgentBuilder::new()
         .timeout_connect(Duration::from_secs(5))
         .build()
 }
 
-fn api_error(e: ureq::Error) -> anyhow::Error {
+pub(crate) fn api_error(e: ureq::Error) -> anyhow::Error {
     match e {
         ureq::Error::Status(code, resp) => {
             let body: Value = resp.into_json().unwrap_or(Value::Null);
@@ -224,53 +244,11 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<u8> {
         .set("accept", "text/event-stream")
         .send_json(body)
         .map_err(api_error)?;
-    let reader = BufReader::new(resp.into_reader());
-    let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
-    let mut event = String::new();
-    for line in reader.lines() {
-        let line = line.context("the node's stream")?;
-        if let Some(e) = line.strip_prefix("event: ") {
-            event = e.to_string();
-        } else if let Some(d) = line.strip_prefix("data: ") {
-            let data: Value = serde_json::from_str(d).context("an event's data")?;
-            match event.as_str() {
-                "stdout" => {
-                    out.write_all(data["data"].as_str().unwrap_or("").as_bytes())?;
-                    out.flush()?;
-                }
-                "stderr" => {
-                    err.write_all(data["data"].as_str().unwrap_or("").as_bytes())?;
-                    err.flush()?;
-                }
-                "gap" => eprintln!(
-                    "sbx: output from {} to {} is no longer kept",
-                    data["from"], data["to"]
-                ),
-                "exit" => {
-                    let code = data["exit_code"].as_i64().unwrap_or(125);
-                    match data["status"].as_str() {
-                        Some("timed_out") => eprintln!("sbx: the command timed out"),
-                        Some("killed") => eprintln!(
-                            "sbx: the command was killed by {}",
-                            data["signal"].as_str().unwrap_or("a signal")
-                        ),
-                        _ => {}
-                    }
-                    return Ok(code.clamp(0, 255) as u8);
-                }
-                "error" => {
-                    let e = &data["error"];
-                    bail!(
-                        "{}: {}",
-                        e["code"].as_str().unwrap_or("error"),
-                        e["message"].as_str().unwrap_or("")
-                    );
-                }
-                _ => {}
-            }
-        }
+    let mut last = None;
+    match sandboxes::print_events(resp.into_reader(), &mut last)? {
+        sandboxes::StreamEnd::Exit(obj) => Ok(sandboxes::exit_code(&obj)),
+        sandboxes::StreamEnd::Dropped => bail!("the node's stream ended without an exit event"),
     }
-    bail!("the node's stream ended without an exit event")
 }
 
 fn sibling(name: &str) -> PathBuf {
@@ -310,7 +288,7 @@ fn healthy(url: &str) -> bool {
 }
 
 /// Starts a node on this machine when none answers at a loopback SBX_URL.
-fn ensure_node(cli: &Cli) -> anyhow::Result<()> {
+pub(crate) fn ensure_node(cli: &Cli) -> anyhow::Result<()> {
     if healthy(&cli.url) {
         return Ok(());
     }
