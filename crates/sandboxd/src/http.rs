@@ -43,6 +43,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/run", post(run))
         .route("/internal/node", get(node_info))
         .merge(crate::api::routes())
+        .merge(crate::terminal::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), edge))

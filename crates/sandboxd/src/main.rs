@@ -7,6 +7,7 @@ mod image;
 mod node;
 mod sandboxes;
 mod store;
+mod terminal;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;

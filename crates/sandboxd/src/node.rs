@@ -407,6 +407,9 @@ impl Node {
             timeout_ms: Some(deadline_ms.max(1)),
             stdin_open: false,
             attach: true,
+            tty: false,
+            rows: 24,
+            cols: 80,
         };
         // A warm sandbox serves a run of the base image whose machine it can become: any
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.

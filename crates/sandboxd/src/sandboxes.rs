@@ -62,7 +62,7 @@ impl Managed {
             .unwrap_or(SandboxStatus::Failed)
     }
 
-    fn boot(&self) -> u32 {
+    pub(crate) fn boot(&self) -> u32 {
         self.row.lock().map(|r| r.restarts).unwrap_or(0)
     }
 
@@ -233,6 +233,9 @@ impl Node {
                 timeout_ms: None,
                 stdin_open: false,
                 attach: false,
+                tty: false,
+                rows: 24,
+                cols: 80,
             };
             if let Err(e) = self
                 .start_exec(m, &sb, spec, start.display(), None, false)
@@ -518,7 +521,7 @@ impl Node {
         Ok(self.sandbox_object(&m))
     }
 
-    fn running_machine(&self, m: &Managed) -> Result<Arc<Sandbox>, ApiError> {
+    pub(crate) fn running_machine(&self, m: &Managed) -> Result<Arc<Sandbox>, ApiError> {
         let status = m.status();
         if !status.can_exec() {
             return Err(wrong_state(status, "run commands"));
@@ -539,6 +542,7 @@ impl Node {
         stdin_open: bool,
     ) -> Result<ExecState, ApiError> {
         let exec_id = spec.exec_id.clone();
+        let tty = spec.tty;
         let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
             .await
             .map_err(agent_lost)?;
@@ -589,7 +593,7 @@ impl Node {
             sandbox_id: m.id.clone(),
             exec_id: exec_id.clone(),
             command,
-            tty: false,
+            tty,
             encoding: "utf8".into(),
             created_at_ns: state.started_at_ns,
             boot: m.boot(),
@@ -629,13 +633,6 @@ impl Node {
         req: ExecRequest,
         exec_id: Option<String>,
     ) -> Result<ExecObject, ApiError> {
-        if req.tty {
-            return Err(ApiError::new(
-                ErrorCode::NotServedHere,
-                "this node does not serve terminals yet",
-            )
-            .with_param("tty"));
-        }
         let m = self.managed(id)?;
         let sb = self.running_machine(&m)?;
         {
@@ -660,8 +657,11 @@ impl Node {
             cwd: req.cwd.clone().or_else(|| m.spec.cwd.clone()),
             user: req.user.clone().or_else(|| m.spec.user.clone()),
             timeout_ms: req.timeout_seconds.map(|t| (t * 1000.0).ceil() as u64),
-            stdin_open: req.stdin_open,
+            stdin_open: req.stdin_open || req.tty,
             attach: false,
+            tty: req.tty,
+            rows: req.rows,
+            cols: req.cols,
         };
         self.start_exec(
             &m,
@@ -669,14 +669,14 @@ impl Node {
             spec,
             req.command.display(),
             req.stdin.as_deref(),
-            req.stdin_open,
+            req.stdin_open || req.tty,
         )
         .await?;
         self.exec_get(id, &exec_id, req.wait_seconds, req.encoding)
             .await
     }
 
-    fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
+    pub(crate) fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
         self.store
             .exec(&m.id, exec_id)
             .map_err(store_err)?

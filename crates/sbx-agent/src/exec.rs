@@ -8,6 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sbx_proto::{ExecFailKind, ExecSpec, ExecState, ExitInfo, OutputCounts, Program, Stream};
 use sbx_runtime::process::{self, Ended, Reaped, SpawnSpec};
+use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{spawn_local, AbortHandle};
@@ -39,6 +40,8 @@ pub struct State {
 }
 
 pub struct Exec {
+    /// The terminal's master side, for a command on a PTY.
+    pty: RefCell<Option<Rc<AsyncFd<OwnedFd>>>>,
     pub id: String,
     pub pid: u32,
     pub started_at_ns: i64,
@@ -69,6 +72,7 @@ impl Exec {
     fn new(id: String, pid: u32, readers: u8) -> Rc<Exec> {
         let (notify, _) = watch::channel(0);
         Rc::new(Exec {
+            pty: RefCell::new(None),
             id,
             pid,
             started_at_ns: now_ns(),
@@ -145,6 +149,13 @@ impl Exec {
 
     pub fn close_stdin(&self) {
         self.stdin.borrow_mut().take();
+    }
+
+    /// A terminal's new size.
+    pub fn resize(&self, rows: u16, cols: u16) {
+        if let Some(p) = self.pty.borrow().as_ref() {
+            let _ = process::set_winsize(p.get_ref(), rows, cols);
+        }
     }
 
     pub fn signal(&self, sig: i32) {
@@ -228,6 +239,46 @@ fn reader(exec: Rc<Exec>, fd: OwnedFd, stream: Stream) -> AbortHandle {
     task.abort_handle()
 }
 
+/// Reads a terminal's output until its last slave closes (EIO).
+fn pty_reader(exec: Rc<Exec>, pty: Rc<AsyncFd<OwnedFd>>) -> AbortHandle {
+    let task = spawn_local(async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let Ok(mut ready) = pty.readable().await else {
+                break;
+            };
+            match ready.try_io(|fd| process::read_nb(fd.get_ref(), &mut buf)) {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(n)) => exec.push(Stream::Stdout, &buf[..n]),
+                Err(_would_block) => continue,
+            }
+        }
+        exec.pipe_closed();
+    });
+    task.abort_handle()
+}
+
+/// Writes input to a terminal.
+fn pty_writer(pty: Rc<AsyncFd<OwnedFd>>) -> mpsc::UnboundedSender<Vec<u8>> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    spawn_local(async move {
+        while let Some(buf) = rx.recv().await {
+            let mut at = 0;
+            while at < buf.len() {
+                let Ok(mut ready) = pty.writable().await else {
+                    return;
+                };
+                match ready.try_io(|fd| process::write_nb(fd.get_ref(), &buf[at..])) {
+                    Ok(Ok(n)) => at += n,
+                    Ok(Err(_)) => return,
+                    Err(_would_block) => continue,
+                }
+            }
+        }
+    });
+    tx
+}
+
 fn stdin_writer(fd: OwnedFd) -> mpsc::UnboundedSender<Vec<u8>> {
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     spawn_local(async move {
@@ -303,7 +354,10 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             format!("sbx: {first}: command not found\n"),
         ));
     };
-    let spawned = process::spawn(&SpawnSpec {
+    if spec.tty && !env.iter().any(|(k, _)| k == "TERM") {
+        env.push(("TERM".into(), "xterm-256color".into()));
+    }
+    let how = SpawnSpec {
         program: &program,
         argv: &argv,
         env: &env,
@@ -311,7 +365,35 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
         uid: user.uid,
         gid: user.gid,
         groups: &user.groups,
-    });
+    };
+    if spec.tty {
+        let on_pty = process::spawn_pty(&how, spec.rows, spec.cols)
+            .and_then(|p| Ok((p.pid, process::async_fd(p.master)?)));
+        let (pid, master) = match on_pty {
+            Ok(p) => p,
+            Err(e) => {
+                let code = if e.kind() == std::io::ErrorKind::NotFound {
+                    127
+                } else {
+                    126
+                };
+                return Ok(Exec::failed(
+                    spec.exec_id,
+                    code,
+                    format!("sbx: {first}: {e}\n"),
+                ));
+            }
+        };
+        let master = Rc::new(master);
+        let exec = Exec::new(spec.exec_id, pid, 1);
+        let r = pty_reader(exec.clone(), master.clone());
+        exec.state.borrow_mut().readers = vec![r];
+        *exec.stdin.borrow_mut() = Some(pty_writer(master.clone()));
+        *exec.pty.borrow_mut() = Some(master);
+        deadline(&exec, spec.timeout_ms);
+        return Ok(exec);
+    }
+    let spawned = process::spawn(&how);
     let spawned = match spawned {
         Ok(s) => s,
         Err(e) => {
@@ -332,7 +414,13 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
     let r2 = reader(exec.clone(), spawned.stderr, Stream::Stderr);
     exec.state.borrow_mut().readers = vec![r1, r2];
     *exec.stdin.borrow_mut() = Some(stdin_writer(spawned.stdin));
-    if let Some(ms) = spec.timeout_ms {
+    deadline(&exec, spec.timeout_ms);
+    Ok(exec)
+}
+
+/// Kills the command's process group when its time is up.
+fn deadline(exec: &Rc<Exec>, timeout_ms: Option<u64>) {
+    if let Some(ms) = timeout_ms {
         let me = exec.clone();
         spawn_local(async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -349,7 +437,6 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             }
         });
     }
-    Ok(exec)
 }
 
 fn libc_sigkill() -> i32 {

@@ -230,6 +230,14 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
             let execs = execs.iter().map(|e| e.snapshot()).collect();
             send(out, &AgentMsg::Execs { execs }).await;
         }
+        HostMsg::Resize {
+            exec_id,
+            rows,
+            cols,
+        } => match find(agent, &exec_id) {
+            Some(e) => e.resize(rows, cols),
+            None => no_such_exec(out, exec_id).await,
+        },
         HostMsg::Sync { token } => {
             send(out, &AgentMsg::Synced { token }).await;
         }

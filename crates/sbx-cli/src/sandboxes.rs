@@ -325,6 +325,11 @@ fn follow(cli: &Cli, sandbox: &str, exec: &str, from: u64) -> anyhow::Result<u8>
     }
 }
 
+/// Follows a command's output from its start to its end.
+pub fn follow_output(cli: &Cli, sandbox: &str, exec: &str) -> anyhow::Result<u8> {
+    follow(cli, sandbox, exec, 0)
+}
+
 pub fn exec(cli: &Cli, a: &ExecArgs) -> anyhow::Result<u8> {
     if a.interactive || a.tty {
         return crate::terminal::run(cli, &a.sandbox, &a.command, a.tty);

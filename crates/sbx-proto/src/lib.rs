@@ -89,6 +89,21 @@ pub struct ExecSpec {
     /// Send output to this connection as it comes.
     #[serde(default)]
     pub attach: bool,
+    /// Run on a terminal (a PTY) of `rows` x `cols`: its output is one stream (stdout).
+    #[serde(default)]
+    pub tty: bool,
+    #[serde(default = "default_rows")]
+    pub rows: u16,
+    #[serde(default = "default_cols")]
+    pub cols: u16,
+}
+
+fn default_rows() -> u16 {
+    24
+}
+
+fn default_cols() -> u16 {
+    80
 }
 
 /// The host's messages.
@@ -111,6 +126,12 @@ pub enum HostMsg {
     List,
     /// Answered by `Synced` after every frame sent before it was handled (stdin queued).
     Sync { token: u64 },
+    /// A terminal's new size.
+    Resize {
+        exec_id: String,
+        rows: u16,
+        cols: u16,
+    },
 }
 
 /// How a command ended.
@@ -337,6 +358,9 @@ mod tests {
             timeout_ms: Some(5),
             stdin_open: false,
             attach: true,
+            tty: false,
+            rows: 24,
+            cols: 80,
         };
         let mut buf = encode_msg(&HostMsg::Exec(spec.clone())).unwrap();
         buf.extend(encode_data(
@@ -416,11 +440,14 @@ mod tests {
             timeout_ms: None,
             stdin_open: false,
             attach: false,
+            tty: false,
+            rows: 24,
+            cols: 80,
         }))
         .unwrap();
         assert_eq!(
             exec,
-            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"attach":false}"#
+            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"attach":false,"tty":false,"rows":24,"cols":80}"#
         );
         // An older host that sends no optional fields is still understood.
         let old: HostMsg =

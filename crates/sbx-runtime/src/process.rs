@@ -233,3 +233,109 @@ pub fn start_time(pid: u32) -> Option<u64> {
     let after = stat.rsplit_once(')')?.1;
     after.split_whitespace().nth(19)?.parse().ok()
 }
+
+/// A command started on a terminal: its pid (a session leader with the terminal as its
+/// controlling one) and the terminal's master side, non-blocking.
+#[derive(Debug)]
+pub struct SpawnedPty {
+    pub pid: u32,
+    pub master: OwnedFd,
+}
+
+/// Starts a command on a new PTY of `rows` x `cols`.
+pub fn spawn_pty(spec: &SpawnSpec<'_>, rows: u16, cols: u16) -> io::Result<SpawnedPty> {
+    let size = nix::pty::Winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    let pty = nix::pty::openpty(Some(&size), None).map_err(io::Error::from)?;
+    let slave = pty.slave;
+    let mut cmd = Command::new(spec.program);
+    if let Some((first, rest)) = spec.argv.split_first() {
+        cmd.arg0(first);
+        cmd.args(rest);
+    }
+    cmd.env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .current_dir(spec.cwd)
+        .stdin(Stdio::from(slave.try_clone()?))
+        .stdout(Stdio::from(slave.try_clone()?))
+        .stderr(Stdio::from(slave));
+    let (uid, gid) = (spec.uid, spec.gid);
+    let groups: Vec<libc::gid_t> = spec.groups.to_vec();
+    // SAFETY: the closure runs in the child between fork and exec and makes only the
+    // async-signal-safe syscalls setsid, ioctl(TIOCSCTTY) on fd 0 (the PTY's slave, set up by
+    // std before the closure runs), setgroups, setresgid and setresuid, on memory prepared
+    // before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setresgid(gid, gid, gid) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setresuid(uid, uid, uid) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    let pid = child.id();
+    drop(child);
+    set_nonblocking(&pty.master)?;
+    Ok(SpawnedPty {
+        pid,
+        master: pty.master,
+    })
+}
+
+/// Makes a descriptor non-blocking (for a reactor).
+pub fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let flags = fcntl(fd, FcntlArg::F_GETFL).map_err(io::Error::from)?;
+    let flags = OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK;
+    fcntl(fd, FcntlArg::F_SETFL(flags)).map_err(io::Error::from)?;
+    Ok(())
+}
+
+/// Sets a terminal's size (its foreground process group gets SIGWINCH).
+pub fn set_winsize(master: &OwnedFd, rows: u16, cols: u16) -> io::Result<()> {
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads the winsize we pass, which lives on the stack for the call.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &size) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Reads what is there now (non-blocking): `Ok(0)` at the end.
+pub fn read_nb(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
+    nix::unistd::read(fd, buf).map_err(io::Error::from)
+}
+
+/// Writes what can be written now (non-blocking).
+pub fn write_nb(fd: &OwnedFd, buf: &[u8]) -> io::Result<usize> {
+    nix::unistd::write(fd, buf).map_err(io::Error::from)
+}
+
+/// Registers a descriptor with the current tokio reactor, for readiness-driven I/O.
+pub fn async_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
+    // SAFETY: an OwnedFd always answers the same descriptor from as_raw_fd and closes it only
+    // when dropped, which happens after the AsyncFd (its owner) has deregistered it.
+    unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)
+}

@@ -1,0 +1,155 @@
+//! Terminals: `GET /v1/sandboxes/{id}/exec/{exec_id}/terminal` upgrades to a WebSocket bound to
+//! a command that runs on a PTY (`tty: true`). Client to node: binary messages are input;
+//! text messages are JSON controls, `{"type":"resize","rows":R,"cols":C}` or
+//! `{"type":"input","data":"..."}`. Node to client: binary messages are output (from `from`,
+//! default 0, so the screen so far is replayed; the output is kept in the command's ring like
+//! any command's), then a text message `{"type":"exit", ...the exec object's status, exit_code,
+//! signal}` and a close.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::response::Response;
+use axum::routing::get;
+use axum::{Extension, Router};
+use futures_util::{SinkExt, StreamExt};
+use sbx_api::{ApiError, ErrorCode};
+use sbx_proto::{AgentMsg, Frame, HostMsg};
+use serde_json::{json, Value};
+
+use crate::agent::AgentConn;
+use crate::http::{error_response, AppState, RequestId};
+use crate::node::Node;
+
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new().route("/v1/sandboxes/{id}/exec/{exec_id}/terminal", get(terminal))
+}
+
+impl Node {
+    /// The agent socket of a command on a terminal that a session can attach to.
+    fn terminal_socket(&self, id: &str, exec_id: &str) -> Result<PathBuf, ApiError> {
+        let m = self.managed(id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        if !row.tty {
+            return Err(ApiError::new(
+                ErrorCode::InvalidField,
+                format!("{exec_id} does not run on a terminal (start it with tty: true)"),
+            )
+            .with_param("exec_id"));
+        }
+        let sb = self.running_machine(&m)?;
+        if row.boot != m.boot() || row.final_json.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::StdinClosed,
+                format!("{exec_id} has ended"),
+            ));
+        }
+        Ok(sb.socket.clone())
+    }
+}
+
+async fn terminal(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+    Path((id, exec_id)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let fail = |e: ApiError| error_response(&e, &rid.0, st.docs_url.as_deref());
+    let from = match q.get("from").map(|v| v.parse::<u64>()) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => return fail(ApiError::invalid_field("from", "from must be a position")),
+    };
+    let socket = match st.node.terminal_socket(&id, &exec_id) {
+        Ok(s) => s,
+        Err(e) => return fail(e),
+    };
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(e) => {
+            return fail(
+                ApiError::new(
+                    ErrorCode::InvalidField,
+                    format!("this route is a WebSocket: {e}"),
+                )
+                .with_param("Upgrade"),
+            )
+        }
+    };
+    ws.on_upgrade(move |ws| async move {
+        if let Err(e) = session(ws, socket, exec_id, from).await {
+            tracing::info!(error = %e, "terminal session ended");
+        }
+    })
+}
+
+async fn session(
+    ws: WebSocket,
+    socket: PathBuf,
+    exec_id: String,
+    from: u64,
+) -> Result<(), crate::agent::AgentError> {
+    let mut output = AgentConn::connect(&socket, Duration::from_secs(5)).await?;
+    let mut input = AgentConn::connect(&socket, Duration::from_secs(5)).await?;
+    output
+        .send(&HostMsg::Attach {
+            exec_id: exec_id.clone(),
+            from,
+        })
+        .await?;
+    let (mut tx, mut rx) = ws.split();
+    loop {
+        tokio::select! {
+            msg = rx.next() => {
+                let Some(Ok(msg)) = msg else { return Ok(()) };
+                match msg {
+                    Message::Binary(b) => input.send_stdin(&exec_id, &b).await?,
+                    Message::Text(t) => {
+                        let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
+                        match v["type"].as_str() {
+                            Some("resize") => {
+                                let rows = v["rows"].as_u64().unwrap_or(24).clamp(1, 1000) as u16;
+                                let cols = v["cols"].as_u64().unwrap_or(80).clamp(1, 1000) as u16;
+                                input.send(&HostMsg::Resize { exec_id: exec_id.clone(), rows, cols }).await?;
+                            }
+                            Some("input") => {
+                                let data = v["data"].as_str().unwrap_or("");
+                                input.send_stdin(&exec_id, data.as_bytes()).await?;
+                            }
+                            _ => {}
+                        }
+                    }
+                    Message::Close(_) => return Ok(()),
+                    _ => {}
+                }
+            }
+            frame = output.recv() => {
+                match frame? {
+                    Frame::Data { bytes, .. } => {
+                        if tx.send(Message::Binary(bytes.into())).await.is_err() {
+                            return Ok(());
+                        }
+                    }
+                    Frame::Msg(AgentMsg::Exited { exit, .. }) => {
+                        let end = json!({
+                            "type": "exit",
+                            "status": exit.status,
+                            "exit_code": exit.exit_code,
+                            "signal": exit.signal.map(sbx_api::signal_name),
+                        });
+                        let _ = tx.send(Message::Text(end.to_string().into())).await;
+                        let _ = tx.send(Message::Close(None)).await;
+                        return Ok(());
+                    }
+                    Frame::Msg(_) => {}
+                }
+            }
+        }
+    }
+}
