@@ -31,6 +31,13 @@ struct Args {
     /// Skip runc.
     #[arg(long)]
     no_runc: bool,
+    /// What to measure: run (POST /v1/run against runc), exec (a command in a live sandbox
+    /// against fork+exec on the host, and event-stream throughput), or all.
+    #[arg(long, default_value = "all")]
+    suite: String,
+    /// Bytes the throughput command writes.
+    #[arg(long, default_value_t = 1 << 30)]
+    stream_bytes: u64,
 }
 
 struct Cell {
@@ -145,6 +152,139 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let url = args.url.trim_end_matches('/').to_string();
     let agent = ureq::AgentBuilder::new().max_idle_connections(16).build();
+    if args.suite == "run" || args.suite == "all" {
+        run_suite(&args, &agent, &url)?;
+    }
+    if args.suite == "exec" || args.suite == "all" {
+        exec_suite(&args, &agent, &url)?;
+    }
+    Ok(())
+}
+
+/// A command in a live sandbox against fork+exec on the host; then the event stream's
+/// throughput.
+fn exec_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
+    let sb: Value = agent
+        .post(&format!("{url}/v1/sandboxes"))
+        .send_json(json!({}))
+        .context("create a sandbox")?
+        .into_json()?;
+    let id = sb["id"].as_str().unwrap_or_default().to_string();
+    let result = exec_cells(args, agent, url, &id);
+    let _ = agent.delete(&format!("{url}/v1/sandboxes/{id}")).call();
+    result
+}
+
+fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::Result<()> {
+    let exec_url = format!("{url}/v1/sandboxes/{id}/exec");
+    let exec_true = move |a: &ureq::Agent| -> anyhow::Result<()> {
+        let v: Value = a
+            .post(&exec_url)
+            .send_json(json!({"command": ["true"], "wait_seconds": 10}))?
+            .into_json()?;
+        if v["status"] != "exited" || v["exit_code"] != 0 {
+            bail!("unexpected answer: {v}");
+        }
+        Ok(())
+    };
+    for _ in 0..10 {
+        exec_true(agent)?;
+    }
+    let a = agent.clone();
+    let sbx = measure(args.runs, 1, Arc::new(move |_| exec_true(&a)))?;
+    let host = measure(
+        args.runs,
+        1,
+        Arc::new(|_| {
+            let st = Command::new("/bin/true").status()?;
+            if !st.success() {
+                bail!("/bin/true failed");
+            }
+            Ok(())
+        }),
+    )?;
+    println!();
+    println!("a command in a live sandbox (true), against fork+exec of /bin/true on the host");
+    println!(
+        "{:<34} {:>6} {:>9} {:>9}",
+        "what", "runs", "p50 ms", "p95 ms"
+    );
+    for (what, c) in [("sbx POST …/exec (wait)", &sbx), ("host fork+exec", &host)] {
+        println!(
+            "{:<34} {:>6} {:>9.2} {:>9.2}",
+            what,
+            c.lat.len(),
+            c.pct(0.5),
+            c.pct(0.95)
+        );
+    }
+    println!(
+        "sbx p50 / host p50: {:.2}x (goal <= 1.3x)",
+        sbx.pct(0.5) / host.pct(0.5)
+    );
+    // Throughput: a command writes stream_bytes of text; the stream carries it to us.
+    let cmd = format!(
+        "yes abcdefghijklmnopqrstuvwxyz0123456789 | head -c {}",
+        args.stream_bytes
+    );
+    let v: Value = agent
+        .post(&format!("{url}/v1/sandboxes/{id}/exec"))
+        .send_json(json!({"command": cmd, "wait_for_reader": true}))?
+        .into_json()?;
+    let exec = v["id"].as_str().unwrap_or_default().to_string();
+    let t = Instant::now();
+    let resp = agent
+        .get(&format!("{url}/v1/sandboxes/{id}/exec/{exec}/output"))
+        .set("accept", "text/event-stream")
+        .call()?;
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, resp.into_reader());
+    let (mut data_bytes, mut gap_bytes, mut wire) = (0u64, 0u64, 0u64);
+    let mut line = String::new();
+    let mut event = String::new();
+    loop {
+        line.clear();
+        let n = std::io::BufRead::read_line(&mut reader, &mut line)?;
+        if n == 0 {
+            break;
+        }
+        wire += n as u64;
+        if let Some(e) = line.strip_prefix("event: ") {
+            event = e.trim().to_string();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            // Output events are counted, not parsed: the client must not be what is measured.
+            match event.as_str() {
+                "gap" => {
+                    let v: Value = serde_json::from_str(d)?;
+                    gap_bytes += v["to"].as_u64().unwrap_or(0) - v["from"].as_u64().unwrap_or(0);
+                }
+                "exit" => {
+                    let v: Value = serde_json::from_str(d)?;
+                    data_bytes = v["output"]["end"].as_u64().unwrap_or(0) - gap_bytes;
+                    break;
+                }
+                "error" => bail!("the stream ended with an error: {d}"),
+                _ => {}
+            }
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    println!();
+    println!(
+        "event stream of a command writing {} MiB: {} MiB delivered in {:.2} s = {:.0} MB/s ({} MiB skipped as gaps; {} MiB on the wire)",
+        args.stream_bytes >> 20,
+        data_bytes >> 20,
+        secs,
+        data_bytes as f64 / secs / 1e6,
+        gap_bytes >> 20,
+        wire >> 20
+    );
+    println!("goal: >= 500 MB/s");
+    Ok(())
+}
+
+fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
+    let url = url.to_string();
+    let agent = agent.clone();
     // Warm up: the first runs pay for page cache and allocator growth.
     for _ in 0..10 {
         sbx_one(&agent, &url)?;

@@ -172,6 +172,9 @@ where
         }
         Ok(IdemBegin::Fresh) => {
             let (status, r) = f(Some(key.clone())).await;
+            // A refusal worth retrying (too_many_commands, ...) is not kept either: the retry
+            // with the same key must run the request, not replay the refusal.
+            let retryable = r.as_ref().err().is_some_and(|e| e.retryable());
             let (status, v) = match r {
                 Ok(v) => (status, v),
                 Err(e) => (
@@ -179,7 +182,7 @@ where
                     sbx_api::error_body(&e, &rid.0, st.docs_url.as_deref()),
                 ),
             };
-            if status.is_server_error() {
+            if status.is_server_error() || retryable {
                 let _ = st.node.store.idem_forget(scope, &key);
             } else if let Err(e) =
                 st.node
@@ -188,7 +191,12 @@ where
             {
                 tracing::error!(error = %e, "idempotency record");
             }
-            (status, Json(v)).into_response()
+            let mut resp = (status, Json(v)).into_response();
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            }
+            resp
         }
     }
 }
@@ -234,12 +242,16 @@ async fn list(
         only_params(&q, &["status", "limit", "cursor"])?;
         let status = match q.get("status") {
             None => None,
-            Some(s) => Some(SandboxStatus::parse(s).ok_or_else(|| {
-                ApiError::invalid_field(
-                    "status",
-                    "status must be starting, running, stopping or failed",
-                )
-            })?),
+            Some(s) => Some(
+                SandboxStatus::parse(s)
+                    .filter(|s| *s != SandboxStatus::Deleted)
+                    .ok_or_else(|| {
+                        ApiError::invalid_field(
+                            "status",
+                            "status must be starting, running, stopping or failed",
+                        )
+                    })?,
+            ),
         };
         let limit = match q.get("limit") {
             None => 100,
@@ -294,7 +306,7 @@ async fn restart(
 ) -> Response {
     let bytes = read_body(body).await.unwrap_or_default();
     let node = st.node.clone();
-    let scope = format!("POST /v1/sandboxes/{id}/restart");
+    let scope = format!("POST /v1/sandboxes/{}/restart", sandbox_key(&st, &id));
     idempotent(&st, &rid, &headers, &scope, &bytes, |_| async move {
         let r = node.restart_sandbox(&id).await;
         (
@@ -303,6 +315,16 @@ async fn restart(
         )
     })
     .await
+}
+
+/// The id of the sandbox a path names (by id or by name), for the scope of keys and derived
+/// ids: one sandbox is one scope whichever way it is named, and a name given to another
+/// sandbox later is another scope. The path as it is when no sandbox has it (a 404).
+fn sandbox_key(st: &AppState, id_or_name: &str) -> String {
+    st.node
+        .managed(id_or_name)
+        .map(|m| m.id.clone())
+        .unwrap_or_else(|_| id_or_name.to_string())
 }
 
 /// The exec id a request with an Idempotency-Key gets: derived from the sandbox, the call and
@@ -327,14 +349,15 @@ async fn exec(
         Err(e) => return fail(&st, &rid, e),
     };
     let node = st.node.clone();
-    let scope = format!("POST /v1/sandboxes/{id}/exec");
+    let sid = sandbox_key(&st, &id);
+    let scope = format!("POST /v1/sandboxes/{sid}/exec");
     let body2 = bytes.clone();
     idempotent(&st, &rid, &headers, &scope, &body2, |key| async move {
         let req = match sbx_api::parse_exec_request(&bytes) {
             Ok(r) => r,
             Err(e) => return (StatusCode::BAD_REQUEST, Err(e)),
         };
-        let exec_id = exec_id_for(&id, "exec", key.as_deref());
+        let exec_id = exec_id_for(&sid, "exec", key.as_deref());
         let r = node.exec(&id, req, exec_id).await;
         (
             StatusCode::CREATED,

@@ -43,6 +43,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/run", post(run))
         .route("/internal/node", get(node_info))
         .merge(crate::api::routes())
+        .merge(crate::files::routes())
         .merge(crate::terminal::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -402,6 +403,12 @@ fn take_text(carry: &mut Vec<u8>, data: &[u8], encoding: Encoding) -> (String, u
     if encoding == Encoding::Base64 {
         return (encoding.encode(data), data.len());
     }
+    if carry.is_empty() {
+        // The common case: no copy of the bytes before they are text.
+        let emit = data.len() - incomplete_suffix(data);
+        carry.extend_from_slice(&data[emit..]);
+        return (String::from_utf8_lossy(&data[..emit]).into_owned(), emit);
+    }
     let mut all = std::mem::take(carry);
     all.extend_from_slice(data);
     let emit = all.len() - incomplete_suffix(&all);
@@ -514,8 +521,13 @@ async fn next_sse(s: &mut SseState) -> String {
                 }
                 let from = pos - carried;
                 s.cursor = from + emitted as u64;
-                let data = serde_json::json!({ "position": from, "data": text });
-                return sbx_api::sse(kind, s.cursor, &data);
+                // Written by hand: the text is escaped once, not copied into a JSON value first.
+                let escaped = serde_json::to_string(&text).unwrap_or_default();
+                return format!(
+                    "event: {}\nid: {}\ndata: {{\"data\":{escaped},\"position\":{from}}}\n\n",
+                    kind.as_str(),
+                    s.cursor
+                );
             }
             RunEvent::Gap { from, to } => {
                 s.gap = true;

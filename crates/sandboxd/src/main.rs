@@ -2,6 +2,7 @@
 
 mod agent;
 mod api;
+mod files;
 mod http;
 mod image;
 mod node;

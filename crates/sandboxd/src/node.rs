@@ -408,6 +408,7 @@ impl Node {
             stdin_open: false,
             attach: true,
             tty: false,
+            wait_for_reader: req.wait_for_reader,
             rows: 24,
             cols: 80,
         };

@@ -234,12 +234,14 @@ impl Node {
                 stdin_open: false,
                 attach: false,
                 tty: false,
+                wait_for_reader: false,
                 rows: 24,
                 cols: 80,
             };
             if let Err(e) = self
                 .start_exec(m, &sb, spec, start.display(), None, false)
                 .await
+                .map(|_| ())
             {
                 self.set_failed(
                     m,
@@ -431,7 +433,9 @@ impl Node {
 
     /// Stops the start command (its stop signal, then grace), then ends the machine.
     async fn end_machine(self: &Arc<Self>, m: &Arc<Managed>) {
-        let Some(sb) = m.machine.lock().ok().and_then(|mut x| x.take()) else {
+        // The machine stays visible until its commands' final objects are recorded: a command
+        // asked about meanwhile is answered by the agent, then by its record.
+        let Some(sb) = m.machine() else {
             return;
         };
         let stop_first = m.spec.start_command.is_some() && sb.is_alive();
@@ -448,6 +452,9 @@ impl Node {
         }
         // What ran in this boot is final now: record it before the agent goes.
         self.record_finals(m, &sb).await;
+        if let Ok(mut x) = m.machine.lock() {
+            x.take();
+        }
         let driver = self.driver.clone();
         let _ = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
     }
@@ -540,18 +547,26 @@ impl Node {
         command: String,
         stdin: Option<&[u8]>,
         stdin_open: bool,
-    ) -> Result<ExecState, ApiError> {
+    ) -> Result<(ExecState, AgentConn), ApiError> {
         let exec_id = spec.exec_id.clone();
         let tty = spec.tty;
         let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
             .await
             .map_err(agent_lost)?;
-        match conn
+        let state = match conn
             .request(&HostMsg::Exec(spec))
             .await
             .map_err(agent_lost)?
         {
-            AgentMsg::Started { .. } => {}
+            AgentMsg::Started {
+                pid, started_at_ns, ..
+            } => ExecState {
+                exec_id: exec_id.clone(),
+                pid,
+                started_at_ns,
+                exit: None,
+                output: sbx_proto::OutputCounts::default(),
+            },
             AgentMsg::ExecFailed { kind, message, .. } => {
                 return Err(match kind {
                     ExecFailKind::NoSuchUser => {
@@ -568,7 +583,7 @@ impl Node {
                 tracing::error!(?other, "unexpected agent answer");
                 return Err(ApiError::internal());
             }
-        }
+        };
         if let Some(data) = stdin {
             conn.send_stdin(&exec_id, data).await.map_err(agent_lost)?;
         }
@@ -579,16 +594,6 @@ impl Node {
             .await
             .map_err(agent_lost)?;
         }
-        let state = match conn
-            .request(&HostMsg::Status {
-                exec_id: exec_id.clone(),
-            })
-            .await
-            .map_err(agent_lost)?
-        {
-            AgentMsg::State(s) => s,
-            _ => return Err(ApiError::internal()),
-        };
         let row = ExecRow {
             sandbox_id: m.id.clone(),
             exec_id: exec_id.clone(),
@@ -600,11 +605,16 @@ impl Node {
             final_json: None,
         };
         self.store.insert_exec(&row).map_err(store_err)?;
+        if !stdin_open {
+            self.store
+                .close_exec_stdin(&m.id, &exec_id)
+                .map_err(store_err)?;
+        }
         if let Ok(mut r) = m.running.lock() {
             r.insert(exec_id.clone());
         }
         self.watch_exec(m.clone(), sb.clone(), row);
-        Ok(state)
+        Ok((state, conn))
     }
 
     /// Waits for a command to end, then records its final object and frees its slot.
@@ -635,19 +645,38 @@ impl Node {
     ) -> Result<ExecObject, ApiError> {
         let m = self.managed(id)?;
         let sb = self.running_machine(&m)?;
-        {
-            let running = m.running.lock().map_err(|_| ApiError::internal())?;
-            if running.len() >= self.cfg.max_execs_per_sandbox {
-                return Err(ApiError::new(
-                    ErrorCode::TooManyCommands,
-                    format!(
-                        "the sandbox runs {} commands, as many as it may at once",
-                        running.len()
-                    ),
-                ));
+        let exec_id = exec_id.unwrap_or_else(|| sbx_api::new_id("exe"));
+        // The slot is taken here, under the lock: calls at the same time cannot all pass the
+        // check before any of them is counted. Given back if the command does not start.
+        let mut reserved = None;
+        for pass in 0..2 {
+            {
+                let mut running = m.running.lock().map_err(|_| ApiError::internal())?;
+                if running.len() < self.cfg.max_execs_per_sandbox {
+                    reserved = Some(running.insert(exec_id.clone()));
+                    break;
+                }
+                if pass == 1 {
+                    return Err(ApiError::new(
+                        ErrorCode::TooManyCommands,
+                        format!(
+                            "the sandbox runs {} commands, as many as it may at once",
+                            running.len()
+                        ),
+                    ));
+                }
+            }
+            // A command that ended may not have given its slot back yet (its watcher records
+            // it first), though its end was already answered: the agent knows.
+            if let Ok(AgentMsg::Execs { execs }) = one_shot(&sb.socket, &HostMsg::List).await {
+                if let Ok(mut running) = m.running.lock() {
+                    for s in execs.iter().filter(|s| s.exit.is_some()) {
+                        running.remove(&s.exec_id);
+                    }
+                }
             }
         }
-        let exec_id = exec_id.unwrap_or_else(|| sbx_api::new_id("exe"));
+        let reserved = reserved.unwrap_or(false);
         let mut env = Self::base_env(&m);
         env.extend(req.env.clone());
         let spec = ExecSpec {
@@ -658,22 +687,74 @@ impl Node {
             user: req.user.clone().or_else(|| m.spec.user.clone()),
             timeout_ms: req.timeout_seconds.map(|t| (t * 1000.0).ceil() as u64),
             stdin_open: req.stdin_open || req.tty,
-            attach: false,
+            // A call that waits reads the output on the connection that starts the command.
+            attach: req.wait_seconds > 0.0 && !req.tty,
             tty: req.tty,
+            wait_for_reader: req.wait_for_reader,
             rows: req.rows,
             cols: req.cols,
         };
-        self.start_exec(
-            &m,
-            &sb,
-            spec,
-            req.command.display(),
-            req.stdin.as_deref(),
-            req.stdin_open || req.tty,
-        )
-        .await?;
-        self.exec_get(id, &exec_id, req.wait_seconds, req.encoding)
-            .await
+        let started = self
+            .start_exec(
+                &m,
+                &sb,
+                spec,
+                req.command.display(),
+                req.stdin.as_deref(),
+                req.stdin_open || req.tty,
+            )
+            .await;
+        let (state, mut conn) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                if reserved {
+                    if let Ok(mut r) = m.running.lock() {
+                        r.remove(&exec_id);
+                    }
+                }
+                return Err(e);
+            }
+        };
+        if req.wait_seconds > 0.0 && !req.tty {
+            let row = self.exec_row(&m, &exec_id)?;
+            let meta = meta_of(&m, &row, req.encoding);
+            let (mut out, mut err, mut gap) = (Tail::new(), Tail::new(), false);
+            let collect = async {
+                loop {
+                    match conn.recv().await {
+                        Ok(Frame::Data { stream, bytes, .. }) => match stream {
+                            Stream::Stderr => err.push(&bytes),
+                            _ => out.push(&bytes),
+                        },
+                        Ok(Frame::Msg(AgentMsg::Gap { .. })) => gap = true,
+                        Ok(Frame::Msg(AgentMsg::Exited { exit, output, .. })) => {
+                            return Some((exit, output))
+                        }
+                        Ok(Frame::Msg(_)) => {}
+                        Err(_) => return None,
+                    }
+                }
+            };
+            let waited =
+                tokio::time::timeout(Duration::from_secs_f64(req.wait_seconds), collect).await;
+            if let Ok(Some((exit, output))) = waited {
+                let started = Started {
+                    pid: state.pid,
+                    started_at_ns: state.started_at_ns,
+                };
+                return Ok(exec_object(
+                    &meta,
+                    &started,
+                    Some(&exit),
+                    output,
+                    &mut out,
+                    &mut err,
+                    gap,
+                ));
+            }
+        }
+        drop(conn);
+        self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }
 
     pub(crate) fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
@@ -708,7 +789,17 @@ impl Node {
             )
             .await;
         }
-        let (state, out, err, gap) = read_all(&sb, exec_id).await?;
+        let (state, out, err, gap) = match read_all(&sb, exec_id).await {
+            Ok(x) => x,
+            // The machine ended meanwhile (a delete, a restart): what was recorded of it.
+            Err(e) => {
+                return self
+                    .exec_row(&m, exec_id)
+                    .ok()
+                    .and_then(|r| final_from_row(&r))
+                    .ok_or(e)
+            }
+        };
         let meta = meta_of(&m, &row, encoding);
         let (mut o, mut e) = (out, err);
         Ok(exec_object(
@@ -766,9 +857,35 @@ impl Node {
                 "the command has ended",
             ));
         }
+        // Input after a close would be dropped by the agent: refused instead.
+        if self
+            .store
+            .exec_stdin_closed(&m.id, exec_id)
+            .map_err(store_err)?
+        {
+            return Err(ApiError::new(
+                ErrorCode::StdinClosed,
+                "the command's stdin is closed",
+            ));
+        }
         let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
             .await
             .map_err(agent_lost)?;
+        // Its end may not be recorded yet: the agent knows.
+        if let AgentMsg::State(s) = conn
+            .request(&HostMsg::Status {
+                exec_id: exec_id.into(),
+            })
+            .await
+            .map_err(agent_lost)?
+        {
+            if s.exit.is_some() {
+                return Err(ApiError::new(
+                    ErrorCode::StdinClosed,
+                    "the command has ended",
+                ));
+            }
+        }
         if !data.is_empty() {
             conn.send_stdin(exec_id, data).await.map_err(agent_lost)?;
         }
@@ -782,6 +899,11 @@ impl Node {
         conn.request(&HostMsg::Sync { token: 1 })
             .await
             .map_err(agent_lost)?;
+        if close {
+            self.store
+                .close_exec_stdin(&m.id, exec_id)
+                .map_err(store_err)?;
+        }
         Ok(())
     }
 
@@ -985,9 +1107,11 @@ impl Node {
             });
             let dir = self.sandboxes_dir().join(&row.id);
             let alive = match (row.status.as_str(), row.pid) {
-                ("running" | "starting" | "stopping", Some(pid)) => {
-                    self.driver.adopt(&row.id, &dir, pid, row.start_time)
-                }
+                // A zombie (an agent that died while no node reaped it) is no agent.
+                ("running" | "starting" | "stopping", Some(pid)) => self
+                    .driver
+                    .adopt(&row.id, &dir, pid, row.start_time)
+                    .filter(|sb| sb.is_alive()),
                 _ => None,
             };
             match alive {
@@ -1019,6 +1143,15 @@ impl Node {
                         );
                         lost += 1;
                     }
+                    // Its commands ended with its agent: their objects say so from now on.
+                    for e in self.store.execs(&row.id).unwrap_or_default() {
+                        if e.final_json.is_none() {
+                            let obj = final_object(&m, &e, None);
+                            if let Ok(json) = serde_json::to_string(&obj) {
+                                let _ = self.store.set_exec_final(&row.id, &e.exec_id, &json);
+                            }
+                        }
+                    }
                     let _ = self.driver.remove_leftovers(&row.id);
                     let _ = sbx_runtime::driver::remove_dir(&dir);
                 }
@@ -1027,7 +1160,18 @@ impl Node {
                 let _ = self.reserve_name(Some(&n), &m.id);
             }
             if let Ok(mut all) = self.managed.lock() {
-                all.insert(m.id.clone(), m);
+                all.insert(m.id.clone(), m.clone());
+            }
+            // Its expiry was a timer of the node that stopped: armed again (at once if it
+            // passed meanwhile).
+            if let Some(at) = m
+                .spec
+                .expires_at
+                .as_deref()
+                .and_then(sbx_api::parse_rfc3339)
+            {
+                let left_ms = (at - crate::image::now_ns()).max(0) / 1_000_000;
+                self.expire_at(&m, left_ms as u64 + 1);
             }
         }
         (adopted, lost)

@@ -140,6 +140,16 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        // Added after the first schema: whether a command's stdin is closed (a database of an
+        // older node gets the column, its rows open).
+        let has_stdin_closed = conn
+            .prepare("SELECT 1 FROM pragma_table_info('execs') WHERE name='stdin_closed'")?
+            .exists([])?;
+        if !has_stdin_closed {
+            conn.execute_batch(
+                "ALTER TABLE execs ADD COLUMN stdin_closed INTEGER NOT NULL DEFAULT 0",
+            )?;
+        }
         Ok(Store {
             conn: Mutex::new(conn),
         })
@@ -242,6 +252,30 @@ impl Store {
                 params![sandbox_id, exec_id, json],
             )
             .map(|_| ())
+        })
+    }
+
+    /// Records that a command's stdin is closed: later input is refused, not lost.
+    pub fn close_exec_stdin(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE execs SET stdin_closed=1 WHERE sandbox_id=?1 AND exec_id=?2",
+                params![sandbox_id, exec_id],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Whether a command's stdin is closed (false for a command the table does not have).
+    pub fn exec_stdin_closed(&self, sandbox_id: &str, exec_id: &str) -> Result<bool, StoreError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT stdin_closed FROM execs WHERE sandbox_id=?1 AND exec_id=?2",
+                params![sandbox_id, exec_id],
+                |r| r.get::<_, bool>(0),
+            )
+            .optional()
+            .map(|v| v.unwrap_or(false))
         })
     }
 

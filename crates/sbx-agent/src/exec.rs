@@ -1,6 +1,6 @@
 //! One command: its process, pipes, output ring, deadline and exit.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -40,6 +40,10 @@ pub struct State {
 }
 
 pub struct Exec {
+    /// Whether output is read only as fast as a reader takes it.
+    wait_for_reader: Cell<bool>,
+    /// The furthest position a reader has been sent.
+    sent: watch::Sender<u64>,
     /// The terminal's master side, for a command on a PTY.
     pty: RefCell<Option<Rc<AsyncFd<OwnedFd>>>>,
     pub id: String,
@@ -72,6 +76,8 @@ impl Exec {
     fn new(id: String, pid: u32, readers: u8) -> Rc<Exec> {
         let (notify, _) = watch::channel(0);
         Rc::new(Exec {
+            wait_for_reader: Cell::new(false),
+            sent: watch::channel(0).0,
             pty: RefCell::new(None),
             id,
             pid,
@@ -133,6 +139,35 @@ impl Exec {
             stderr_bytes: st.ring.stderr_bytes,
             start: st.ring.start(),
             end: st.ring.end(),
+        }
+    }
+
+    /// A reader has been sent the output up to `pos`.
+    pub fn sent_up_to(&self, pos: u64) {
+        self.sent.send_if_modified(|v| {
+            if pos > *v {
+                *v = pos;
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// With `wait_for_reader`: waits while a reader is more than half the ring behind.
+    async fn wait_for_room(&self) {
+        if !self.wait_for_reader.get() {
+            return;
+        }
+        let mut sent = self.sent.subscribe();
+        loop {
+            let end = self.state.borrow().ring.end();
+            if end.saturating_sub(*sent.borrow_and_update()) < (CAPACITY / 2) as u64 {
+                return;
+            }
+            if sent.changed().await.is_err() {
+                return;
+            }
         }
     }
 
@@ -226,8 +261,9 @@ impl Exec {
 fn reader(exec: Rc<Exec>, fd: OwnedFd, stream: Stream) -> AbortHandle {
     let task = spawn_local(async move {
         if let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-            let mut buf = vec![0u8; 64 << 10];
+            let mut buf = vec![0u8; 256 << 10];
             loop {
+                exec.wait_for_room().await;
                 match rx.read(&mut buf).await {
                     Ok(0) | Err(_) => break,
                     Ok(n) => exec.push(stream, &buf[..n]),
@@ -244,6 +280,7 @@ fn pty_reader(exec: Rc<Exec>, pty: Rc<AsyncFd<OwnedFd>>) -> AbortHandle {
     let task = spawn_local(async move {
         let mut buf = vec![0u8; 64 << 10];
         loop {
+            exec.wait_for_room().await;
             let Ok(mut ready) = pty.readable().await else {
                 break;
             };
@@ -386,6 +423,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
         };
         let master = Rc::new(master);
         let exec = Exec::new(spec.exec_id, pid, 1);
+        exec.wait_for_reader.set(spec.wait_for_reader);
         let r = pty_reader(exec.clone(), master.clone());
         exec.state.borrow_mut().readers = vec![r];
         *exec.stdin.borrow_mut() = Some(pty_writer(master.clone()));
@@ -410,6 +448,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
         }
     };
     let exec = Exec::new(spec.exec_id, spawned.pid, 2);
+    exec.wait_for_reader.set(spec.wait_for_reader);
     let r1 = reader(exec.clone(), spawned.stdout, Stream::Stdout);
     let r2 = reader(exec.clone(), spawned.stderr, Stream::Stderr);
     exec.state.borrow_mut().readers = vec![r1, r2];

@@ -6,6 +6,7 @@
 //! reports exits with usage.
 
 mod exec;
+mod fs;
 mod ring;
 mod server;
 mod users;

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 use tokio::task::{spawn_local, LocalSet};
 
 use crate::exec::{self, Defaults, Exec};
+use crate::fs;
 
 struct Agent {
     defaults: Defaults,
@@ -96,10 +97,12 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
     let hello = AgentMsg::Hello {
         version: PROTO_VERSION,
         agent: format!("sbx-agent {}", env!("CARGO_PKG_VERSION")),
+        features: vec![sbx_proto::FEATURE_FS.into()],
     };
     if !send(&out, &hello).await {
         return;
     }
+    let files = fs::Files::new(agent.defaults.user.clone(), out.clone());
     loop {
         let frame = match read_frame::<HostMsg, _>(&mut rd).await {
             Ok(Some(f)) => f,
@@ -117,7 +120,15 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
                     e.write_stdin(bytes);
                 }
             }
+            Frame::Data {
+                exec_id,
+                stream: Stream::File,
+                bytes,
+                ..
+            } => files.data(&exec_id, bytes).await,
             Frame::Data { .. } => {}
+            Frame::Msg(HostMsg::Fs { id, op }) => files.start(id, op),
+            Frame::Msg(HostMsg::FsEnd { id }) => files.end(&id).await,
             Frame::Msg(msg) => handle(&agent, &out, msg).await,
         }
     }
@@ -241,6 +252,8 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
         HostMsg::Sync { token } => {
             send(out, &AgentMsg::Synced { token }).await;
         }
+        // File operations are the connection's (see `connection`).
+        HostMsg::Fs { .. } | HostMsg::FsEnd { .. } => {}
     }
 }
 
@@ -291,6 +304,7 @@ async fn stream_output(out: Out, exec: Rc<Exec>, from: u64) {
             {
                 return;
             }
+            exec.sent_up_to(cursor);
         }
     }
 }

@@ -133,11 +133,49 @@ pub enum ErrorCode {
     // 504 timeout
     /// The caller hung up.
     CallerGone,
+
+    // File operations (`/v1/sandboxes/{id}/files…`). Each maps 1:1 to an S-code of the
+    // functions interface's `sandbox::fs::*` ([`ErrorCode::s_code`]):
+    //   fs_invalid        400  S210  the operation is invalid as asked (NUL in a path, a bad
+    //                                mode or parameter, removing /, a bad archive); param set
+    //   path_not_found    404  S211  the path does not exist
+    //   wrong_type        409  S212  a file where a directory is needed, or the reverse
+    //   path_exists       409  S213  the path exists already
+    //   not_empty         409  S214  the directory is not empty
+    //   permission_denied 403  S215  the sandbox refuses it (owner not mapped, read-only fs)
+    //   io_error          500  S216  the filesystem failed (no space, I/O error)
+    //   bad_pattern       400  S217  grep's or sed's pattern (or a glob) does not compile
+    //   stream_aborted    503  S218  the bytes' stream broke midway; retryable
+    //   unsupported       501  S219  a kind of file or an operation the sandbox's agent does
+    //                                not serve (restart the sandbox to update its agent)
+    // `invalid_range` (416) is HTTP's own (a Range header past the end) and has no S-code.
+    /// The file operation is invalid as asked.
+    FsInvalid,
+    /// The path does not exist in the sandbox.
+    PathNotFound,
+    /// A file where a directory is needed, or the reverse.
+    WrongType,
+    /// The path exists already.
+    PathExists,
+    /// The directory is not empty.
+    NotEmpty,
+    /// The sandbox does not permit it.
+    PermissionDenied,
+    /// The sandbox's filesystem failed.
+    IoError,
+    /// The pattern (or a glob) does not compile.
+    BadPattern,
+    /// A stream of file bytes broke midway.
+    StreamAborted,
+    /// Not something the sandbox's agent does.
+    Unsupported,
+    /// The Range asked for is past the end of the file (status 416).
+    InvalidRange,
 }
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 52] = [
+    pub const ALL: [ErrorCode; 63] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -190,6 +228,17 @@ impl ErrorCode {
         ErrorCode::DriveFull,
         ErrorCode::NotServedHere,
         ErrorCode::CallerGone,
+        ErrorCode::FsInvalid,
+        ErrorCode::PathNotFound,
+        ErrorCode::WrongType,
+        ErrorCode::PathExists,
+        ErrorCode::NotEmpty,
+        ErrorCode::PermissionDenied,
+        ErrorCode::IoError,
+        ErrorCode::BadPattern,
+        ErrorCode::StreamAborted,
+        ErrorCode::Unsupported,
+        ErrorCode::InvalidRange,
     ];
 
     /// The code as it is written on the wire.
@@ -247,6 +296,17 @@ impl ErrorCode {
             ErrorCode::DriveFull => "drive_full",
             ErrorCode::NotServedHere => "not_served_here",
             ErrorCode::CallerGone => "caller_gone",
+            ErrorCode::FsInvalid => "fs_invalid",
+            ErrorCode::PathNotFound => "path_not_found",
+            ErrorCode::WrongType => "wrong_type",
+            ErrorCode::PathExists => "path_exists",
+            ErrorCode::NotEmpty => "not_empty",
+            ErrorCode::PermissionDenied => "permission_denied",
+            ErrorCode::IoError => "io_error",
+            ErrorCode::BadPattern => "bad_pattern",
+            ErrorCode::StreamAborted => "stream_aborted",
+            ErrorCode::Unsupported => "unsupported",
+            ErrorCode::InvalidRange => "invalid_range",
         }
     }
 
@@ -255,15 +315,34 @@ impl ErrorCode {
         ErrorCode::ALL.iter().copied().find(|c| c.as_str() == s)
     }
 
+    /// The S-code of the functions interface (`sandbox::fs::*`) this code is, for the file
+    /// codes (S210–S219, one each); `None` for the others.
+    pub fn s_code(self) -> Option<&'static str> {
+        Some(match self {
+            ErrorCode::FsInvalid => "S210",
+            ErrorCode::PathNotFound => "S211",
+            ErrorCode::WrongType => "S212",
+            ErrorCode::PathExists => "S213",
+            ErrorCode::NotEmpty => "S214",
+            ErrorCode::PermissionDenied => "S215",
+            ErrorCode::IoError => "S216",
+            ErrorCode::BadPattern => "S217",
+            ErrorCode::StreamAborted => "S218",
+            ErrorCode::Unsupported => "S219",
+            _ => return None,
+        })
+    }
+
     /// The kind of failure, which decides the status.
     pub fn error_type(self) -> &'static str {
         match self.status() {
-            400 | 405 => "invalid_request",
+            400 | 405 | 416 => "invalid_request",
             401 => "unauthenticated",
             403 => "forbidden",
             404 => "not_found",
             409 => "conflict",
             413 => "too_large",
+            501 => "not_implemented",
             503 => "unavailable",
             504 => "timeout",
             _ => "internal",
@@ -316,6 +395,14 @@ impl ErrorCode {
             Internal => 500,
             Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,
             CallerGone => 504,
+            FsInvalid | BadPattern => 400,
+            PathNotFound => 404,
+            WrongType | PathExists | NotEmpty => 409,
+            PermissionDenied => 403,
+            IoError => 500,
+            StreamAborted => 503,
+            Unsupported => 501,
+            InvalidRange => 416,
         }
     }
 
@@ -331,6 +418,8 @@ impl ErrorCode {
     /// - 503: `unavailable`, `no_capacity`, `memory_full` and `drive_full` are true;
     ///   `not_served_here` is false (this node does not do it, now or later).
     /// - 504 `caller_gone`: false (nobody is there to retry; only logs see it).
+    /// - File codes: only `stream_aborted` (503; S218 is transient: the same transfer again
+    ///   may pass).
     pub fn retryable(self) -> bool {
         matches!(
             self,
@@ -340,6 +429,7 @@ impl ErrorCode {
                 | ErrorCode::NoCapacity
                 | ErrorCode::MemoryFull
                 | ErrorCode::DriveFull
+                | ErrorCode::StreamAborted
         )
     }
 }
@@ -396,6 +486,11 @@ impl ApiError {
     /// The HTTP status of this error's answer.
     pub fn status(&self) -> u16 {
         self.code.status()
+    }
+
+    /// The functions interface's S-code of this error, for the file codes.
+    pub fn s_code(&self) -> Option<&'static str> {
+        self.code.s_code()
     }
 
     /// The kind of failure.
@@ -468,11 +563,12 @@ mod tests {
             ("conflict", 409),
             ("too_large", 413),
             ("internal", 500),
+            ("not_implemented", 501),
             ("unavailable", 503),
             ("timeout", 504),
         ];
         for code in ErrorCode::ALL {
-            if code == ErrorCode::MethodNotAllowed {
+            if code == ErrorCode::MethodNotAllowed || code == ErrorCode::InvalidRange {
                 continue;
             }
             let t = code.error_type();
@@ -521,11 +617,44 @@ mod tests {
                 ErrorCode::NoCapacity,
                 ErrorCode::MemoryFull,
                 ErrorCode::DriveFull,
+                ErrorCode::StreamAborted,
             ]
         );
         assert!(!ErrorCode::Internal.retryable());
         assert!(!ErrorCode::CallerGone.retryable());
         assert!(!ErrorCode::NotServedHere.retryable());
+    }
+
+    #[test]
+    fn file_codes_map_one_to_one_to_s_codes() {
+        let file: Vec<(ErrorCode, &str)> = ErrorCode::ALL
+            .iter()
+            .filter_map(|c| c.s_code().map(|s| (*c, s)))
+            .collect();
+        let want = [
+            (ErrorCode::FsInvalid, "S210", 400),
+            (ErrorCode::PathNotFound, "S211", 404),
+            (ErrorCode::WrongType, "S212", 409),
+            (ErrorCode::PathExists, "S213", 409),
+            (ErrorCode::NotEmpty, "S214", 409),
+            (ErrorCode::PermissionDenied, "S215", 403),
+            (ErrorCode::IoError, "S216", 500),
+            (ErrorCode::BadPattern, "S217", 400),
+            (ErrorCode::StreamAborted, "S218", 503),
+            (ErrorCode::Unsupported, "S219", 501),
+        ];
+        assert_eq!(file.len(), want.len());
+        for ((code, s), (wc, ws, status)) in file.iter().zip(want) {
+            assert_eq!((*code, *s), (wc, ws));
+            assert_eq!(code.status(), status, "{code}");
+        }
+        assert_eq!(ErrorCode::Unsupported.error_type(), "not_implemented");
+        assert_eq!(ErrorCode::InvalidRange.status(), 416);
+        assert_eq!(ErrorCode::InvalidRange.error_type(), "invalid_request");
+        assert_eq!(ErrorCode::InvalidRange.s_code(), None);
+        assert_eq!(ErrorCode::NotFound.s_code(), None);
+        let e = ApiError::new(ErrorCode::NotEmpty, "x").with_param("path");
+        assert_eq!(e.s_code(), Some("S214"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `sbx`: the command line of an sbx node.
 
+mod files;
 mod sandboxes;
 mod terminal;
 
@@ -57,6 +58,14 @@ enum Cmd {
     Rm(sandboxes::RmArgs),
     /// Restart a sandbox: its machine is booted again over the same disk.
     Restart(sandboxes::RestartArgs),
+    /// Copy a file or a directory between here and a sandbox: sbx cp LOCAL SANDBOX:PATH, or
+    /// sbx cp SANDBOX:PATH LOCAL.
+    Cp(files::CpArgs),
+    /// A sandbox's files: ls, stat, mkdir, rm, mv, chmod, grep, sed.
+    Fs {
+        #[command(subcommand)]
+        command: files::FsCmd,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -132,6 +141,8 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Logs(a) => sandboxes::logs(&cli, a),
         Cmd::Rm(a) => sandboxes::rm(&cli, a),
         Cmd::Restart(a) => sandboxes::restart(&cli, a),
+        Cmd::Cp(a) => files::cp(&cli, a),
+        Cmd::Fs { command } => files::fs(&cli, command),
     }
 }
 

@@ -4,7 +4,9 @@
 //! follows, one kind byte, and the payload:
 //! - kind 1 (`Msg`): a JSON document, [`HostMsg`] from the host or [`AgentMsg`] from the agent;
 //! - kind 2 (`Data`): bytes of a command's stream, binary so that output needs no escaping:
-//!   `u8` stream, `u64` position, `u8` exec id length, exec id, then the bytes.
+//!   `u8` stream, `u64` position, `u8` exec id length, exec id, then the bytes. Stream
+//!   [`Stream::File`] carries a file operation's bytes (its id in place of the exec id, the
+//!   position an offset in the file): see [`fs`].
 //!
 //! Versioning: the agent's first frame is [`AgentMsg::Hello`] with [`PROTO_VERSION`]. Fields are
 //! only ever added, as `Option`s or with `#[serde(default)]`, so an older peer ignores them
@@ -13,6 +15,12 @@
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+pub mod fs;
+pub use fs::{
+    FsEntry, FsErrorCode, FsFailure, FsKind, FsOp, FsResult, GrepMatch, GrepSpec, SedFile, SedSpec,
+    FEATURE_FS,
+};
 
 /// The generation of this protocol.
 pub const PROTO_VERSION: u32 = 1;
@@ -43,6 +51,8 @@ pub enum Stream {
     Stdin = 0,
     Stdout = 1,
     Stderr = 2,
+    /// Bytes of a file operation (an upload or a download).
+    File = 3,
 }
 
 impl Stream {
@@ -51,6 +61,7 @@ impl Stream {
             0 => Some(Stream::Stdin),
             1 => Some(Stream::Stdout),
             2 => Some(Stream::Stderr),
+            3 => Some(Stream::File),
             _ => None,
         }
     }
@@ -92,6 +103,10 @@ pub struct ExecSpec {
     /// Run on a terminal (a PTY) of `rows` x `cols`: its output is one stream (stdout).
     #[serde(default)]
     pub tty: bool,
+    /// Read the command's output only as fast as a reader takes it (the command blocks on a
+    /// full pipe), instead of keeping the last bytes in the ring and dropping older ones.
+    #[serde(default)]
+    pub wait_for_reader: bool,
     #[serde(default = "default_rows")]
     pub rows: u16,
     #[serde(default = "default_cols")]
@@ -132,6 +147,10 @@ pub enum HostMsg {
         rows: u16,
         cols: u16,
     },
+    /// Starts file operation `id` (see [`fs`]).
+    Fs { id: String, op: FsOp },
+    /// The end of an upload's data frames.
+    FsEnd { id: String },
 }
 
 /// How a command ended.
@@ -175,6 +194,9 @@ pub enum AgentMsg {
     Hello {
         version: u32,
         agent: String,
+        /// What this agent serves beyond commands ([`FEATURE_FS`]); absent from older agents.
+        #[serde(default)]
+        features: Vec<String>,
     },
     Started {
         exec_id: String,
@@ -188,11 +210,7 @@ pub enum AgentMsg {
         message: String,
     },
     /// Bytes from `from` to `to` are no longer kept.
-    Gap {
-        exec_id: String,
-        from: u64,
-        to: u64,
-    },
+    Gap { exec_id: String, from: u64, to: u64 },
     Exited {
         exec_id: String,
         exit: ExitInfo,
@@ -201,13 +219,22 @@ pub enum AgentMsg {
     /// Answer to `Status` and `Wait`.
     State(ExecState),
     /// Answer to `List`.
-    Execs {
-        execs: Vec<ExecState>,
-    },
+    Execs { execs: Vec<ExecState> },
     /// Answer to `Sync`.
-    Synced {
-        token: u64,
+    Synced { token: u64 },
+    /// A download of file operation `id` starts: data frames of stream `file` follow, from
+    /// position `offset`, `length` bytes (`None`: as many as there are), then `FsDone`.
+    FsOpened {
+        id: String,
+        /// The size of the file (0 for a tar stream).
+        size: u64,
+        offset: u64,
+        length: Option<u64>,
     },
+    /// File operation `id` succeeded.
+    FsDone { id: String, result: FsResult },
+    /// File operation `id` failed.
+    FsError { id: String, error: FsFailure },
 }
 
 /// What the agent knows of a command.
@@ -359,6 +386,7 @@ mod tests {
             stdin_open: false,
             attach: true,
             tty: false,
+            wait_for_reader: false,
             rows: 24,
             cols: 80,
         };
@@ -408,12 +436,17 @@ mod tests {
         let hello = serde_json::to_string(&AgentMsg::Hello {
             version: PROTO_VERSION,
             agent: "sbx-agent 0.1.0".into(),
+            features: vec![FEATURE_FS.into()],
         })
         .unwrap();
         assert_eq!(
             hello,
-            r#"{"type":"hello","version":1,"agent":"sbx-agent 0.1.0"}"#
+            r#"{"type":"hello","version":1,"agent":"sbx-agent 0.1.0","features":["fs"]}"#
         );
+        // An older agent's hello has no features.
+        let old: AgentMsg =
+            serde_json::from_str(r#"{"type":"hello","version":1,"agent":"a"}"#).unwrap();
+        assert!(matches!(old, AgentMsg::Hello { features, .. } if features.is_empty()));
         let exited = serde_json::to_string(&AgentMsg::Exited {
             exec_id: "exe-x".into(),
             exit: ExitInfo {
@@ -441,18 +474,126 @@ mod tests {
             stdin_open: false,
             attach: false,
             tty: false,
+            wait_for_reader: false,
             rows: 24,
             cols: 80,
         }))
         .unwrap();
         assert_eq!(
             exec,
-            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"attach":false,"tty":false,"rows":24,"cols":80}"#
+            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"attach":false,"tty":false,"wait_for_reader":false,"rows":24,"cols":80}"#
         );
         // An older host that sends no optional fields is still understood.
         let old: HostMsg =
             serde_json::from_str(r#"{"type":"exec","exec_id":"e","program":{"argv":["a"]}}"#)
                 .unwrap();
         assert!(matches!(old, HostMsg::Exec(ExecSpec { attach: false, .. })));
+    }
+    /// Pins the wire shape of file operations.
+    #[test]
+    fn fs_schema_snapshot() {
+        let write = serde_json::to_string(&HostMsg::Fs {
+            id: "f1".into(),
+            op: FsOp::Write {
+                path: "/a".into(),
+                mode: Some(0o644),
+                parents: true,
+                owner: None,
+            },
+        })
+        .unwrap();
+        assert_eq!(
+            write,
+            r#"{"type":"fs","id":"f1","op":{"op":"write","path":"/a","mode":420,"parents":true,"owner":null}}"#
+        );
+        let grep = serde_json::to_string(&FsOp::Grep(GrepSpec {
+            path: "/w".into(),
+            pattern: "x".into(),
+            literal: false,
+            recursive: true,
+            ignore_case: false,
+            include: vec!["*.rs".into()],
+            exclude: vec![],
+            max_matches: Some(5),
+            max_line_bytes: None,
+        }))
+        .unwrap();
+        assert_eq!(
+            grep,
+            r#"{"op":"grep","path":"/w","pattern":"x","literal":false,"recursive":true,"ignore_case":false,"include":["*.rs"],"exclude":[],"max_matches":5,"max_line_bytes":null}"#
+        );
+        let end = serde_json::to_string(&HostMsg::FsEnd { id: "f1".into() }).unwrap();
+        assert_eq!(end, r#"{"type":"fs_end","id":"f1"}"#);
+        let entry = FsEntry {
+            name: "a".into(),
+            path: "/a".into(),
+            kind: FsKind::File,
+            size: 3,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_ns: 1,
+            target: None,
+        };
+        let done = serde_json::to_string(&AgentMsg::FsDone {
+            id: "f1".into(),
+            result: FsResult::Written {
+                entry,
+                bytes: 3,
+                created: true,
+            },
+        })
+        .unwrap();
+        assert_eq!(
+            done,
+            r#"{"type":"fs_done","id":"f1","result":{"kind":"written","entry":{"name":"a","path":"/a","type":"file","size":3,"mode":420,"uid":0,"gid":0,"mtime_ns":1,"target":null},"bytes":3,"created":true}}"#
+        );
+        let opened = serde_json::to_string(&AgentMsg::FsOpened {
+            id: "f1".into(),
+            size: 9,
+            offset: 2,
+            length: Some(7),
+        })
+        .unwrap();
+        assert_eq!(
+            opened,
+            r#"{"type":"fs_opened","id":"f1","size":9,"offset":2,"length":7}"#
+        );
+        let err = serde_json::to_string(&AgentMsg::FsError {
+            id: "f1".into(),
+            error: FsFailure::new(FsErrorCode::NotEmpty, "/d: not empty").param("path"),
+        })
+        .unwrap();
+        assert_eq!(
+            err,
+            r#"{"type":"fs_error","id":"f1","error":{"code":"not_empty","message":"/d: not empty","param":"path"}}"#
+        );
+        // An op from a newer node is understood as one this agent does not know.
+        let newer: HostMsg =
+            serde_json::from_str(r#"{"type":"fs","id":"f2","op":{"op":"compress","path":"/"}}"#)
+                .unwrap();
+        assert_eq!(
+            newer,
+            HostMsg::Fs {
+                id: "f2".into(),
+                op: FsOp::Unknown
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn file_data_frames_round_trip() {
+        let buf = encode_data("f1", Stream::File, 1 << 40, b"\x00bin");
+        let mut r = &buf[..];
+        let f: Frame<AgentMsg> = read_frame(&mut r).await.unwrap().unwrap();
+        assert_eq!(
+            f,
+            Frame::Data {
+                exec_id: "f1".into(),
+                stream: Stream::File,
+                pos: 1 << 40,
+                bytes: b"\x00bin".to_vec()
+            }
+        );
     }
 }

@@ -72,6 +72,11 @@ pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
     let stdin = take(child.stdin.take().map(OwnedFd::from))?;
     let stdout = take(child.stdout.take().map(OwnedFd::from))?;
     let stderr = take(child.stderr.take().map(OwnedFd::from))?;
+    // Larger pipes: a command that writes a lot wakes its reader less often. The size is
+    // capped by the system (fs.pipe-max-size); a refusal keeps the default.
+    for p in [&stdout, &stderr] {
+        let _ = nix::fcntl::fcntl(p, nix::fcntl::FcntlArg::F_SETPIPE_SZ(1 << 20));
+    }
     // The child is reaped by `reap_any`, not by std: forgetting the handle only drops its
     // (already taken) pipes.
     drop(child);

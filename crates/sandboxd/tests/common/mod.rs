@@ -814,13 +814,14 @@ pub fn assert_error(status: u16, body: &Value, want_status: u16, code: &str, par
     );
     assert_eq!(e["code"], code, "error code: {body}");
     let want_type = match want_status {
-        400 | 405 => "invalid_request",
+        400 | 405 | 416 => "invalid_request",
         401 => "unauthenticated",
         403 => "forbidden",
         404 => "not_found",
         409 => "conflict",
         413 => "too_large",
         500 => "internal",
+        501 => "not_implemented",
         503 => "unavailable",
         504 => "timeout",
         _ => panic!("no error type for {want_status}"),
@@ -965,4 +966,235 @@ pub fn raw_post(addr: &str, path: &str, body_len: usize, fill: u8) -> (u16, Valu
     let _ = sender.join();
     let v = serde_json::from_slice(&body).unwrap_or(Value::Null);
     (status, v)
+}
+
+// ---- Long-lived sandboxes (`/v1/sandboxes`) ----
+
+impl TestNode {
+    /// DELETE with headers; the whole answer.
+    pub fn delete(&self, path: &str, headers: &[(&str, &str)]) -> Reply {
+        let mut req = self.http.delete(&self.url(path));
+        for (k, v) in headers {
+            req = req.set(k, v);
+        }
+        self.finish(req.call())
+    }
+
+    /// POST of a JSON value; the whole answer.
+    pub fn post_json(&self, path: &str, body: &Value) -> Reply {
+        self.post(path, &[], &serde_json::to_vec(body).unwrap())
+    }
+
+    /// `POST /v1/sandboxes` that must answer 201 with a running sandbox: the sandbox object.
+    pub fn create_sandbox(&self, body: &Value) -> Value {
+        let r = self.post_json("/v1/sandboxes", body);
+        let v = r.json();
+        assert_eq!(r.status, 201, "create {body} answered {}: {v}", r.status);
+        assert_eq!(v["object"], "sandbox", "not a sandbox object: {v}");
+        assert_eq!(v["status"], "running", "create {body}: {v}");
+        v
+    }
+
+    /// `DELETE /v1/sandboxes/{id}` that must answer 200 with the object, status deleted.
+    pub fn delete_sandbox(&self, id: &str) -> Value {
+        let r = self.delete(&format!("/v1/sandboxes/{id}"), &[]);
+        let v = r.json();
+        assert_eq!(r.status, 200, "delete {id} answered {}: {v}", r.status);
+        assert_eq!(v["status"], "deleted", "delete {id}: {v}");
+        v
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec` that must answer 201: the exec object.
+    pub fn exec(&self, sandbox: &str, body: &Value) -> Value {
+        let r = self.post_json(&format!("/v1/sandboxes/{sandbox}/exec"), body);
+        let v = r.json();
+        assert_eq!(r.status, 201, "exec {body} answered {}: {v}", r.status);
+        assert_eq!(v["object"], "exec", "not an exec object: {v}");
+        v
+    }
+
+    /// `GET …/exec/{exec_id}?wait_seconds=…` until the command has ended (at most `timeout`):
+    /// its final object.
+    pub fn exec_wait(&self, sandbox: &str, exec_id: &str, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let r = self.get(
+                &format!("/v1/sandboxes/{sandbox}/exec/{exec_id}?wait_seconds=10"),
+                &[],
+            );
+            let v = r.json();
+            assert_eq!(r.status, 200, "get {exec_id}: {v}");
+            if v["status"] != "running" {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{exec_id} still runs after {timeout:?}: {v}"
+            );
+        }
+    }
+
+    /// Opens a GET as an event stream (`Accept: text/event-stream`), to read event by event.
+    pub fn open_sse_get(&self, path: &str, headers: &[(&str, &str)]) -> SseStream {
+        let mut req = self
+            .http
+            .get(&self.url(path))
+            .set("Accept", "text/event-stream");
+        for (k, v) in headers {
+            req = req.set(k, v);
+        }
+        let resp = match req.call() {
+            Ok(r) => r,
+            Err(ureq::Error::Status(code, r)) => panic!(
+                "GET {path} answered {code} instead of a stream: {}",
+                r.into_string().unwrap_or_default()
+            ),
+            Err(e) => panic!("request to the node failed: {e}\n{}", self.log_tail(30)),
+        };
+        let status = resp.status();
+        let headers: Vec<(String, String)> = resp
+            .headers_names()
+            .into_iter()
+            .filter_map(|n| resp.header(&n).map(|v| (n.clone(), v.to_string())))
+            .collect();
+        let ct = resp.content_type().to_string();
+        assert_eq!(
+            ct,
+            "text/event-stream",
+            "GET {path}: not an event stream: {}",
+            resp.into_string().unwrap_or_default()
+        );
+        SseStream {
+            status,
+            headers,
+            reader: BufReader::new(resp.into_reader()),
+        }
+    }
+
+    /// A command's whole output through the JSON output endpoint, from position 0, paging with
+    /// `next` until the end it reports (the command must have ended): the chunks' bytes of
+    /// (stdout, stderr, both in position order). Panics on a gap or a chunk out of place.
+    pub fn output_all(&self, sandbox: &str, exec_id: &str) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let (mut out, mut err, mut all) = (Vec::new(), Vec::new(), Vec::new());
+        let mut from = 0u64;
+        for _ in 0..10_000 {
+            let r = self.get(
+                &format!(
+                    "/v1/sandboxes/{sandbox}/exec/{exec_id}/output?from={from}&encoding=base64"
+                ),
+                &[],
+            );
+            let v = r.json();
+            assert_eq!(r.status, 200, "output of {exec_id} from {from}: {v}");
+            assert_eq!(v["object"], "output", "{v}");
+            assert!(v["gap"].is_null(), "a gap in the output of {exec_id}: {v}");
+            let mut cursor = from;
+            for c in v["chunks"].as_array().expect("chunks") {
+                let pos = c["position"].as_u64().expect("position");
+                assert_eq!(pos, cursor, "chunk out of place in {v}");
+                let data = b64_decode(c["data"].as_str().expect("data"));
+                cursor += data.len() as u64;
+                match c["stream"].as_str() {
+                    Some("stdout") => out.extend_from_slice(&data),
+                    Some("stderr") => err.extend_from_slice(&data),
+                    other => panic!("chunk of stream {other:?}: {v}"),
+                }
+                all.extend_from_slice(&data);
+            }
+            let next = v["next"].as_u64().expect("next");
+            assert_eq!(next, cursor, "next is not after the last chunk: {v}");
+            let end = v["end"].as_u64().expect("end");
+            if next >= end {
+                assert_eq!(v["exited"], true, "output of {exec_id} read while running");
+                return (out, err, all);
+            }
+            assert!(next > from, "no progress from {from}: {v}");
+            from = next;
+        }
+        panic!("the output of {exec_id} did not end in 10000 pages")
+    }
+
+    /// The host pid of a sandbox's agent: the process of the sandbox's cgroup that is PID 1 of
+    /// its PID namespace.
+    pub fn agent_pid(&self, sandbox_id: &str) -> Option<u32> {
+        processes_in(&self.cgroup_name)
+            .into_iter()
+            .filter(|(_, line)| line.contains(sandbox_id))
+            .map(|(pid, _)| pid)
+            .find(|pid| {
+                fs::read_to_string(format!("/proc/{pid}/status"))
+                    .ok()
+                    .and_then(|s| {
+                        s.lines()
+                            .find_map(|l| l.strip_prefix("NSpid:"))
+                            .map(|v| v.split_whitespace().last() == Some("1"))
+                    })
+                    .unwrap_or(false)
+            })
+    }
+
+    /// What is left on the host of one sandbox: its directory, cgroups and processes.
+    pub fn traces_of(&self, sandbox_id: &str) -> Vec<String> {
+        self.all_sandbox_traces()
+            .into_iter()
+            .filter(|l| l.contains(sandbox_id))
+            .collect()
+    }
+}
+
+impl TestNode {
+    /// POSTs `body` to `path` asking for an event stream, to read event by event.
+    pub fn open_sse_post(&self, path: &str, body: &Value) -> SseStream {
+        let resp = match self
+            .http
+            .post(&self.url(path))
+            .set("Content-Type", "application/json")
+            .set("Accept", "text/event-stream")
+            .send_bytes(&serde_json::to_vec(body).unwrap())
+        {
+            Ok(r) => r,
+            Err(ureq::Error::Status(code, r)) => panic!(
+                "POST {path} {body} answered {code} instead of a stream: {}",
+                r.into_string().unwrap_or_default()
+            ),
+            Err(e) => panic!("request to the node failed: {e}\n{}", self.log_tail(30)),
+        };
+        let status = resp.status();
+        let headers: Vec<(String, String)> = resp
+            .headers_names()
+            .into_iter()
+            .filter_map(|n| resp.header(&n).map(|v| (n.clone(), v.to_string())))
+            .collect();
+        assert_eq!(resp.content_type(), "text/event-stream", "POST {path}");
+        SseStream {
+            status,
+            headers,
+            reader: BufReader::new(resp.into_reader()),
+        }
+    }
+}
+
+/// The time `from_now` from now, as RFC 3339 in UTC with milliseconds (`expires_at`).
+pub fn rfc3339_in(from_now: Duration) -> String {
+    let t = SystemTime::now() + from_now;
+    let d = t.duration_since(UNIX_EPOCH).expect("after 1970");
+    let secs = d.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_millis()
+    )
 }

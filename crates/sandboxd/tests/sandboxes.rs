@@ -1,0 +1,1271 @@
+//! Long-lived sandboxes (`/v1/sandboxes`): create, get, list, delete, restart; their commands:
+//! exec, wait, output (JSON and events), stdin, signal; idempotency keys; stop signals; the
+//! per-sandbox cap; nothing left after many cycles.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_error, is_id, unique, TestNode};
+use serde_json::{json, Value};
+
+const CLEAN: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(30);
+
+/// `GET path`: the status and the JSON body.
+fn get(node: &TestNode, path: &str) -> (u16, Value) {
+    let r = node.get(path, &[]);
+    (r.status, r.json())
+}
+
+/// Every sandbox of `GET /v1/sandboxes?query`, walking pages of `limit` with `next_cursor`.
+fn list_all(node: &TestNode, query: &str, limit: usize) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..1000 {
+        let mut path = format!("/v1/sandboxes?limit={limit}");
+        if !query.is_empty() {
+            path.push('&');
+            path.push_str(query);
+        }
+        if let Some(c) = &cursor {
+            path.push_str(&format!("&cursor={c}"));
+        }
+        let (status, v) = get(node, &path);
+        assert_eq!(status, 200, "{path}: {v}");
+        assert_eq!(v["object"], "list", "{v}");
+        let data = v["data"].as_array().expect("data");
+        assert!(data.len() <= limit, "{path}: more than {limit}: {v}");
+        out.extend(data.iter().cloned());
+        if v["has_more"] == true {
+            let next = v["next_cursor"]
+                .as_str()
+                .expect("next_cursor with has_more");
+            cursor = Some(next.to_string());
+        } else {
+            assert!(
+                v["next_cursor"].is_null(),
+                "next_cursor without has_more: {v}"
+            );
+            return out;
+        }
+    }
+    panic!("the list of {query} did not end in 1000 pages")
+}
+
+/// A piece of output: its stream, position and text.
+type Piece = (String, u64, String);
+
+fn ids(list: &[Value]) -> Vec<String> {
+    list.iter()
+        .map(|s| s["id"].as_str().expect("id").to_string())
+        .collect()
+}
+
+fn assert_no_secret(what: &str, body: &[u8], secret: &str) {
+    let text = String::from_utf8_lossy(body);
+    assert!(
+        !text.contains(secret),
+        "{what}: a secret_env value is in the answer: {text}"
+    );
+}
+
+#[test]
+fn create_get_list_and_delete() {
+    let node = TestNode::start();
+    let secret = unique("secretvalue");
+    let name_a = unique("box-a");
+    let name_b = unique("box-b");
+    let body_a = json!({
+        "name": name_a,
+        "env": {"GREETING": "hello"},
+        "secret_env": {"TOKEN": secret},
+        "metadata": {"team": "red", "tier": "1"},
+        "limits": {"vcpus": 1, "memory_bytes": 256u64 << 20},
+        "hostname": "box-a-host",
+        "cwd": "/tmp",
+    });
+    let r = node.post_json("/v1/sandboxes", &body_a);
+    assert_no_secret("create", &r.body, &secret);
+    let a = r.json();
+    assert_eq!(r.status, 201, "create: {a}");
+    let id_a = a["id"].as_str().expect("id").to_string();
+    assert!(is_id("sbx", &id_a), "{a}");
+    assert_eq!(a["object"], "sandbox", "{a}");
+    assert_eq!(a["name"], name_a.as_str(), "{a}");
+    assert_eq!(a["status"], "running", "{a}");
+    assert_eq!(a["image"], "base", "{a}");
+    assert_eq!(
+        a["limits"],
+        json!({"vcpus": 1, "memory_bytes": 256u64 << 20}),
+        "{a}"
+    );
+    assert_eq!(a["hostname"], "box-a-host", "{a}");
+    assert_eq!(a["metadata"], json!({"team": "red", "tier": "1"}), "{a}");
+    assert_eq!(a["env"], json!({"GREETING": "hello"}), "{a}");
+    assert_eq!(a["secret_env"], json!(["TOKEN"]), "{a}");
+    assert!(a["created_at"].is_string(), "{a}");
+    assert!(a["started_at"].is_string(), "{a}");
+    assert!(a["expires_at"].is_null(), "{a}");
+    assert!(a["failure_code"].is_null() && a["failure"].is_null(), "{a}");
+    assert_eq!(a["restarts"], 0, "{a}");
+
+    // The sandbox is what it says: its hostname, cwd, env; the secret is set, not shown.
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id_a}/exec"),
+        &json!({
+            "command": "hostname; pwd; echo $GREETING; test \"$TOKEN\" = \"$WANT\" && echo secret-ok",
+            "env": {"WANT": secret},
+            "wait_seconds": 20,
+        }),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["status"], "exited", "{v}");
+    assert_eq!(v["stdout"], "box-a-host\n/tmp\nhello\nsecret-ok\n", "{v}");
+
+    let b = node.create_sandbox(&json!({"name": name_b, "metadata": {"team": "blue"}}));
+    let id_b = b["id"].as_str().unwrap().to_string();
+    let c = node.create_sandbox(&json!({"metadata": {"team": "red", "tier": "2"}}));
+    let id_c = c["id"].as_str().unwrap().to_string();
+    assert!(c["name"].is_null(), "{c}");
+    assert_eq!(
+        c["hostname"],
+        id_c.as_str(),
+        "the default hostname is the id: {c}"
+    );
+    assert_eq!(c["secret_env"], json!([]), "{c}");
+
+    // Get by id and by name.
+    for key in [id_a.as_str(), name_a.as_str()] {
+        let r = node.get(&format!("/v1/sandboxes/{key}"), &[]);
+        assert_no_secret("get", &r.body, &secret);
+        assert_eq!(r.status, 200, "get {key}: {}", r.text());
+        let v = r.json();
+        assert_eq!(v["id"], id_a.as_str(), "{v}");
+        assert_eq!(v, a, "get {key} is not the created object");
+    }
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{name_b}"));
+    assert_eq!(
+        (status, v["id"].as_str()),
+        (200, Some(id_b.as_str())),
+        "{v}"
+    );
+
+    // A name is taken while its sandbox lives.
+    let r = node.post_json("/v1/sandboxes", &json!({"name": name_a}));
+    assert_error(r.status, &r.json(), 409, "name_taken", Some("name"));
+
+    // Lists: everything, by status, by metadata.
+    let r = node.get("/v1/sandboxes", &[]);
+    assert_no_secret("list", &r.body, &secret);
+    let all = r.json();
+    assert_eq!(r.status, 200, "{all}");
+    assert_eq!(all["object"], "list");
+    assert_eq!(all["has_more"], false);
+    assert!(all["next_cursor"].is_null(), "{all}");
+    let want = vec![id_a.clone(), id_b.clone(), id_c.clone()];
+    assert_eq!(ids(all["data"].as_array().unwrap()), want, "oldest first");
+    assert_eq!(all["data"][0], a, "a listed sandbox is its object");
+    assert_eq!(ids(&list_all(&node, "status=running", 100)), want);
+    assert!(list_all(&node, "status=failed", 100).is_empty());
+    assert!(list_all(&node, "status=stopping", 100).is_empty());
+    assert_eq!(
+        ids(&list_all(&node, "metadata.team=red", 100)),
+        vec![id_a.clone(), id_c.clone()]
+    );
+    assert_eq!(
+        ids(&list_all(&node, "metadata.team=red&metadata.tier=2", 100)),
+        vec![id_c.clone()]
+    );
+    assert_eq!(
+        ids(&list_all(&node, "metadata.team=blue&status=running", 100)),
+        vec![id_b.clone()]
+    );
+    assert!(list_all(&node, "metadata.team=green", 100).is_empty());
+    assert!(list_all(&node, "metadata.nokey=red", 100).is_empty());
+    // Pages of one walk them all, each once.
+    assert_eq!(ids(&list_all(&node, "", 1)), want);
+    assert_eq!(ids(&list_all(&node, "", 2)), want);
+    assert_eq!(
+        ids(&list_all(&node, "metadata.team=red", 1)),
+        vec![id_a.clone(), id_c.clone()]
+    );
+    let (status, v) = get(&node, "/v1/sandboxes?limit=1");
+    assert_eq!(status, 200);
+    assert_eq!(v["has_more"], true, "{v}");
+    assert!(v["next_cursor"].is_string(), "{v}");
+    let (status, v) = get(&node, "/v1/sandboxes?bogus=1");
+    assert_error(status, &v, 400, "unknown_parameter", Some("bogus"));
+    let (status, v) = get(&node, "/v1/sandboxes?status=sleeping");
+    assert_error(status, &v, 400, "invalid_field", Some("status"));
+    let (status, v) = get(&node, "/v1/sandboxes?limit=0");
+    assert_error(status, &v, 400, "invalid_field", Some("limit"));
+
+    // Delete: the object with status deleted, then 404 by id and by name.
+    let r = node.delete(&format!("/v1/sandboxes/{id_a}"), &[]);
+    assert_no_secret("delete", &r.body, &secret);
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    assert_eq!(v["status"], "deleted", "{v}");
+    assert_eq!(v["id"], id_a.as_str(), "{v}");
+    assert_eq!(v["secret_env"], json!(["TOKEN"]), "{v}");
+    for key in [id_a.as_str(), name_a.as_str()] {
+        let (status, v) = get(&node, &format!("/v1/sandboxes/{key}"));
+        assert_error(status, &v, 404, "sandbox_not_found", None);
+    }
+    let r = node.delete(&format!("/v1/sandboxes/{id_a}"), &[]);
+    assert_error(r.status, &r.json(), 404, "sandbox_not_found", None);
+    assert!(
+        node.traces_of(&id_a).is_empty(),
+        "left of {id_a}: {:?}",
+        node.traces_of(&id_a)
+    );
+    assert_eq!(
+        ids(&list_all(&node, "", 100)),
+        vec![id_b.clone(), id_c.clone()]
+    );
+
+    // The name is free again once its sandbox is gone.
+    let again = node.create_sandbox(&json!({"name": name_a}));
+    let id_again = again["id"].as_str().unwrap().to_string();
+    assert_ne!(id_again, id_a);
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{name_a}"));
+    assert_eq!((status, v["id"].as_str()), (200, Some(id_again.as_str())));
+
+    for id in [&id_b, &id_c, &id_again] {
+        node.delete_sandbox(id);
+        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+        assert_error(status, &v, 404, "sandbox_not_found", None);
+    }
+    assert!(list_all(&node, "", 100).is_empty(), "rows are left");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn exec_wait_and_output() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let exec_path = format!("/v1/sandboxes/{id}/exec");
+
+    // Ended within wait_seconds: the final object.
+    let v = node.exec(
+        &id,
+        &json!({"command": "echo out; echo err >&2; exit 3", "wait_seconds": 20}),
+    );
+    let first = v["id"].as_str().unwrap().to_string();
+    assert!(is_id("exe", &first), "{v}");
+    assert_eq!(v["sandbox_id"], id.as_str(), "{v}");
+    assert_eq!(v["status"], "exited", "{v}");
+    assert_eq!(v["exit_code"], 3, "{v}");
+    assert_eq!(v["stdout"], "out\n", "{v}");
+    assert_eq!(v["stderr"], "err\n", "{v}");
+    assert_eq!(v["output"]["stdout_bytes"], 4, "{v}");
+    assert_eq!(v["output"]["stderr_bytes"], 4, "{v}");
+    assert_eq!(v["output"]["end"], 8, "{v}");
+    let (status, got) = get(&node, &format!("{exec_path}/{first}"));
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(
+        (
+            got["status"].clone(),
+            got["exit_code"].clone(),
+            got["stdout"].clone()
+        ),
+        (json!("exited"), json!(3), json!("out\n")),
+        "{got}"
+    );
+
+    // Not ended: running at once; a long poll answers when it ends.
+    let t = Instant::now();
+    let v = node.exec(&id, &json!({"command": "sleep 1.5; echo done"}));
+    let slow = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["status"], "running", "{v}");
+    assert!(v["exit_code"].is_null(), "{v}");
+    let (status, v) = get(&node, &format!("{exec_path}/{slow}"));
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("running")),
+        "{v}"
+    );
+    let (status, v) = get(&node, &format!("{exec_path}/{slow}?wait_seconds=20"));
+    let took = t.elapsed();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["status"], "exited",
+        "the long poll answered before the end: {v}"
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(v["stdout"], "done\n", "{v}");
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(10),
+        "the long poll took {took:?}"
+    );
+    // A long poll that times out answers the running object.
+    let v = node.exec(&id, &json!({"command": "sleep 5"}));
+    let sleeper = v["id"].as_str().unwrap().to_string();
+    let t = Instant::now();
+    let (status, v) = get(&node, &format!("{exec_path}/{sleeper}?wait_seconds=0.5"));
+    let took = t.elapsed();
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("running")),
+        "{v}"
+    );
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_secs(4),
+        "wait_seconds=0.5 took {took:?}"
+    );
+    let r = node.post_json(
+        &format!("{exec_path}/{sleeper}/signal"),
+        &json!({"signal": "SIGKILL"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = node.exec_wait(&id, &sleeper, WAIT);
+    assert_eq!(v["status"], "killed", "{v}");
+    assert_eq!(v["signal"], "SIGKILL", "{v}");
+
+    // An argv command; a missing program is 127.
+    let v = node.exec(&id, &json!({"command": ["false"], "wait_seconds": 20}));
+    let argv = v["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        (v["status"].as_str(), v["exit_code"].as_i64()),
+        (Some("exited"), Some(1)),
+        "{v}"
+    );
+    let v = node.exec(
+        &id,
+        &json!({"command": ["no-such-program"], "wait_seconds": 20}),
+    );
+    assert_eq!(v["exit_code"], 127, "{v}");
+    let missing = v["id"].as_str().unwrap().to_string();
+
+    // `…/run`: starts and waits.
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/run"),
+        &json!({"command": "echo via-run; exit 4"}),
+    );
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    assert_eq!(
+        (v["exit_code"].as_i64(), v["stdout"].as_str()),
+        (Some(4), Some("via-run\n")),
+        "{v}"
+    );
+    let ran = v["id"].as_str().unwrap().to_string();
+    // … or as events.
+    let mut s = node.open_sse_post(
+        &format!("/v1/sandboxes/{id}/run"),
+        &json!({"command": "echo a; echo b >&2", "stream": true}),
+    );
+    let events = s.rest();
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(kinds.first(), Some(&"start"), "{kinds:?}");
+    assert_eq!(kinds.last(), Some(&"exit"), "{kinds:?}");
+    let exit = &events.last().unwrap().data;
+    assert_eq!(exit["exit_code"], 0, "{exit}");
+    let out: String = events
+        .iter()
+        .filter(|e| e.event == "stdout")
+        .map(|e| e.data["data"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(out, "a\n");
+    let streamed = exit["id"].as_str().unwrap().to_string();
+
+    // The list of commands, oldest first.
+    let (status, v) = get(&node, &exec_path);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "list", "{v}");
+    let listed: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        [&first, &slow, &sleeper, &argv, &missing, &ran, &streamed].map(String::as_str),
+        "{v}"
+    );
+    for e in v["data"].as_array().unwrap() {
+        assert_eq!(e["object"], "exec", "{e}");
+        assert_ne!(e["status"], "running", "{e}");
+    }
+    assert_eq!(v["data"][0]["exit_code"], 3, "{v}");
+
+    // Not found, and parameters.
+    let ghost = "sbx-0000000000000000";
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{ghost}/exec"),
+        &json!({"command": "true"}),
+    );
+    assert_error(r.status, &r.json(), 404, "sandbox_not_found", None);
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{ghost}/exec/{first}"));
+    assert_error(status, &v, 404, "sandbox_not_found", None);
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{ghost}/exec"));
+    assert_error(status, &v, 404, "sandbox_not_found", None);
+    let nope = "exe-0000000000000000";
+    for path in [
+        format!("{exec_path}/{nope}"),
+        format!("{exec_path}/{nope}?wait_seconds=1"),
+        format!("{exec_path}/{nope}/output"),
+    ] {
+        let (status, v) = get(&node, &path);
+        assert_error(status, &v, 404, "exec_not_found", None);
+    }
+    let r = node.post_json(&format!("{exec_path}/{nope}/stdin"), &json!({"data": "x"}));
+    assert_error(r.status, &r.json(), 404, "exec_not_found", None);
+    let r = node.post_json(
+        &format!("{exec_path}/{nope}/signal"),
+        &json!({"signal": "SIGTERM"}),
+    );
+    assert_error(r.status, &r.json(), 404, "exec_not_found", None);
+    for path in [
+        format!("{exec_path}/{first}?bogus=1"),
+        format!("{exec_path}/{first}/output?bogus=1"),
+        format!("{exec_path}/{first}?wait_seconds=1&waitseconds=2"),
+    ] {
+        let (status, v) = get(&node, &path);
+        let bad = if path.contains("waitseconds") {
+            "waitseconds"
+        } else {
+            "bogus"
+        };
+        assert_error(status, &v, 400, "unknown_parameter", Some(bad));
+    }
+    let (status, v) = get(&node, &format!("{exec_path}/{first}?wait_seconds=301"));
+    assert_error(status, &v, 400, "invalid_field", Some("wait_seconds"));
+    let r = node.post_json(&exec_path, &json!({"command": "true", "bogus": 1}));
+    assert_error(r.status, &r.json(), 400, "unknown_field", Some("bogus"));
+    let r = node.post_json(&exec_path, &json!({}));
+    assert_error(r.status, &r.json(), 400, "missing_command", Some("command"));
+
+    node.delete_sandbox(&id);
+    let (status, v) = get(&node, &format!("{exec_path}/{first}"));
+    assert_error(status, &v, 404, "sandbox_not_found", None);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn stdin_in_several_calls_arrives_in_order() {
+    let node = TestNode::start();
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let v = node.exec(&id, &json!({"command": ["cat"], "stdin_open": true}));
+    let exec_id = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["status"], "running", "{v}");
+    let stdin = format!("/v1/sandboxes/{id}/exec/{exec_id}/stdin");
+    let parts = ["first line\n", "second ", "third, the last"];
+    for (i, part) in parts.iter().enumerate() {
+        let last = i == parts.len() - 1;
+        let r = node.post_json(&stdin, &json!({"data": part, "close": last}));
+        let v = r.json();
+        assert_eq!(r.status, 200, "stdin {i}: {v}");
+        assert_eq!(v["written"], part.len(), "{v}");
+        assert_eq!(v["closed"], last, "{v}");
+    }
+    let v = node.exec_wait(&id, &exec_id, WAIT);
+    assert_eq!(v["status"], "exited", "{v}");
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(v["stdout"], parts.concat(), "{v}");
+    let (_, _, all) = node.output_all(&id, &exec_id);
+    assert_eq!(String::from_utf8_lossy(&all), parts.concat());
+
+    // Base64 input, to a command reading bytes.
+    let v = node.exec(
+        &id,
+        &json!({"command": "od -An -tx1 | tr -d ' \\n'", "stdin_open": true}),
+    );
+    let od = v["id"].as_str().unwrap().to_string();
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec/{od}/stdin"),
+        &json!({"data": common::b64_encode(&[0, 255, 10]), "encoding": "base64", "close": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = node.exec_wait(&id, &od, WAIT);
+    assert_eq!(v["stdout"], "00ff0a", "{v}");
+
+    // Closed, the command still running: more is refused, not lost.
+    let v = node.exec(
+        &id,
+        &json!({"command": "cat; sleep 30", "stdin_open": true}),
+    );
+    let closed = v["id"].as_str().unwrap().to_string();
+    let closed_stdin = format!("/v1/sandboxes/{id}/exec/{closed}/stdin");
+    let r = node.post_json(&closed_stdin, &json!({"data": "only\n", "close": true}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = node.post_json(&closed_stdin, &json!({"data": "lost?\n"}));
+    assert_error(r.status, &r.json(), 409, "stdin_closed", None);
+    // A command started without stdin_open has its stdin closed.
+    let v = node.exec(&id, &json!({"command": "sleep 30"}));
+    let r = node.post_json(
+        &format!(
+            "/v1/sandboxes/{id}/exec/{}/stdin",
+            v["id"].as_str().unwrap()
+        ),
+        &json!({"data": "x"}),
+    );
+    assert_error(r.status, &r.json(), 409, "stdin_closed", None);
+
+    // The command has ended: its stdin is closed.
+    let r = node.post_json(&stdin, &json!({"data": "late"}));
+    assert_error(r.status, &r.json(), 409, "stdin_closed", None);
+    // … as soon as its end is known.
+    for i in 0..10 {
+        let v = node.exec(
+            &id,
+            &json!({"command": ["cat"], "stdin": format!("{i}"), "wait_seconds": 20}),
+        );
+        assert_eq!(v["status"], "exited", "{v}");
+        assert_eq!(v["stdout"], format!("{i}"), "{v}");
+        let r = node.post_json(
+            &format!(
+                "/v1/sandboxes/{id}/exec/{}/stdin",
+                v["id"].as_str().unwrap()
+            ),
+            &json!({"data": "late"}),
+        );
+        assert_error(r.status, &r.json(), 409, "stdin_closed", None);
+    }
+
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn an_event_stream_cut_and_resumed_has_every_byte_once() {
+    let node = TestNode::start();
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let v = node.exec(
+        &id,
+        &json!({"command": "for i in $(seq 1 200); do echo \"line $i\"; sleep 0.01; done"}),
+    );
+    let exec_id = v["id"].as_str().unwrap().to_string();
+    let expected: String = (1..=200).map(|i| format!("line {i}\n")).collect();
+    let path = format!("/v1/sandboxes/{id}/exec/{exec_id}/output");
+
+    let mut data = String::new();
+    let mut last_id = 0u64;
+    let check = |e: &common::Event, data: &mut String, last_id: &mut u64| {
+        assert_eq!(e.event, "stdout", "{e:?}");
+        let pos = e.data["position"].as_u64().expect("position");
+        let text = e.data["data"].as_str().expect("data");
+        assert_eq!(
+            pos, *last_id,
+            "an event does not begin where the last ended: {e:?}"
+        );
+        assert!(
+            e.id > *last_id,
+            "event ids do not increase: {} after {}",
+            e.id,
+            *last_id
+        );
+        assert_eq!(
+            e.id,
+            pos + text.len() as u64,
+            "the id is not the position after: {e:?}"
+        );
+        *last_id = e.id;
+        data.push_str(text);
+    };
+    {
+        let mut s = node.open_sse_get(&path, &[]);
+        assert_eq!(s.status, 200);
+        for _ in 0..20 {
+            let e = s.next_event().expect("the stream ended before 20 events");
+            check(&e, &mut data, &mut last_id);
+        }
+        // Dropped here: the caller hangs up.
+    }
+    assert!(last_id > 0);
+    let cut_at = last_id;
+    let mut s = node.open_sse_get(&path, &[("Last-Event-ID", &cut_at.to_string())]);
+    let mut exit = None;
+    while let Some(e) = s.next_event() {
+        if e.event == "exit" {
+            exit = Some(e);
+            break;
+        }
+        check(&e, &mut data, &mut last_id);
+    }
+    assert!(s.next_event().is_none(), "events after exit");
+    let exit = exit.expect("no exit event");
+    assert_eq!(exit.data["status"], "exited", "{:?}", exit.data);
+    assert_eq!(exit.data["exit_code"], 0, "{:?}", exit.data);
+    assert_eq!(exit.id, expected.len() as u64, "{exit:?}");
+    assert_eq!(
+        data.len(),
+        expected.len(),
+        "bytes lost or doubled (cut at {cut_at})"
+    );
+    assert_eq!(data, expected, "cut at {cut_at}");
+
+    // Resuming from the query's `from`, after the end: the rest, then the exit.
+    let mid = 100u64;
+    let mut s = node.open_sse_get(&format!("{path}?from={mid}"), &[]);
+    let events = s.rest();
+    let rest: String = events
+        .iter()
+        .filter(|e| e.event == "stdout")
+        .map(|e| e.data["data"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(rest, expected[mid as usize..], "from={mid}");
+    assert_eq!(events.last().map(|e| e.event.as_str()), Some("exit"));
+    // `?stream=true` streams without the Accept header.
+    let r = node.get(&format!("{path}?stream=true&from={}", expected.len()), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("text/event-stream"),
+        "{}",
+        r.text()
+    );
+    assert!(r.text().contains("event: exit"), "{}", r.text());
+    // The JSON pages have the same bytes.
+    let (out, err, _) = node.output_all(&id, &exec_id);
+    assert_eq!(String::from_utf8_lossy(&out), expected);
+    assert!(err.is_empty());
+
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn json_output_ranges_slice_exactly() {
+    let node = TestNode::start();
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let v = node.exec(
+        &id,
+        &json!({
+            "command": "printf 0123456789; sleep 0.3; printf abcdefghij >&2; sleep 0.3; printf KLMNO",
+            "wait_seconds": 20,
+        }),
+    );
+    let exec_id = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["status"], "exited", "{v}");
+    let path = format!("/v1/sandboxes/{id}/exec/{exec_id}/output");
+    // (from, to) -> the (stream, position, data) chunks and next.
+    let range = |q: &str| -> (Vec<Piece>, u64, Value) {
+        let (status, v) = get(&node, &format!("{path}{q}"));
+        assert_eq!(status, 200, "{q}: {v}");
+        assert_eq!(v["object"], "output", "{v}");
+        assert_eq!(v["start"], 0, "{v}");
+        assert_eq!(v["end"], 25, "{v}");
+        assert_eq!(v["exited"], true, "{v}");
+        assert!(v["gap"].is_null(), "{v}");
+        // Chunks of one stream next to each other are one piece of the range.
+        let mut pieces: Vec<Piece> = Vec::new();
+        for c in v["chunks"].as_array().unwrap() {
+            let stream = c["stream"].as_str().unwrap().to_string();
+            let pos = c["position"].as_u64().unwrap();
+            let data = c["data"].as_str().unwrap().to_string();
+            match pieces.last_mut() {
+                Some(p) if p.0 == stream && p.1 + p.2.len() as u64 == pos => p.2.push_str(&data),
+                _ => pieces.push((stream, pos, data)),
+            }
+        }
+        (pieces, v["next"].as_u64().unwrap(), v)
+    };
+    let p = |s: &str, pos: u64, d: &str| (s.to_string(), pos, d.to_string());
+    let (all, next, v) = range("");
+    assert_eq!(
+        all,
+        vec![
+            p("stdout", 0, "0123456789"),
+            p("stderr", 10, "abcdefghij"),
+            p("stdout", 20, "KLMNO")
+        ],
+        "{v}"
+    );
+    assert_eq!(next, 25);
+    assert_eq!(v["from"], 0, "{v}");
+    let cases: Vec<(&str, Vec<Piece>, u64)> = vec![
+        ("?from=3&to=7", vec![p("stdout", 3, "3456")], 7),
+        ("?from=0&to=10", vec![p("stdout", 0, "0123456789")], 10),
+        (
+            "?from=8&to=13",
+            vec![p("stdout", 8, "89"), p("stderr", 10, "abc")],
+            13,
+        ),
+        (
+            "?from=19&to=21",
+            vec![p("stderr", 19, "j"), p("stdout", 20, "K")],
+            21,
+        ),
+        ("?from=20", vec![p("stdout", 20, "KLMNO")], 25),
+        ("?from=22&to=1000", vec![p("stdout", 22, "MNO")], 25),
+        ("?to=2", vec![p("stdout", 0, "01")], 2),
+        ("?from=5&to=5", vec![], 5),
+        ("?from=25", vec![], 25),
+    ];
+    for (q, want, want_next) in cases {
+        let (got, next, v) = range(q);
+        assert_eq!(got, want, "{q}: {v}");
+        assert_eq!(next, want_next, "{q}: next: {v}");
+    }
+    // Base64 slices are the same bytes.
+    let (status, v) = get(&node, &format!("{path}?from=12&to=15&encoding=base64"));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["chunks"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(
+        common::b64_decode(v["chunks"][0]["data"].as_str().unwrap()),
+        b"cde"
+    );
+    let (status, v) = get(&node, &format!("{path}?from=x"));
+    assert_error(status, &v, 400, "invalid_field", Some("from"));
+
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn idempotent_creates_make_one_sandbox() {
+    let node = TestNode::start();
+    let create = |key: &str, body: &Value| {
+        node.post(
+            "/v1/sandboxes",
+            &[("Idempotency-Key", key)],
+            &serde_json::to_vec(body).unwrap(),
+        )
+    };
+
+    // Sequential: the same answer twice.
+    let key1 = unique("key-seq");
+    let name1 = unique("keyed");
+    let body1 = json!({"name": name1, "metadata": {"key": key1}, "env": {"A": "1"}});
+    let r1 = create(&key1, &body1);
+    let v1 = r1.json();
+    assert_eq!(r1.status, 201, "{v1}");
+    let id1 = v1["id"].as_str().unwrap().to_string();
+    let r2 = create(&key1, &body1);
+    let v2 = r2.json();
+    assert_eq!(r2.status, 201, "the replay: {v2}");
+    assert_eq!(
+        v2["id"],
+        id1.as_str(),
+        "the replay made another sandbox: {v2}"
+    );
+    assert_eq!(v2, v1, "the replay is not the first answer");
+    // Another body with the key.
+    let r = create(
+        &key1,
+        &json!({"metadata": {"key": key1}, "env": {"A": "2"}}),
+    );
+    assert_error(
+        r.status,
+        &r.json(),
+        409,
+        "idempotency_key_reused",
+        Some("Idempotency-Key"),
+    );
+    assert_eq!(
+        ids(&list_all(&node, &format!("metadata.key={key1}"), 100)),
+        vec![id1.clone()]
+    );
+
+    // Concurrent: 8 callers with one key and one body.
+    let key2 = unique("key-par");
+    let body2 = json!({"metadata": {"key": key2}});
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    let deadline = Instant::now() + Duration::from_secs(30);
+                    let mut seen = Vec::new();
+                    loop {
+                        let r = create(&key2, &body2);
+                        let v = r.json();
+                        if r.status == 409 && v["error"]["code"] == "idempotency_in_progress" {
+                            assert_eq!(v["error"]["retryable"], true, "{v}");
+                            seen.push((r.status, v));
+                            assert!(Instant::now() < deadline, "still in progress");
+                            std::thread::sleep(Duration::from_millis(50));
+                            continue;
+                        }
+                        seen.push((r.status, v));
+                        return seen;
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    let mut made = None;
+    for (status, v) in &answers {
+        match status {
+            201 => {
+                let id = v["id"].as_str().unwrap().to_string();
+                match &made {
+                    None => made = Some(id),
+                    Some(m) => assert_eq!(&id, m, "two sandboxes for one key: {answers:?}"),
+                }
+            }
+            409 => assert_error(
+                *status,
+                v,
+                409,
+                "idempotency_in_progress",
+                Some("Idempotency-Key"),
+            ),
+            _ => panic!("answer {status}: {v}"),
+        }
+    }
+    let id2 = made.expect("no 201");
+    let in_key = list_all(&node, &format!("metadata.key={key2}"), 100);
+    assert_eq!(ids(&in_key), vec![id2.clone()], "one sandbox for the key");
+    assert_eq!(
+        ids(&list_all(&node, "", 100)),
+        vec![id1.clone(), id2.clone()]
+    );
+    let r = create(
+        &key2,
+        &json!({"metadata": {"key": key2}, "name": unique("other")}),
+    );
+    assert_error(
+        r.status,
+        &r.json(),
+        409,
+        "idempotency_key_reused",
+        Some("Idempotency-Key"),
+    );
+
+    // An exec with a key: its id is derived from the key; a retry is the same command.
+    let exec_key = unique("key-exec");
+    let exec_body = json!({"command": "echo ran >> /tmp/runs; cat /tmp/runs", "wait_seconds": 20});
+    let exec = |sb: &str| {
+        let r = node.post(
+            &format!("/v1/sandboxes/{sb}/exec"),
+            &[("Idempotency-Key", exec_key.as_str())],
+            &serde_json::to_vec(&exec_body).unwrap(),
+        );
+        let v = r.json();
+        assert_eq!(r.status, 201, "{v}");
+        v
+    };
+    let e1 = exec(&id1);
+    let e2 = exec(&id1);
+    assert_eq!(e1["id"], e2["id"], "{e1} / {e2}");
+    assert!(is_id("exe", e1["id"].as_str().unwrap()), "{e1}");
+    assert_eq!(e2["stdout"], "ran\n", "the command ran twice: {e2}");
+    // The sandbox by its name is the same sandbox: the same command.
+    let e4 = exec(&name1);
+    assert_eq!(
+        e4["id"], e1["id"],
+        "by name, the key names another command: {e4}"
+    );
+    assert_eq!(e4["stdout"], "ran\n", "the command ran twice: {e4}");
+    // While the first request with a key runs, a second one is told so.
+    let slow_key = unique("key-slow");
+    let slow_body =
+        serde_json::to_vec(&json!({"command": "sleep 1.5", "wait_seconds": 20})).unwrap();
+    let slow = || {
+        node.post(
+            &format!("/v1/sandboxes/{id1}/exec"),
+            &[("Idempotency-Key", slow_key.as_str())],
+            &slow_body,
+        )
+    };
+    std::thread::scope(|s| {
+        let first = s.spawn(slow);
+        std::thread::sleep(Duration::from_millis(500));
+        let r = slow();
+        let v = r.json();
+        assert_error(
+            r.status,
+            &v,
+            409,
+            "idempotency_in_progress",
+            Some("Idempotency-Key"),
+        );
+        assert_eq!(v["error"]["retryable"], true, "{v}");
+        let r = first.join().unwrap();
+        assert_eq!(r.status, 201, "{}", r.text());
+        let first = r.json();
+        assert_eq!(first["status"], "exited", "{first}");
+        // Once it answered, the key replays it.
+        let r = slow();
+        assert_eq!(r.status, 201);
+        assert_eq!(r.json()["id"], first["id"]);
+    });
+    // The same key in another sandbox names another command.
+    let e3 = exec(&id2);
+    assert_ne!(e3["id"], e1["id"]);
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id1}/exec"));
+    assert_eq!(status, 200);
+    assert_eq!(
+        v["data"].as_array().unwrap().len(),
+        2,
+        "one command per key: {v}"
+    );
+
+    node.delete_sandbox(&id1);
+    node.delete_sandbox(&id2);
+    assert!(list_all(&node, "", 100).is_empty());
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn delete_stops_the_start_command_with_its_signal_then_grace() {
+    let node = TestNode::start();
+    // A start command that takes SIGTERM, writes a marker, and keeps running.
+    let stubborn = node.create_sandbox(&json!({
+        "start_command": "trap 'echo got-term; touch /tmp/got-term' TERM; while true; do sleep 0.05; done",
+        "stop": {"signal": "SIGTERM", "grace_ms": 1500},
+    }));
+    let id = stubborn["id"].as_str().unwrap().to_string();
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/exe-start"));
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("running")),
+        "{v}"
+    );
+    let marker = node.sandbox_dir(&id).join("upper/tmp/got-term");
+    assert!(!marker.exists());
+    let (took, seen) = std::thread::scope(|s| {
+        let deleting = s.spawn(|| {
+            let t = Instant::now();
+            node.delete_sandbox(&id);
+            t.elapsed()
+        });
+        let mut seen = false;
+        let mut answers = Vec::new();
+        while !deleting.is_finished() {
+            seen |= marker.exists();
+            // The sandbox and its commands answer while it stops.
+            let r = node.get(&format!("/v1/sandboxes/{id}/exec/exe-start"), &[]);
+            if r.status != 404 {
+                answers.push((r.status, r.text()));
+            }
+            let r = node.get(&format!("/v1/sandboxes/{id}"), &[]);
+            if r.status != 404 {
+                answers.push((r.status, r.text()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            answers.iter().all(|(s, _)| *s == 200),
+            "answers while stopping: {answers:?}"
+        );
+        (deleting.join().unwrap(), seen)
+    });
+    assert!(
+        seen,
+        "the start command did not get SIGTERM (no marker while deleting)"
+    );
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(10),
+        "a start command that ignores its stop signal ended after {took:?}, not its grace"
+    );
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    assert_error(status, &v, 404, "sandbox_not_found", None);
+
+    // A start command that ends on SIGTERM: the delete does not wait for the grace.
+    let polite = node.create_sandbox(&json!({
+        "start_command": "trap 'exit 0' TERM; while true; do sleep 0.05; done",
+        "stop": {"grace_ms": 8000},
+    }));
+    let id = polite["id"].as_str().unwrap().to_string();
+    let t = Instant::now();
+    node.delete_sandbox(&id);
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "the delete took {took:?}");
+
+    // Another stop signal: only it makes the command end in time.
+    let usr1 = node.create_sandbox(&json!({
+        "start_command": "trap 'exit 0' USR1; trap '' TERM; while true; do sleep 0.05; done",
+        "stop": {"signal": "USR1", "grace_ms": 8000},
+    }));
+    let id = usr1["id"].as_str().unwrap().to_string();
+    let t = Instant::now();
+    node.delete_sandbox(&id);
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "the delete took {took:?}");
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn a_sandbox_runs_four_commands_at_once() {
+    let node = TestNode::start();
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sleepers: Vec<String> = (0..4)
+        .map(|_| {
+            let v = node.exec(&id, &json!({"command": "sleep 30"}));
+            assert_eq!(v["status"], "running", "{v}");
+            v["id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({"command": "echo fifth"}),
+    );
+    let v = r.json();
+    assert_error(r.status, &v, 409, "too_many_commands", None);
+    assert_eq!(v["error"]["retryable"], true, "{v}");
+    // `…/run` counts too.
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/run"),
+        &json!({"command": "true"}),
+    );
+    assert_error(r.status, &r.json(), 409, "too_many_commands", None);
+    // A refusal worth retrying is not what a key replays: the retry, once there is room,
+    // runs the command.
+    let key = unique("key-full");
+    let keyed = json!({"command": "echo keyed", "wait_seconds": 20});
+    let keyed_exec = || {
+        node.post(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &[("Idempotency-Key", key.as_str())],
+            &serde_json::to_vec(&keyed).unwrap(),
+        )
+    };
+    let r = keyed_exec();
+    assert_error(r.status, &r.json(), 409, "too_many_commands", None);
+
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec/{}/signal", sleepers[0]),
+        &json!({"signal": "SIGKILL"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["signal"], "SIGKILL");
+    let v = node.exec_wait(&id, &sleepers[0], WAIT);
+    assert_eq!(v["status"], "killed", "{v}");
+    assert_eq!(v["exit_code"], 137, "{v}");
+    let r = keyed_exec();
+    let v = r.json();
+    assert_eq!(
+        r.status, 201,
+        "the retry with the key, once there is room: {v}"
+    );
+    assert_eq!(v["stdout"], "keyed\n", "{v}");
+    let again = keyed_exec();
+    assert_eq!(again.status, 201);
+    assert_eq!(again.json()["id"], v["id"], "the key names one command");
+    // The slot of a command that ended is free as soon as its end is known: one command
+    // after another in the last slot, each started when the one before answered its end.
+    for i in 0..30 {
+        let r = node.post_json(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &json!({"command": format!("echo {i}"), "wait_seconds": 20}),
+        );
+        let v = r.json();
+        assert_eq!(r.status, 201, "command {i} in the freed slot: {v}");
+        assert_eq!(v["status"], "exited", "{v}");
+        assert_eq!(v["stdout"], format!("{i}\n"), "{v}");
+    }
+    for s in &sleepers[1..] {
+        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{s}"));
+        assert_eq!(
+            (status, v["status"].as_str()),
+            (200, Some("running")),
+            "{v}"
+        );
+    }
+    // Four running again: the next waits.
+    let v = node.exec(&id, &json!({"command": "sleep 30"}));
+    assert_eq!(v["status"], "running", "{v}");
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({"command": "echo one-too-many"}),
+    );
+    assert_error(r.status, &r.json(), 409, "too_many_commands", None);
+
+    // Deleting ends the running ones.
+    node.delete_sandbox(&id);
+
+    // Eight at once in an empty sandbox: four start, four are refused.
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let statuses: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    let r = node.post_json(
+                        &format!("/v1/sandboxes/{id}/exec"),
+                        &json!({"command": "sleep 30"}),
+                    );
+                    (r.status, r.json())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let started = statuses.iter().filter(|(s, _)| *s == 201).count();
+    for (status, v) in statuses.iter().filter(|(s, _)| *s != 201) {
+        assert_error(*status, v, 409, "too_many_commands", None);
+    }
+    assert_eq!(started, 4, "{statuses:?}");
+    let (_, v) = get(&node, &format!("/v1/sandboxes/{id}/exec"));
+    let running = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["status"] == "running")
+        .count();
+    assert_eq!(running, 4, "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn restart_boots_again_over_the_same_disk() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({
+        "start_command": "echo boot >> /var/tmp/boots; exec sleep 1000",
+        "stop": {"grace_ms": 500},
+    }));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let start_path = format!("/v1/sandboxes/{id}/exec/exe-start");
+    let (status, before) = get(&node, &start_path);
+    assert_eq!(
+        (status, before["status"].as_str()),
+        (200, Some("running")),
+        "{before}"
+    );
+    let v = node.exec(
+        &id,
+        &json!({"command": "echo kept > /root/file; sleep 0.2; cat /var/tmp/boots", "wait_seconds": 20}),
+    );
+    assert_eq!(v["stdout"], "boot\n", "{v}");
+    let before_exec = v["id"].as_str().unwrap().to_string();
+    let running = node.exec(&id, &json!({"command": "sleep 100"}));
+    let running = running["id"].as_str().unwrap().to_string();
+
+    let r = node.post(&format!("/v1/sandboxes/{id}/restart"), &[], b"");
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    assert_eq!(v["id"], id.as_str(), "{v}");
+    assert_eq!(v["status"], "running", "{v}");
+    assert_eq!(v["restarts"], 1, "{v}");
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    assert_eq!((status, v["restarts"].as_i64()), (200, Some(1)), "{v}");
+
+    // The start command ran again: a new exe-start.
+    let (status, after) = get(&node, &start_path);
+    assert_eq!(
+        (status, after["status"].as_str()),
+        (200, Some("running")),
+        "{after}"
+    );
+    assert!(
+        after["started_at"] != before["started_at"] || after["pid"] != before["pid"],
+        "exe-start is the old one: {before} / {after}"
+    );
+    // Same disk: what was written is there, and the start command wrote again.
+    let v = node.exec(
+        &id,
+        &json!({"command": "cat /root/file /var/tmp/boots", "wait_seconds": 20}),
+    );
+    assert_eq!(v["stdout"], "kept\nboot\nboot\n", "{v}");
+    // The commands of the first boot ended with it and keep their final objects.
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{before_exec}"));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["status"].as_str(), v["exit_code"].as_i64()),
+        (Some("exited"), Some(0)),
+        "{v}"
+    );
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{running}"));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["status"], "killed", "a command of the first boot: {v}");
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec/{running}/stdin"),
+        &json!({"data": "x"}),
+    );
+    assert_error(r.status, &r.json(), 409, "stdin_closed", None);
+
+    node.delete_sandbox(&id);
+    let r = node.post(&format!("/v1/sandboxes/{id}/restart"), &[], b"");
+    assert_error(r.status, &r.json(), 404, "sandbox_not_found", None);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn twenty_cycles_leave_nothing() {
+    let node = TestNode::start();
+    for i in 0..20 {
+        let body = if i % 2 == 0 {
+            json!({"name": format!("cycle-{i}"), "start_command": "exec sleep 1000", "stop": {"grace_ms": 200}})
+        } else {
+            // Not the default shape: a sandbox made for it, not a warm one.
+            json!({"limits": {"memory_bytes": 256u64 << 20}})
+        };
+        let sb = node.create_sandbox(&body);
+        let id = sb["id"].as_str().unwrap().to_string();
+        let v = node.exec(
+            &id,
+            &json!({"command": "echo hi; echo x > /tmp/f", "wait_seconds": 20}),
+        );
+        assert_eq!(v["stdout"], "hi\n", "cycle {i}: {v}");
+        node.exec(&id, &json!({"command": "sleep 60"}));
+        node.delete_sandbox(&id);
+        assert!(
+            node.traces_of(&id).is_empty(),
+            "cycle {i}: left of {id}: {:?}",
+            node.traces_of(&id)
+        );
+    }
+    assert!(list_all(&node, "", 100).is_empty(), "rows are left");
+    node.assert_clean(CLEAN);
+    // Nothing of them under the data directory either.
+    let warm = node.warm_ids();
+    let left: Vec<_> = std::fs::read_dir(node.data_dir.join("sandboxes"))
+        .unwrap()
+        .flatten()
+        .filter(|e| !warm.iter().any(|w| e.file_name().to_str() == Some(w)))
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_sandbox_is_deleted_when_it_expires() {
+    let node = TestNode::start();
+    let t = Instant::now();
+    let at = common::rfc3339_in(Duration::from_secs(2));
+    let sb = node.create_sandbox(&json!({
+        "expires_at": at,
+        "start_command": "exec sleep 1000",
+        "stop": {"grace_ms": 500},
+    }));
+    let id = sb["id"].as_str().unwrap().to_string();
+    assert_eq!(sb["expires_at"], at.as_str(), "{sb}");
+    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("running")),
+        "{v}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+        if status == 404 {
+            assert_error(status, &v, 404, "sandbox_not_found", None);
+            break;
+        }
+        assert!(Instant::now() < deadline, "not deleted at its expiry: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(1500),
+        "deleted {:?} after its create, before it expired",
+        t.elapsed()
+    );
+    assert!(list_all(&node, "", 100).is_empty());
+    node.assert_clean(CLEAN);
+}
