@@ -32,9 +32,9 @@ pub struct Spawned {
     pub stderr: OwnedFd,
 }
 
-/// Starts a command in a process group of its own, with fresh pipes for its stdio.
-/// The error is the `exec` failure (ENOENT, EACCES, ...), which the caller maps to 127/126.
-pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
+/// The command of `spec`, to run as its user; with `on_terminal` it starts a session whose
+/// controlling terminal is its stdin (which the caller sets to a PTY's slave).
+fn command(spec: &SpawnSpec<'_>, on_terminal: bool) -> Command {
     let mut cmd = Command::new(spec.program);
     if let Some((first, rest)) = spec.argv.split_first() {
         cmd.arg0(first);
@@ -42,18 +42,23 @@ pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
     }
     cmd.env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .current_dir(spec.cwd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
+        .current_dir(spec.cwd);
     let (uid, gid) = (spec.uid, spec.gid);
     let groups: Vec<libc::gid_t> = spec.groups.to_vec();
     // SAFETY: the closure runs in the child between fork and exec. It only makes the
-    // async-signal-safe syscalls setgroups, setresgid and setresuid on memory prepared
-    // before the fork (`groups` is moved in, not allocated there).
+    // async-signal-safe syscalls setsid, ioctl(TIOCSCTTY) on fd 0 (set up by std before the
+    // closure runs), setgroups, setresgid and setresuid, on memory prepared before the fork
+    // (`groups` is moved in, not allocated there).
     unsafe {
         cmd.pre_exec(move || {
+            if on_terminal {
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if libc::setgroups(groups.len(), groups.as_ptr()) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -66,6 +71,17 @@ pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
             Ok(())
         });
     }
+    cmd
+}
+
+/// Starts a command in a process group of its own, with fresh pipes for its stdio.
+/// The error is the `exec` failure (ENOENT, EACCES, ...), which the caller maps to 127/126.
+pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
+    let mut cmd = command(spec, false);
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
     let mut child = cmd.spawn()?;
     let pid = child.id();
     let take = |o: Option<OwnedFd>| o.ok_or_else(|| io::Error::other("missing pipe"));
@@ -257,43 +273,10 @@ pub fn spawn_pty(spec: &SpawnSpec<'_>, rows: u16, cols: u16) -> io::Result<Spawn
     };
     let pty = nix::pty::openpty(Some(&size), None).map_err(io::Error::from)?;
     let slave = pty.slave;
-    let mut cmd = Command::new(spec.program);
-    if let Some((first, rest)) = spec.argv.split_first() {
-        cmd.arg0(first);
-        cmd.args(rest);
-    }
-    cmd.env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .current_dir(spec.cwd)
-        .stdin(Stdio::from(slave.try_clone()?))
+    let mut cmd = command(spec, true);
+    cmd.stdin(Stdio::from(slave.try_clone()?))
         .stdout(Stdio::from(slave.try_clone()?))
         .stderr(Stdio::from(slave));
-    let (uid, gid) = (spec.uid, spec.gid);
-    let groups: Vec<libc::gid_t> = spec.groups.to_vec();
-    // SAFETY: the closure runs in the child between fork and exec and makes only the
-    // async-signal-safe syscalls setsid, ioctl(TIOCSCTTY) on fd 0 (the PTY's slave, set up by
-    // std before the closure runs), setgroups, setresgid and setresuid, on memory prepared
-    // before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::setgroups(groups.len(), groups.as_ptr()) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::setresgid(gid, gid, gid) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::setresuid(uid, uid, uid) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
     let child = cmd.spawn()?;
     let pid = child.id();
     drop(child);
