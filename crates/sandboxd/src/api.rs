@@ -543,6 +543,34 @@ async fn output(
     reply(&st, &rid, StatusCode::OK, r)
 }
 
+/// A JSON object body whose fields are all among `fields`.
+async fn json_object(
+    body: Body,
+    fields: &[&str],
+) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let bytes = read_body(body).await?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidJson,
+            format!("the body is not a JSON object: {e}"),
+        )
+    })?;
+    let Value::Object(obj) = v else {
+        return Err(ApiError::new(
+            ErrorCode::InvalidJson,
+            "the body is not a JSON object",
+        ));
+    };
+    if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
+        return Err(ApiError::new(
+            ErrorCode::UnknownField,
+            format!("this call takes no field {k}"),
+        )
+        .with_param(k.clone()));
+    }
+    Ok(obj)
+}
+
 async fn stdin(
     State(st): St,
     Extension(rid): Rid,
@@ -550,26 +578,7 @@ async fn stdin(
     body: Body,
 ) -> Response {
     let r = async {
-        let bytes = read_body(body).await?;
-        let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
-            ApiError::new(
-                ErrorCode::InvalidJson,
-                format!("the body is not a JSON object: {e}"),
-            )
-        })?;
-        let obj = v.as_object().ok_or_else(|| {
-            ApiError::new(ErrorCode::InvalidJson, "the body is not a JSON object")
-        })?;
-        if let Some(k) = obj
-            .keys()
-            .find(|k| !["data", "encoding", "close"].contains(&k.as_str()))
-        {
-            return Err(ApiError::new(
-                ErrorCode::UnknownField,
-                format!("this call takes no field {k}"),
-            )
-            .with_param(k.clone()));
-        }
+        let obj = json_object(body, &["data", "encoding", "close"]).await?;
         let enc = match obj.get("encoding").and_then(Value::as_str) {
             None | Some("utf8") => Encoding::Utf8,
             Some("base64") => Encoding::Base64,
@@ -606,23 +615,7 @@ async fn signal(
     body: Body,
 ) -> Response {
     let r = async {
-        let bytes = read_body(body).await?;
-        let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
-            ApiError::new(
-                ErrorCode::InvalidJson,
-                format!("the body is not a JSON object: {e}"),
-            )
-        })?;
-        let obj = v.as_object().ok_or_else(|| {
-            ApiError::new(ErrorCode::InvalidJson, "the body is not a JSON object")
-        })?;
-        if let Some(k) = obj.keys().find(|k| k.as_str() != "signal") {
-            return Err(ApiError::new(
-                ErrorCode::UnknownField,
-                format!("this call takes no field {k}"),
-            )
-            .with_param(k.clone()));
-        }
+        let obj = json_object(body, &["signal"]).await?;
         let name = obj
             .get("signal")
             .and_then(Value::as_str)
