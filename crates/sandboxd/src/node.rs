@@ -261,24 +261,22 @@ impl Node {
         if req.runtime.as_ref().is_some_and(|r| !r.is_null()) {
             return Err(not_served("runtime", "runtime settings"));
         }
-        if req.start == Some(true)
-            || req.ready.is_some()
-            || (!long_lived && req.start_command.is_some())
-        {
+        // `start: true` starts the image's own start command: the base image has none.
+        if !long_lived && (req.ready.is_some() || req.start_command.is_some()) {
             let param = if req.ready.is_some() {
                 "ready"
-            } else if req.start == Some(true) {
-                "start"
             } else {
                 "start_command"
             };
+            return Err(not_served(param, "start commands in a run"));
+        }
+        if matches!(
+            req.ready,
+            Some(sbx_api::Ready::Tcp { .. } | sbx_api::Ready::Http { .. })
+        ) {
             return Err(not_served(
-                param,
-                if long_lived {
-                    "an image's start command or ready checks"
-                } else {
-                    "start commands in a run"
-                },
+                "ready",
+                "tcp and http ready checks (its sandboxes have no address the host reaches; use ready.command)",
             ));
         }
         if req.on_expiry != sbx_api::OnExpiry::Delete {

@@ -37,6 +37,9 @@ pub struct StoredSpec {
     pub cwd: Option<String>,
     pub user: Option<String>,
     pub start_command: Option<Command>,
+    /// A command that succeeds once the sandbox is up (`ready.command`).
+    #[serde(default)]
+    pub ready_command: Option<Command>,
     pub stop_signal: i32,
     pub stop_grace_ms: u32,
     pub expires_at: Option<String>,
@@ -50,7 +53,7 @@ pub struct Managed {
     machine: Mutex<Option<Arc<Sandbox>>>,
     running: Mutex<HashSet<String>>,
     /// One lifecycle change at a time.
-    op: tokio::sync::Mutex<()>,
+    op: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Managed {
@@ -252,6 +255,13 @@ impl Node {
                 return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
             }
         }
+        if let Some(check) = &m.spec.ready_command {
+            if let Err(why) = self.wait_ready(m, &sb, check).await {
+                self.set_failed(m, "boot_failed", &why);
+                self.end_machine(m).await;
+                return Err(ApiError::new(ErrorCode::SandboxFailed, why));
+            }
+        }
         let mut row = m.row.lock().map_err(|_| ApiError::internal())?;
         row.status = "running".into();
         row.pid = Some(sb.pid);
@@ -261,6 +271,81 @@ impl Node {
         row.failure = None;
         self.store.update_sandbox(&row).map_err(store_err)?;
         Ok(())
+    }
+
+    /// Runs the ready check every 0.2 s for at most 120 s, as the image's user by sh; a start
+    /// command that ends with a failure meanwhile ends the wait at once. The error says what
+    /// the check last got and what the start command printed last.
+    async fn wait_ready(&self, m: &Managed, sb: &Sandbox, check: &Command) -> Result<(), String> {
+        let line = match check {
+            Command::Shell(s) => s.clone(),
+            Command::Argv(a) => a.join(" "),
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        let mut last = String::new();
+        for n in 0u32.. {
+            let spec = ExecSpec {
+                exec_id: format!("exe-ready-{n}"),
+                program: Program::Shell(line.clone()),
+                env: Self::base_env(m),
+                cwd: m.spec.cwd.clone(),
+                user: None,
+                timeout_ms: Some(10_000),
+                stdin_open: false,
+                attach: true,
+                tty: false,
+                wait_for_reader: false,
+                rows: 24,
+                cols: 80,
+            };
+            let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+                .await
+                .map_err(|e| e.to_string())?;
+            conn.send(&HostMsg::Exec(spec))
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            let code = loop {
+                match conn.recv().await.map_err(|e| e.to_string())? {
+                    Frame::Data { bytes, .. } => out.extend_from_slice(&bytes),
+                    Frame::Msg(AgentMsg::Exited { exit, .. }) => break exit.exit_code,
+                    Frame::Msg(AgentMsg::ExecFailed { message, .. }) => return Err(message),
+                    Frame::Msg(_) => {}
+                }
+            };
+            if code == 0 {
+                return Ok(());
+            }
+            let text = String::from_utf8_lossy(&out);
+            last = format!(
+                "exit code {code}: {}",
+                text.trim().chars().take(500).collect::<String>()
+            );
+            if m.spec.start_command.is_some() {
+                if let Ok(AgentMsg::State(st)) = one_shot(
+                    &sb.socket,
+                    &HostMsg::Status {
+                        exec_id: START_EXEC.into(),
+                    },
+                )
+                .await
+                {
+                    if let Some(x) = st.exit.filter(|x| x.exit_code != 0) {
+                        return Err(format!(
+                            "the start command ended with exit code {} before the ready check passed; the check last got {last}",
+                            x.exit_code
+                        ));
+                    }
+                }
+            }
+            if tokio::time::Instant::now() + Duration::from_millis(200) > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(format!(
+            "the ready check did not pass in 120 s; it last got {last}"
+        ))
     }
 
     fn set_failed(&self, m: &Managed, code: &str, why: &str) {
@@ -307,6 +392,10 @@ impl Node {
             cwd: req.cwd.clone(),
             user: req.user.clone(),
             start_command: req.start_command.clone(),
+            ready_command: match &req.ready {
+                Some(sbx_api::Ready::Command(c)) => Some(c.clone()),
+                _ => None,
+            },
             stop_signal,
             stop_grace_ms,
             expires_at: req.expires_at.clone(),
@@ -355,17 +444,27 @@ impl Node {
             spec,
             machine: Mutex::new(None),
             running: Mutex::new(HashSet::new()),
-            op: tokio::sync::Mutex::new(()),
+            op: Arc::new(tokio::sync::Mutex::new(())),
         });
         if let Ok(mut all) = self.managed.lock() {
             all.insert(id.clone(), m.clone());
         }
-        let _op = m.op.lock().await;
-        // A failed boot leaves the sandbox `failed`, to be seen and deleted.
-        let _ = self.boot(&m, warm).await;
         if let Some(ms) = expires_in_ms {
             self.expire_at(&m, ms);
         }
+        if m.spec.ready_command.is_some() {
+            // Answered `starting`: the sandbox becomes running or failed when its check says.
+            let op = m.op.clone().lock_owned().await;
+            let (node, m2) = (self.clone(), m.clone());
+            tokio::spawn(async move {
+                let _op = op;
+                let _ = node.boot(&m2, warm).await;
+            });
+            return Ok(self.sandbox_object(&m));
+        }
+        let _op = m.op.lock().await;
+        // A failed boot leaves the sandbox `failed`, to be seen and deleted.
+        let _ = self.boot(&m, warm).await;
         Ok(self.sandbox_object(&m))
     }
 
@@ -526,6 +625,15 @@ impl Node {
         }
         let _ = self.boot(&m, None).await;
         Ok(self.sandbox_object(&m))
+    }
+
+    /// Commands running now in sandbox `id` (0 for an unknown one). For the functions
+    /// interface's `sandbox::list` and its idle reaper.
+    pub(crate) fn running_execs(&self, id: &str) -> usize {
+        self.managed(id)
+            .ok()
+            .and_then(|m| m.running.lock().ok().map(|r| r.len()))
+            .unwrap_or(0)
     }
 
     pub(crate) fn running_machine(&self, m: &Managed) -> Result<Arc<Sandbox>, ApiError> {
@@ -1103,7 +1211,7 @@ impl Node {
                 spec,
                 machine: Mutex::new(None),
                 running: Mutex::new(HashSet::new()),
-                op: tokio::sync::Mutex::new(()),
+                op: Arc::new(tokio::sync::Mutex::new(())),
             });
             let dir = self.sandboxes_dir().join(&row.id);
             let alive = match (row.status.as_str(), row.pid) {
