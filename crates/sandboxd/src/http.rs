@@ -44,6 +44,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/internal/node", get(node_info))
         .merge(crate::api::routes())
         .merge(crate::files::routes())
+        .merge(crate::functions::routes())
         .merge(crate::terminal::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

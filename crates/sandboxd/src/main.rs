@@ -2,7 +2,9 @@
 
 mod agent;
 mod api;
+mod config;
 mod files;
+mod functions;
 mod http;
 mod image;
 mod node;
@@ -65,6 +67,11 @@ struct Cli {
     /// Commands one sandbox may run at once.
     #[arg(long, default_value_t = 4)]
     max_execs_per_sandbox: usize,
+    /// The config file (TOML): the functions interface's settings (see config.rs / README).
+    /// Its max_concurrent_exec_per_sandbox, default_cpus and default_memory_mb override the
+    /// options above.
+    #[arg(long, env = "SBX_CONFIG")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -146,15 +153,28 @@ fn main() -> anyhow::Result<()> {
         .map(|n| n.get() as u32)
         .unwrap_or(1)
         .min(32);
+    let fn_cfg = match &cli.config {
+        Some(p) => config::Config::load(p)?,
+        None => config::Config::default(),
+    };
     let cfg = node::NodeConfig {
         data_dir: cli.data_dir.clone(),
-        default_memory_bytes: cli.default_memory_bytes,
-        default_vcpus: cli.default_vcpus.min(cpus),
+        default_memory_bytes: fn_cfg
+            .default_memory_mb
+            .map(|m| m << 20)
+            .unwrap_or(cli.default_memory_bytes),
+        default_vcpus: fn_cfg
+            .default_cpus
+            .unwrap_or(cli.default_vcpus)
+            .clamp(1, cpus),
         pids_max: cli.pids_max,
         max_memory_bytes: host_memory(),
         max_vcpus: cpus,
         warm_pool: cli.warm_pool,
-        max_execs_per_sandbox: cli.max_execs_per_sandbox.max(1),
+        max_execs_per_sandbox: fn_cfg
+            .max_concurrent_exec_per_sandbox
+            .unwrap_or(cli.max_execs_per_sandbox)
+            .max(1),
     };
     std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
         .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
@@ -175,6 +195,7 @@ fn main() -> anyhow::Result<()> {
         if removed > 0 {
             tracing::info!(removed, "removed what a previous run left");
         }
+        functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
         serve(cli.listen, node, api_keys, cli.docs_url).await
     })
 }

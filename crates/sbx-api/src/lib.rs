@@ -10,6 +10,7 @@
 pub mod error;
 pub mod events;
 pub mod exec;
+pub mod functions;
 pub mod ids;
 pub mod run;
 pub mod sandbox;
@@ -20,6 +21,7 @@ pub use exec::{
     format_rfc3339_millis, parse_rfc3339, signal_name, signal_number, ExecObject, ExecObjectKind,
     ExecStatus, ExecUsage, OutputInfo,
 };
+pub use functions::{s_code, s_code_of, FnError, SCode, S_CODES};
 pub use ids::{
     derived_id, is_id, new_id, new_request_id, request_id_or_new, valid_name, valid_request_id,
 };

@@ -1,5 +1,6 @@
 //! `sbx`: the command line of an sbx node.
 
+mod call;
 mod files;
 mod sandboxes;
 mod terminal;
@@ -66,6 +67,9 @@ enum Cmd {
         #[command(subcommand)]
         command: files::FsCmd,
     },
+    /// Call a function of the node (sandbox::run, sandbox::exec, sandbox::fs::read, ...) with
+    /// key=value arguments (or --json); prints the reply as JSON.
+    Call(call::CallArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -143,6 +147,7 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Restart(a) => sandboxes::restart(&cli, a),
         Cmd::Cp(a) => files::cp(&cli, a),
         Cmd::Fs { command } => files::fs(&cli, command),
+        Cmd::Call(a) => call::call(&cli, a),
     }
 }
 
