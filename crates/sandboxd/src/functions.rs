@@ -175,15 +175,12 @@ async fn call(
     let r = async {
         let bytes = read_body(body).await.map_err(FnError::from)?;
         let payload = if bytes.iter().all(u8::is_ascii_whitespace) {
-            Map::new()
+            Value::Null
         } else {
-            match serde_json::from_slice::<Value>(&bytes) {
-                Ok(Value::Object(m)) => m,
-                Ok(Value::Null) => Map::new(),
-                _ => return Err(FnError::invalid("the payload is not a JSON object")),
-            }
+            serde_json::from_slice::<Value>(&bytes)
+                .map_err(|_| FnError::invalid("the payload is not a JSON object"))?
         };
-        dispatch(&st, &f, &rid.0, &function_id, Payload(payload)).await
+        invoke(&st, &rid.0, &function_id, payload).await
     }
     .await;
     match r {
@@ -200,6 +197,28 @@ async fn call(
             resp
         }
     }
+}
+
+/// The one entry point of the interface: a function id and its JSON payload (an object; null
+/// is none) -> the reply, or the S-code error. `POST /v1/functions/{id}` and the iii worker
+/// (iii.rs) both call it.
+pub(crate) async fn invoke(
+    st: &Arc<AppState>,
+    rid: &str,
+    function_id: &str,
+    payload: Value,
+) -> Result<Value, FnError> {
+    let payload = match payload {
+        Value::Object(m) => m,
+        Value::Null => Map::new(),
+        _ => return Err(FnError::invalid("the payload is not a JSON object")),
+    };
+    dispatch(st, &fns(), rid, function_id, Payload(payload)).await
+}
+
+/// An error's body, `{code, type, message, retryable, docs_url}`, with the interface's docs base.
+pub(crate) fn error_body(e: &FnError) -> Value {
+    e.body(&fns().docs_base)
 }
 
 async fn dispatch(

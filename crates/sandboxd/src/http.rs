@@ -46,6 +46,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(crate::files::routes())
         .merge(crate::functions::routes())
         .merge(crate::terminal::routes())
+        .merge(crate::images_api::routes())
+        .merge(crate::secrets::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), edge))

@@ -8,8 +8,12 @@
 //! ```
 //!
 //! An image is made in `<images>/.build-<name>` and renamed into place when complete, so a
-//! half-built image is never used; a lock file keeps two builders apart. Later images (OCI
-//! pulls) take the same path: unpack, shift, describe, rename.
+//! half-built image is never used; a lock file keeps two builders apart.
+//!
+//! Every other image name is an OCI reference, pulled by sbx-image into `<images>/oci` (its
+//! content-addressed store: layers unpacked once, owners shifted, shared by every sandbox of
+//! the image). A pulled image's layers are the overlay's lower directories, top first; its
+//! config gives the agent's env, user and working directory.
 
 use std::fs;
 use std::io::{BufRead, BufReader};
@@ -27,6 +31,8 @@ pub enum ImageError {
     NoBase(PathBuf),
     #[error("image {0} is not on this node")]
     Unknown(String),
+    #[error("{0}")]
+    InvalidReference(String),
     #[error("the base image was stored for uid base {stored}, this node uses {wanted}")]
     UidBase { stored: u32, wanted: u32 },
     #[error("cannot build the base image: {0}")]
@@ -37,6 +43,25 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why a pull failed: the registry or its content, or the node's side of it.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    #[error(transparent)]
+    Pull(sbx_image::ImageError),
+    #[error(transparent)]
+    Node(ImageError),
+}
+
+impl PullError {
+    /// The sandbox's `failure_code` for it.
+    pub fn code(&self) -> &'static str {
+        match self {
+            PullError::Pull(e) => pull_failure_code(e),
+            PullError::Node(_) => "invalid_image",
+        }
+    }
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError {
@@ -56,25 +81,246 @@ pub struct ImageMeta {
     pub source: String,
 }
 
-/// An image ready to be a sandbox's lower layer.
+/// An image ready to be a sandbox's lower layers.
 #[derive(Debug, Clone)]
 pub struct Image {
     pub meta: ImageMeta,
+    /// The base image's tree; for a pulled image its top layer.
     pub rootfs: PathBuf,
+    /// The overlay's lower directories, top first.
+    pub lowers: Vec<PathBuf>,
+    /// A pulled image's manifest digest and config.
+    pub oci: Option<OciInfo>,
+}
+
+/// What a pulled image adds.
+#[derive(Debug, Clone)]
+pub struct OciInfo {
+    /// The manifest's digest.
+    pub digest: String,
+}
+
+/// An image as a create names it: on the node, or to be pulled (its normalised reference).
+#[derive(Debug, Clone)]
+pub enum Source {
+    Local(Image),
+    Remote(String),
+}
+
+impl Source {
+    pub fn is_base(&self) -> bool {
+        matches!(self, Source::Local(i) if i.meta.name == "base")
+    }
+}
+
+/// Why a pull failed, as a sandbox's `failure_code`: `registry_auth_failed` (the registry
+/// refused the credentials or wants some), `invalid_image` (no such image, or not one this node
+/// runs), `image_pull_failed` (the registry could not be reached, the disk).
+pub fn pull_failure_code(e: &sbx_image::ImageError) -> &'static str {
+    use sbx_image::ImageError as E;
+    match e {
+        E::Unauthorized { .. } => "registry_auth_failed",
+        E::InvalidReference { .. }
+        | E::NotFound(_)
+        | E::DigestMismatch { .. }
+        | E::UnsupportedMediaType(_)
+        | E::InvalidImage(_) => "invalid_image",
+        E::Network { .. } | E::Io { .. } => "image_pull_failed",
+    }
+}
+
+/// An image of `GET /v1/images`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageInfo {
+    pub object: &'static str,
+    /// `base`, or the pulled image's normalised references.
+    pub references: Vec<String>,
+    pub digest: Option<String>,
+    /// Bytes of the layers as the registry served them (for the base image: none).
+    pub size: Option<u64>,
+    pub layers: usize,
+}
+
+/// The parts of sbx-image's image record (`<oci>/images/<hex>.json`) a listing shows.
+#[derive(Deserialize)]
+struct RecordView {
+    digest: String,
+    #[serde(default)]
+    references: Vec<String>,
+    #[serde(default)]
+    layers: Vec<LayerView>,
+}
+
+#[derive(Deserialize)]
+struct LayerView {
+    #[serde(default)]
+    size: i64,
 }
 
 /// Names the catalog resolves to the base image.
 pub const CATALOG: &[&str] = &["python", "node", "base"];
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ImageStore {
     dir: PathBuf,
     uid_base: u32,
+    oci: std::sync::Arc<sbx_image::Store>,
+}
+
+impl std::fmt::Debug for ImageStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageStore")
+            .field("dir", &self.dir)
+            .finish()
+    }
 }
 
 impl ImageStore {
-    pub fn new(dir: PathBuf, uid_base: u32) -> ImageStore {
-        ImageStore { dir, uid_base }
+    /// A store whose pulls speak plain HTTP to the registries of `insecure` (`HOST:PORT`).
+    pub fn with_insecure(dir: PathBuf, uid_base: u32, insecure: Vec<String>) -> ImageStore {
+        let oci = sbx_image::Store::new(dir.join("oci"), uid_base, insecure);
+        ImageStore {
+            dir,
+            uid_base,
+            oci: std::sync::Arc::new(oci),
+        }
+    }
+
+    /// An image name of the catalog (or none: the base image).
+    pub fn is_catalog(name: Option<&str>) -> bool {
+        name.is_none_or(|n| CATALOG.contains(&n))
+    }
+
+    /// Where a create's image comes from: the base image, a pulled image the node has, or a
+    /// pull. An image name that is not a reference is `InvalidReference`.
+    pub fn lookup(&self, name: Option<&str>) -> Result<Source, ImageError> {
+        match name {
+            n if Self::is_catalog(n) => self.base().map(Source::Local),
+            Some(n) => {
+                let r = sbx_image::parse_reference(n)
+                    .map_err(|e| ImageError::InvalidReference(e.to_string()))?;
+                match self.oci.get(n) {
+                    // An image pulled with credentials is asked of its registry again when
+                    // named without them: the registry decides whether it is public.
+                    Some(img) if !self.is_private(&img.digest) => {
+                        self.of_oci(img).map(Source::Local)
+                    }
+                    _ => Ok(Source::Remote(r.to_string())),
+                }
+            }
+            None => self.base().map(Source::Local),
+        }
+    }
+
+    /// Pulls `reference` (a registry request unless the store has it by digest; by tag only
+    /// its manifest is asked for when the store has the image).
+    pub async fn pull(
+        &self,
+        reference: &str,
+        creds: Option<&sbx_image::Credentials>,
+        progress: &(dyn Fn(sbx_image::Progress) + Send + Sync),
+    ) -> Result<Image, PullError> {
+        let img = self
+            .oci
+            .pull(reference, creds, progress)
+            .await
+            .map_err(PullError::Pull)?;
+        if creds.is_some() {
+            self.mark_private(&img.digest).map_err(PullError::Node)?;
+        }
+        self.of_oci(img).map_err(PullError::Node)
+    }
+
+    /// `<images>/oci-private/<hex>`: the images pulled with credentials.
+    fn private_marker(&self, digest: &str) -> PathBuf {
+        let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+        self.dir.join("oci-private").join(hex)
+    }
+
+    fn is_private(&self, digest: &str) -> bool {
+        self.private_marker(digest).exists()
+    }
+
+    fn mark_private(&self, digest: &str) -> Result<(), ImageError> {
+        let path = self.private_marker(digest);
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(io("mkdir oci-private"))?;
+        }
+        fs::write(&path, b"").map_err(io("mark a private image"))
+    }
+
+    fn of_oci(&self, img: sbx_image::Image) -> Result<Image, ImageError> {
+        let lowers: Vec<PathBuf> = img.layers.iter().rev().cloned().collect();
+        let Some(top) = lowers.first().cloned() else {
+            return Err(ImageError::Unknown(format!(
+                "{} (an image without layers)",
+                img.reference
+            )));
+        };
+        let c = &img.config;
+        let env = c
+            .env
+            .iter()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Ok(Image {
+            meta: ImageMeta {
+                name: img.reference.clone(),
+                created_at: String::new(),
+                env,
+                user: c.user.clone(),
+                workdir: c.working_dir.clone(),
+                uid_base: self.uid_base,
+                source: img.digest.clone(),
+            },
+            rootfs: top,
+            lowers,
+            oci: Some(OciInfo { digest: img.digest }),
+        })
+    }
+
+    /// The node's images: the base image, then every pulled one (by digest).
+    pub fn list(&self) -> Vec<ImageInfo> {
+        let mut out = Vec::new();
+        if self.base().is_ok() {
+            out.push(ImageInfo {
+                object: "image",
+                references: vec!["base".into()],
+                digest: None,
+                size: None,
+                layers: 1,
+            });
+        }
+        let mut recs: Vec<RecordView> = fs::read_dir(self.dir.join("oci").join("images"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
+                    .filter_map(|e| fs::read(e.path()).ok())
+                    .filter_map(|b| serde_json::from_slice(&b).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        recs.sort_by(|a, b| a.references.cmp(&b.references));
+        for r in recs {
+            // Only images the store has complete (what `get` by digest finds).
+            let by_digest = r
+                .references
+                .first()
+                .and_then(|x| sbx_image::parse_reference(x).ok())
+                .map(|x| format!("{}/{}@{}", x.registry_addr(), x.repository(), r.digest));
+            if by_digest.is_some_and(|d| self.oci.get(&d).is_none()) {
+                continue;
+            }
+            out.push(ImageInfo {
+                object: "image",
+                references: r.references,
+                digest: Some(r.digest),
+                size: Some(r.layers.iter().map(|l| l.size.max(0) as u64).sum()),
+                layers: r.layers.len(),
+            });
+        }
+        out
     }
 
     /// The base image, if it is built.
@@ -104,18 +350,21 @@ impl ImageStore {
                 wanted: self.uid_base,
             });
         }
+        let rootfs = dir.join("rootfs");
         Ok(Image {
             meta,
-            rootfs: dir.join("rootfs"),
+            lowers: vec![rootfs.clone()],
+            rootfs,
+            oci: None,
         })
     }
 
-    /// Resolves a catalog name (`python`, `node`) or nothing (the node's base image).
+    /// Resolves a catalog name (`python`, `node`), nothing (the node's base image) or the
+    /// reference of a pulled image the node has (no registry request).
     pub fn resolve(&self, name: Option<&str>) -> Result<Image, ImageError> {
-        match name {
-            None => self.base(),
-            Some(n) if CATALOG.contains(&n) => self.base(),
-            Some(n) => Err(ImageError::Unknown(n.into())),
+        match self.lookup(name)? {
+            Source::Local(i) => Ok(i),
+            Source::Remote(r) => Err(ImageError::Unknown(r)),
         }
     }
 
@@ -357,7 +606,7 @@ mod tests {
     #[test]
     fn catalog_names_resolve_to_base_and_others_do_not() {
         let dir = std::env::temp_dir().join(format!("sbx-img-test-{}", std::process::id()));
-        let store = ImageStore::new(dir.clone(), 100000);
+        let store = ImageStore::with_insecure(dir.clone(), 100000, Vec::new());
         assert!(matches!(
             store.resolve(Some("python")),
             Err(ImageError::NoBase(_))

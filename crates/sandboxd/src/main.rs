@@ -6,9 +6,12 @@ mod config;
 mod files;
 mod functions;
 mod http;
+mod iii;
 mod image;
+mod images_api;
 mod node;
 mod sandboxes;
+mod secrets;
 mod store;
 mod terminal;
 
@@ -36,6 +39,10 @@ struct Cli {
     /// Where images are kept (default: DATA_DIR/images). Several nodes may share one.
     #[arg(long, env = "SBX_IMAGES_DIR")]
     images_dir: Option<PathBuf>,
+    /// A registry (`HOST:PORT`, as image references write it) spoken to over plain HTTP.
+    /// Repeatable.
+    #[arg(long = "insecure-registry", value_name = "HOST:PORT")]
+    insecure_registries: Vec<String>,
     /// A file of API keys, one a line. Without it the node serves loopback callers only.
     #[arg(long)]
     api_keys: Option<PathBuf>,
@@ -72,6 +79,10 @@ struct Cli {
     /// options above.
     #[arg(long, env = "SBX_CONFIG")]
     config: Option<PathBuf>,
+    /// An iii engine to serve the sandbox::* functions to (ws://HOST:PORT): the node connects
+    /// as a worker, registers them, and reconnects when the engine goes away (iii.rs).
+    #[arg(long, env = "III_URL")]
+    iii_url: Option<String>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -108,7 +119,8 @@ fn main() -> anyhow::Result<()> {
         .images_dir
         .clone()
         .unwrap_or_else(|| cli.data_dir.join("images"));
-    let images = image::ImageStore::new(images_dir, cli.uid_base);
+    let images =
+        image::ImageStore::with_insecure(images_dir, cli.uid_base, cli.insecure_registries.clone());
     let mut progress = |line: &str| tracing::info!("{line}");
     match cli.command {
         Some(Cmd::BuildBase) => {
@@ -181,6 +193,7 @@ fn main() -> anyhow::Result<()> {
     let store =
         store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
     store.idem_tidy().context("tidy idempotency records")?;
+    secrets::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
     let node = node::Node::new(cfg, Arc::new(driver), images, store);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -196,7 +209,7 @@ fn main() -> anyhow::Result<()> {
             tracing::info!(removed, "removed what a previous run left");
         }
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
-        serve(cli.listen, node, api_keys, cli.docs_url).await
+        serve(cli.listen, node, api_keys, cli.docs_url, cli.iii_url).await
     })
 }
 
@@ -205,12 +218,16 @@ async fn serve(
     node: Arc<node::Node>,
     api_keys: Option<HashSet<String>>,
     docs_url: Option<String>,
+    iii_url: Option<String>,
 ) -> anyhow::Result<()> {
     let state = Arc::new(http::AppState {
         node: node.clone(),
         api_keys,
         docs_url,
     });
+    let _worker = iii_url
+        .filter(|u| !u.trim().is_empty())
+        .map(|u| iii::start(&u, state.clone()));
     let app = http::router(state);
     let listener = tokio::net::TcpListener::bind(listen)
         .await

@@ -15,7 +15,7 @@ use sbx_runtime::{Driver, Limits, Sandbox, SandboxSpec};
 use tokio::sync::mpsc;
 
 use crate::agent::AgentConn;
-use crate::image::{Image, ImageError, ImageStore};
+use crate::image::{Image, ImageError, ImageStore, PullError, Source};
 
 /// The node's settings.
 #[derive(Debug, Clone)]
@@ -68,7 +68,10 @@ pub struct Node {
 
 /// What a sandbox is made of, resolved.
 pub struct Machine {
-    pub image: Image,
+    /// The image, or the reference to pull (a create waits for it; a run pulls first).
+    pub image: Source,
+    /// The registry login of `image_pull_secret`, for the pull alone.
+    pub creds: Option<sbx_image::Credentials>,
     pub limits: Limits,
     /// Milliseconds until `expires_at`.
     pub expires_in_ms: Option<u64>,
@@ -80,7 +83,8 @@ pub struct RunPlan {
     pub exec_id: String,
     pub command: String,
     pub encoding: Encoding,
-    image: Image,
+    image: Source,
+    creds: Option<sbx_image::Credentials>,
     limits: Limits,
     hostname: String,
     tmp_memory: bool,
@@ -117,6 +121,16 @@ pub(crate) fn stopping_error() -> ApiError {
         ErrorCode::Unavailable,
         "the node is stopping: its sandboxes are ended",
     )
+}
+
+/// A run's pull that failed: 409 sandbox_failed, the failure code first in the message.
+pub(crate) fn pull_refused(reference: &str, e: &PullError) -> ApiError {
+    tracing::info!(image = %reference, error = %e, "pull failed");
+    ApiError::new(
+        ErrorCode::SandboxFailed,
+        format!("{}: image {reference}: {e}", e.code()),
+    )
+    .with_param("image")
 }
 
 fn not_served(param: &str, what: &str) -> ApiError {
@@ -241,13 +255,6 @@ impl Node {
                 .with_param("template"));
             }
         }
-        if let Some(s) = &req.image_pull_secret {
-            return Err(ApiError::new(
-                ErrorCode::SecretNotFound,
-                format!("no secret {s} on this node"),
-            )
-            .with_param("image_pull_secret"));
-        }
         if req.project_network {
             return Err(not_served("project_network", "project networks"));
         }
@@ -347,19 +354,23 @@ impl Node {
                 format!("at most {} on this node", self.cfg.max_vcpus),
             ));
         }
-        let image = match self.images.resolve(req.image.as_deref()) {
+        let mut image = match self.images.lookup(req.image.as_deref()) {
             Ok(i) => i,
-            Err(ImageError::Unknown(name)) => {
-                return Err(ApiError::new(
-                    ErrorCode::NotServedHere,
-                    format!("image {name} is not on this node, and this node fetches no images yet (catalog: python, node)"),
-                )
-                .with_param("image"))
+            Err(ImageError::InvalidReference(why)) => {
+                return Err(ApiError::new(ErrorCode::InvalidImage, why).with_param("image"))
             }
             Err(e) => {
                 tracing::error!(error = %e, "no image");
                 return Err(ApiError::new(ErrorCode::Unavailable, e.to_string()));
             }
+        };
+        let creds = match &req.image_pull_secret {
+            Some(secret) => {
+                let (login, source) = self.image_login(req.image.as_deref(), secret)?;
+                image = source;
+                Some(login)
+            }
+            None => None,
         };
         let limits = Limits {
             memory_bytes: memory,
@@ -368,9 +379,38 @@ impl Node {
         };
         Ok(Machine {
             image,
+            creds,
             limits,
             expires_in_ms,
         })
+    }
+
+    /// The registry login of `image_pull_secret` for `image` (a reference: with a login it is
+    /// always asked of its registry), and the image to pull. The secret's refusals: 404
+    /// secret_not_found, 403 secret_host_not_allowed, 400 invalid_field.
+    pub(crate) fn image_login(
+        &self,
+        image: Option<&str>,
+        secret: &str,
+    ) -> Result<(sbx_image::Credentials, Source), ApiError> {
+        let reference = match image {
+            Some(i) if !ImageStore::is_catalog(Some(i)) => {
+                sbx_image::parse_reference(i).map_err(|e| {
+                    ApiError::new(ErrorCode::InvalidImage, e.to_string()).with_param("image")
+                })?
+            }
+            _ => {
+                return Err(ApiError::invalid_field(
+                    "image_pull_secret",
+                    "image_pull_secret goes with an image of a registry, not a catalog name",
+                ))
+            }
+        };
+        let (username, password) = self.pull_credentials(secret, reference.registry())?;
+        Ok((
+            sbx_image::Credentials { username, password },
+            Source::Remote(reference.to_string()),
+        ))
     }
 
     /// Checks a run against what this node serves and reserves its name. Every refusal
@@ -381,6 +421,7 @@ impl Node {
         }
         let Machine {
             image,
+            creds,
             limits,
             expires_in_ms,
         } = self.check_machine(&req, false)?;
@@ -412,8 +453,7 @@ impl Node {
         };
         // A warm sandbox serves a run of the base image whose machine it can become: any
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
-        let can_be_warm =
-            image.meta.name == "base" && req.hostname.is_none() && req.tmp == Tmp::Disk;
+        let can_be_warm = image.is_base() && req.hostname.is_none() && req.tmp == Tmp::Disk;
         let (sandbox_id, warm) = {
             let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
             if let Some(n) = &req.name {
@@ -452,6 +492,7 @@ impl Node {
             command: req.command.display(),
             encoding: req.encoding,
             image,
+            creds,
             limits,
             tmp_memory: req.tmp == Tmp::Memory,
             exec,
@@ -519,7 +560,17 @@ impl Node {
                 self.live_insert(&w.sandbox);
                 (w.sandbox, w.conn)
             }
-            None => self.make(&plan).await?,
+            None => {
+                let image = match &plan.image {
+                    Source::Local(i) => i.clone(),
+                    Source::Remote(r) => self
+                        .images
+                        .pull(r, plan.creds.as_ref(), &|_| {})
+                        .await
+                        .map_err(|e| pull_refused(r, &e))?,
+                };
+                self.make(&plan, &image).await?
+            }
         };
         let t_ready = t0.elapsed();
         if self.is_stopping() {
@@ -694,17 +745,21 @@ impl Node {
         }
     }
 
-    async fn make(self: &Arc<Self>, plan: &RunPlan) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
+    async fn make(
+        self: &Arc<Self>,
+        plan: &RunPlan,
+        image: &Image,
+    ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
         self.create(SandboxSpec {
             id: plan.sandbox_id.clone(),
-            image_rootfs: plan.image.rootfs.clone(),
+            lowers: image.lowers.clone(),
             dir: self.sandboxes_dir().join(&plan.sandbox_id),
             hostname: plan.hostname.clone(),
             limits: plan.limits,
             tmp_memory: plan.tmp_memory,
-            image_env: plan.image.meta.env.clone(),
-            image_user: plan.image.meta.user.clone(),
-            image_workdir: plan.image.meta.workdir.clone(),
+            image_env: image.meta.env.clone(),
+            image_user: image.meta.user.clone(),
+            image_workdir: image.meta.workdir.clone(),
         })
         .await
     }
@@ -740,7 +795,7 @@ impl Node {
                 };
                 let spec = SandboxSpec {
                     id: id.clone(),
-                    image_rootfs: image.rootfs.clone(),
+                    lowers: image.lowers.clone(),
                     dir: node.sandboxes_dir().join(&id),
                     hostname: id.clone(),
                     limits,

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::agent::{one_shot, AgentConn, AgentError};
 use crate::http::{exec_object, ExecMeta, Started, Tail};
+use crate::image::Source;
 use crate::node::{Machine, Node, RunEvent};
 use crate::store::{ExecRow, SandboxRow};
 
@@ -32,6 +33,8 @@ pub struct StoredSpec {
     pub hostname: Option<String>,
     pub tmp_memory: bool,
     pub env: BTreeMap<String, String>,
+    /// Sealed with the node key in the state database ([`crate::secrets::sealed_env`]).
+    #[serde(with = "crate::secrets::sealed_env")]
     pub secret_env: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
     pub cwd: Option<String>,
@@ -43,6 +46,9 @@ pub struct StoredSpec {
     pub stop_signal: i32,
     pub stop_grace_ms: u32,
     pub expires_at: Option<String>,
+    /// The secret of the image's registry login: each boot pulls with it.
+    #[serde(default)]
+    pub image_pull_secret: Option<String>,
 }
 
 /// A sandbox the node keeps.
@@ -170,14 +176,39 @@ impl Node {
         }
     }
 
-    fn machine_spec(&self, m: &Managed) -> Result<SandboxSpec, ApiError> {
-        let image = self
-            .images
-            .resolve(Some(&m.spec.image))
-            .map_err(|e| ApiError::new(ErrorCode::SandboxFailed, format!("image: {e}")))?;
+    /// The machine of `m`: its image resolved (a pulled image from the node's store, pulled
+    /// again when the store no longer has it). Errors carry the sandbox's failure code.
+    async fn machine_spec(&self, m: &Managed) -> Result<SandboxSpec, (&'static str, ApiError)> {
+        let (looked_up, creds) = match &m.spec.image_pull_secret {
+            Some(secret) => match self.image_login(Some(&m.spec.image), secret) {
+                Ok((creds, source)) => (Ok(source), Some(creds)),
+                Err(e) => {
+                    let code = e.code.as_str();
+                    return Err((code, e));
+                }
+            },
+            None => (self.images.lookup(Some(&m.spec.image)), None),
+        };
+        let image = match looked_up {
+            Ok(Source::Local(i)) => i,
+            Ok(Source::Remote(r)) => self
+                .images
+                .pull(&r, creds.as_ref(), &|_| {})
+                .await
+                .map_err(|e| {
+                    let code = e.code();
+                    (code, crate::node::pull_refused(&r, &e))
+                })?,
+            Err(e) => {
+                return Err((
+                    "boot_failed",
+                    ApiError::new(ErrorCode::SandboxFailed, format!("image: {e}")),
+                ))
+            }
+        };
         Ok(SandboxSpec {
             id: m.id.clone(),
-            image_rootfs: image.rootfs.clone(),
+            lowers: image.lowers.clone(),
             dir: self.sandboxes_dir().join(&m.id),
             hostname: m.spec.hostname.clone().unwrap_or_else(|| m.id.clone()),
             limits: Limits {
@@ -207,15 +238,19 @@ impl Node {
     ) -> Result<(), ApiError> {
         let made = match warm {
             Some(sb) => Ok(sb),
-            None => {
-                let spec = self.machine_spec(m)?;
-                self.create(spec).await.map(|(sb, _conn)| sb)
-            }
+            None => match self.machine_spec(m).await {
+                Ok(spec) => self
+                    .create(spec)
+                    .await
+                    .map(|(sb, _conn)| sb)
+                    .map_err(|e| ("boot_failed", e)),
+                Err(failed) => Err(failed),
+            },
         };
         let sb = match made {
             Ok(sb) => sb,
-            Err(e) => {
-                self.set_failed(m, "boot_failed", &e.message);
+            Err((code, e)) => {
+                self.set_failed(m, code, &e.message);
                 return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
             }
         };
@@ -369,6 +404,7 @@ impl Node {
         let req = c.spec;
         let Machine {
             image,
+            creds: _,
             limits,
             expires_in_ms,
         } = self.check_machine(&req, true)?;
@@ -377,11 +413,7 @@ impl Node {
             None => (15, 10_000),
         };
         let spec = StoredSpec {
-            image: if image.meta.name == "base" {
-                req.image.clone().unwrap_or_else(|| "base".into())
-            } else {
-                image.meta.name.clone()
-            },
+            image: req.image.clone().unwrap_or_else(|| "base".into()),
             vcpus: limits.vcpus,
             memory_bytes: limits.memory_bytes,
             hostname: req.hostname.clone(),
@@ -399,8 +431,11 @@ impl Node {
             stop_signal,
             stop_grace_ms,
             expires_at: req.expires_at.clone(),
+            image_pull_secret: req.image_pull_secret.clone(),
         };
-        let warm_ok = image.meta.name == "base"
+        // A pull is waited for in the background, as a ready check is.
+        let pulls = matches!(image, Source::Remote(_));
+        let warm_ok = image.is_base()
             && spec.hostname.is_none()
             && !spec.tmp_memory
             && limits.memory_bytes == self.cfg.default_memory_bytes
@@ -452,8 +487,9 @@ impl Node {
         if let Some(ms) = expires_in_ms {
             self.expire_at(&m, ms);
         }
-        if m.spec.ready_command.is_some() {
-            // Answered `starting`: the sandbox becomes running or failed when its check says.
+        if m.spec.ready_command.is_some() || pulls {
+            // Answered `starting`: the sandbox becomes running or failed when its check (or
+            // its image's pull) says.
             let op = m.op.clone().lock_owned().await;
             let (node, m2) = (self.clone(), m.clone());
             tokio::spawn(async move {

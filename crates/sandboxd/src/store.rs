@@ -379,6 +379,16 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Runs `f` on the connection, for the tables of other modules (`secrets.rs`).
+    pub fn with_conn<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, StoreError> {
+        self.with(f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

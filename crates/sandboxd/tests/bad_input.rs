@@ -276,9 +276,10 @@ fn fields_this_node_does_not_serve_are_refused() {
             "snapshot",
         ),
         (
-            json!({ "command": "true", "image": "ubuntu:24.04" }),
-            503,
-            "not_served_here",
+            // Any other image is pulled (tests/images.rs); one that is no reference is not.
+            json!({ "command": "true", "image": "Ubuntu:24.04" }),
+            400,
+            "invalid_image",
             "image",
         ),
     ];

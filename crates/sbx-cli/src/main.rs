@@ -2,6 +2,7 @@
 
 mod call;
 mod files;
+mod images;
 mod sandboxes;
 mod terminal;
 
@@ -47,6 +48,10 @@ enum Cmd {
         #[command(subcommand)]
         command: ImageCmd,
     },
+    /// Have the node pull an OCI image (a progress bar per layer).
+    Pull(images::PullArgs),
+    /// List the node's images: the base image and the pulled ones.
+    Images(images::ImagesArgs),
     /// Make a sandbox that lives until it is removed; prints its id.
     Create(sandboxes::CreateArgs),
     /// List sandboxes.
@@ -139,6 +144,8 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
             build_base(data_dir)?;
             Ok(0)
         }
+        Cmd::Pull(a) => images::pull(&cli, a),
+        Cmd::Images(a) => images::images(&cli, a),
         Cmd::Create(a) => sandboxes::create(&cli, a),
         Cmd::Ls(a) => sandboxes::ls(&cli, a),
         Cmd::Exec(a) => sandboxes::exec(&cli, a),

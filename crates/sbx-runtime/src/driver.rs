@@ -14,8 +14,9 @@ use crate::RuntimeError;
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
     pub id: String,
-    /// The image's root directory (read-only lower layer).
-    pub image_rootfs: PathBuf,
+    /// The image's layers, top first: the overlay's read-only lower directories (the base
+    /// image is one).
+    pub lowers: Vec<PathBuf>,
     /// The sandbox's own directory on the host (upper layer, socket).
     pub dir: PathBuf,
     pub hostname: String,
@@ -124,7 +125,7 @@ impl NamespaceDriver {
     fn launch(&self, spec: &SandboxSpec, group: &Group) -> Result<u32, RuntimeError> {
         let cfg = InitConfig {
             id: spec.id.clone(),
-            lower: spec.image_rootfs.clone(),
+            lowers: spec.lowers.clone(),
             dir: spec.dir.clone(),
             hostname: spec.hostname.clone(),
             uid_base: self.uid_base,

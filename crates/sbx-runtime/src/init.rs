@@ -29,8 +29,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InitConfig {
     pub id: String,
-    /// The image's root directory: the overlay's lower layer.
-    pub lower: PathBuf,
+    /// The image's layers, top first: the overlay's lower directories (joined with ':').
+    pub lowers: Vec<PathBuf>,
     /// The sandbox's directory on the host: upper/, work/, rootfs/ and agent.sock.
     pub dir: PathBuf,
     pub hostname: String,
@@ -276,12 +276,23 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
     sethostname(&cfg.hostname).ctx(|| "sethostname".into())?;
     loopback_up()?;
 
+    if cfg.lowers.is_empty() {
+        return Err(InitError::Other("the image has no layer".into()));
+    }
+    let lowers: Vec<String> = cfg.lowers.iter().map(|p| p.display().to_string()).collect();
     let data = format!(
         "lowerdir={},upperdir={},workdir={}",
-        cfg.lower.display(),
+        lowers.join(":"),
         upper.display(),
         work.display()
     );
+    // The kernel takes one page of mount options.
+    if data.len() >= 4096 {
+        return Err(InitError::Other(format!(
+            "the image's {} layers do not fit in one overlay mount's options",
+            cfg.lowers.len()
+        )));
+    }
     mnt(
         Some("overlay"),
         &root,
