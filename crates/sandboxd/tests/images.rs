@@ -1,0 +1,473 @@
+//! OCI images: a node pulls from a real registry on loopback (Debian's `docker-registry`,
+//! started per test with its own storage and port) and runs commands in the image. The image
+//! is built here by hand from a few files of the base image (dash and the libraries it needs):
+//! layer 1 has /bin/sh and /etc/hidden, layer 2 adds /app/hello.txt and a whiteout over
+//! /etc/hidden; its config sets Env and WorkingDir.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{assert_error, TestNode};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
+
+// ---------------------------------------------------------------------------------------------
+// The registry (as in sbx-image's tests, without auth).
+
+struct Registry {
+    child: Child,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Registry {
+    fn start() -> Registry {
+        let bin = "docker-registry";
+        assert!(
+            Command::new("sh")
+                .args(["-c", &format!("command -v {bin}")])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success()),
+            "these tests need Debian's docker-registry package (apt-get install docker-registry)"
+        );
+        let dir = std::env::temp_dir().join(common::unique("sbx-registry"));
+        fs::create_dir_all(&dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let storage = dir.join("storage");
+        fs::create_dir(&storage).unwrap();
+        let config = format!(
+            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\n\
+             storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n\
+             http:\n  addr: 127.0.0.1:{port}\n",
+            storage.display()
+        );
+        let config_path = dir.join("config.yml");
+        fs::write(&config_path, config).unwrap();
+        let log = fs::File::create(dir.join("registry.log")).unwrap();
+        let child = Command::new(bin)
+            .arg("serve")
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let reg = Registry { child, dir, port };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            match ureq::get(&format!("{}/v2/", reg.url())).call() {
+                Ok(_) | Err(ureq::Error::Status(401, _)) => break,
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "registry did not start: {e}\n{}",
+                        reg.log()
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        reg
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("registry.log")).unwrap_or_default()
+    }
+
+    /// GETs of `kind` (`blobs` or `manifests`) in the access log.
+    fn gets(&self, kind: &str) -> usize {
+        // The access log line is written as the response completes.
+        std::thread::sleep(Duration::from_millis(150));
+        self.log()
+            .lines()
+            .filter(|l| l.contains("\"GET /v2/") && l.contains(&format!("/{kind}/")))
+            .count()
+    }
+
+    fn push_blob(&self, repo: &str, body: &[u8]) -> String {
+        let digest = sha256(body);
+        let res = ureq::post(&format!("{}/v2/{repo}/blobs/uploads/", self.url()))
+            .call()
+            .unwrap();
+        let location = res.header("Location").unwrap().to_string();
+        let location = if location.starts_with('/') {
+            format!("{}{location}", self.url())
+        } else {
+            location
+        };
+        let sep = if location.contains('?') { '&' } else { '?' };
+        ureq::put(&format!("{location}{sep}digest={digest}"))
+            .set("Content-Type", "application/octet-stream")
+            .send_bytes(body)
+            .unwrap();
+        digest
+    }
+
+    fn push_manifest(&self, repo: &str, reference: &str, body: &[u8]) -> String {
+        ureq::put(&format!("{}/v2/{repo}/manifests/{reference}", self.url()))
+            .set("Content-Type", OCI_MANIFEST)
+            .send_bytes(body)
+            .unwrap();
+        sha256(body)
+    }
+
+    /// Builds and pushes the test image as `repo:tag`; its manifest digest. `nonce` goes into
+    /// the top layer and the config, so that the node's store (shared by the tests) has
+    /// neither yet.
+    fn push_image(&self, repo: &str, tag: &str, nonce: &str) -> String {
+        let layers = [layer_one(), layer_two(nonce)];
+        let diff_ids: Vec<String> = layers.iter().map(|l| sha256(l)).collect();
+        let config = json!({
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {
+                "Env": ["PATH=/bin", "GREETING=hi from the image"],
+                "WorkingDir": "/app",
+                "Labels": { "nonce": nonce },
+            },
+            "rootfs": { "type": "layers", "diff_ids": diff_ids },
+        });
+        let config = serde_json::to_vec(&config).unwrap();
+        let config_digest = self.push_blob(repo, &config);
+        let descs: Vec<Value> = layers
+            .iter()
+            .map(|l| {
+                json!({
+                    "mediaType": OCI_LAYER,
+                    "digest": self.push_blob(repo, l),
+                    "size": l.len(),
+                })
+            })
+            .collect();
+        let manifest = json!({
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": { "mediaType": OCI_CONFIG, "digest": config_digest, "size": config.len() },
+            "layers": descs,
+        });
+        self.push_manifest(repo, tag, &serde_json::to_vec(&manifest).unwrap())
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn sha256(body: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(body)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The image.
+
+/// Reads `path` of the base image, following symlinks inside it (an absolute one is taken
+/// against the image's root, not the host's).
+fn read_base(path: &str) -> Vec<u8> {
+    let root = common::images_dir().join("base/rootfs");
+    let mut rel = PathBuf::from(path.trim_start_matches('/'));
+    for _ in 0..16 {
+        let p = root.join(&rel);
+        match fs::read_link(&p) {
+            Ok(target) if target.is_absolute() => {
+                rel = target.strip_prefix("/").unwrap().to_path_buf();
+            }
+            Ok(target) => {
+                rel = rel.parent().unwrap_or(Path::new("")).join(target);
+            }
+            Err(_) => return fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+        }
+    }
+    panic!("{path}: too many symlinks");
+}
+
+struct Tar(tar::Builder<Vec<u8>>);
+
+impl Tar {
+    fn new() -> Tar {
+        Tar(tar::Builder::new(Vec::new()))
+    }
+
+    fn add(&mut self, kind: tar::EntryType, name: &str, mode: u32, data: &[u8]) -> &mut Tar {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_size(data.len() as u64);
+        h.set_path(name).unwrap();
+        h.set_cksum();
+        self.0.append(&h, data).unwrap();
+        self
+    }
+
+    fn dir(&mut self, name: &str, mode: u32) -> &mut Tar {
+        self.add(tar::EntryType::Directory, name, mode, b"")
+    }
+
+    fn file(&mut self, name: &str, mode: u32, data: &[u8]) -> &mut Tar {
+        self.add(tar::EntryType::Regular, name, mode, data)
+    }
+
+    fn finish(self) -> Vec<u8> {
+        self.0.into_inner().unwrap()
+    }
+}
+
+/// /bin/sh (dash) with its loader and libc, a few directories, /etc/hidden.
+fn layer_one() -> Vec<u8> {
+    let mut t = Tar::new();
+    for d in [
+        "bin",
+        "lib",
+        "lib/x86_64-linux-gnu",
+        "lib64",
+        "etc",
+        "app",
+        "root",
+    ] {
+        t.dir(d, 0o755);
+    }
+    for d in ["proc", "dev", "sys"] {
+        t.dir(d, 0o555);
+    }
+    t.dir("tmp", 0o1777);
+    t.file("bin/sh", 0o755, &read_base("/usr/bin/dash"));
+    t.file(
+        "lib64/ld-linux-x86-64.so.2",
+        0o755,
+        &read_base("/lib64/ld-linux-x86-64.so.2"),
+    );
+    t.file(
+        "lib/x86_64-linux-gnu/libc.so.6",
+        0o755,
+        &read_base("/lib/x86_64-linux-gnu/libc.so.6"),
+    );
+    t.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n");
+    t.file("etc/group", 0o644, b"root:x:0:\n");
+    t.file("etc/hidden", 0o644, b"from layer one\n");
+    t.file("etc/kept", 0o644, b"kept\n");
+    t.finish()
+}
+
+/// /app/hello.txt and a whiteout over /etc/hidden.
+fn layer_two(nonce: &str) -> Vec<u8> {
+    let mut t = Tar::new();
+    t.dir("app", 0o755).dir("etc", 0o755);
+    t.file("app/nonce", 0o644, nonce.as_bytes());
+    t.file("app/hello.txt", 0o644, b"hello from layer two\n");
+    t.file("etc/.wh.hidden", 0o644, b"");
+    t.finish()
+}
+
+/// What a command in the image prints: the image's env and working directory, a file of the
+/// top layer, the whited-out file and one of the bottom layer.
+const PROBE: &str = "echo \"$GREETING\"; pwd; read l < hello.txt; echo \"$l\"; \
+                     if test -e /etc/hidden; then echo hidden-seen; else echo hidden-gone; fi; \
+                     read k < /etc/kept; echo \"$k\"";
+const PROBE_OUT: &str = "hi from the image\n/app\nhello from layer two\nhidden-gone\nkept\n";
+
+fn wait_status(node: &TestNode, id: &str, not: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = node.get(&format!("/v1/sandboxes/{id}"), &[]).json();
+        if v["status"] != not || Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn node_for(reg: &Registry) -> TestNode {
+    TestNode::start_with(&["--insecure-registry", &reg.host(), "--warm-pool", "0"])
+}
+
+#[test]
+fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
+    let reg = Registry::start();
+    let repo = "sbx/probe";
+    let digest = reg.push_image(repo, "v1", &common::unique("n"));
+    let node = node_for(&reg);
+    let by_tag = format!("{}/{repo}:v1", reg.host());
+    let by_digest = format!("{}/{repo}@{digest}", reg.host());
+
+    // A run pulls first, then runs in the image.
+    let v = node.run_ok(&json!({ "image": by_tag, "command": PROBE }));
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    // The config and the top layer at least (the bottom one may be in the store already).
+    let blobs = reg.gets("blobs");
+    assert!(blobs >= 2, "config and top layer: {blobs}\n{}", reg.log());
+
+    // By digest: the store has it, no registry request at all.
+    let manifests = reg.gets("manifests");
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    assert_eq!(
+        reg.gets("manifests"),
+        manifests,
+        "by digest asked the registry"
+    );
+
+    // A sandbox: answered `starting` only when it must pull; here the image is on the node.
+    let r = node.post_json("/v1/sandboxes", &json!({ "image": by_tag }));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let sb = wait_status(&node, &id, "starting");
+    assert_eq!(sb["status"], "running", "{sb}");
+    assert_eq!(sb["image"], by_tag.as_str(), "{sb}");
+    let e = node.exec(&id, &json!({ "command": PROBE }));
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], PROBE_OUT, "{done}");
+    // Writes go to the sandbox's own upper layer.
+    let e = node.exec(
+        &id,
+        &json!({ "command": "echo mine > /app/hello.txt; read l < /app/hello.txt; echo \"$l\"" }),
+    );
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], "mine\n", "{done}");
+
+    // A second sandbox of the pulled image: no blob is fetched again.
+    let sb2 = node.create_sandbox(&json!({ "image": by_digest }));
+    let id2 = sb2["id"].as_str().unwrap().to_string();
+    let e = node.exec(&id2, &json!({ "command": PROBE }));
+    let done = node.exec_wait(&id2, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(
+        done["stdout"], PROBE_OUT,
+        "the first sandbox's write is its own: {done}"
+    );
+    assert_eq!(reg.gets("blobs"), blobs, "a second sandbox fetched blobs");
+
+    // The node's images.
+    let list = node.get("/v1/images", &[]).json();
+    let data = list["data"].as_array().unwrap();
+    assert!(data.iter().any(|i| i["references"][0] == "base"), "{list}");
+    let mine = data
+        .iter()
+        .find(|i| i["digest"] == digest.as_str())
+        .unwrap_or_else(|| panic!("{list}"));
+    assert!(mine["size"].as_u64().unwrap() > 100_000, "{mine}");
+    assert_eq!(mine["layers"], 2, "{mine}");
+
+    node.delete_sandbox(&id);
+    node.delete_sandbox(&id2);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
+    let reg = Registry::start();
+    let repo = "sbx/pulled";
+    let nonce = common::unique("n");
+    let digest = reg.push_image(repo, "v2", &nonce);
+    let tag = "v3";
+    let node = node_for(&reg);
+
+    // The pull API: progress, then done with the digest.
+    let r = node.post_json(
+        "/v1/images/pull",
+        &json!({ "image": format!("{}/{repo}:v2", reg.host()) }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let text = r.text();
+    assert!(text.contains("event: done"), "{text}");
+    assert!(text.contains(&digest), "{text}");
+    assert!(text.contains("event: progress"), "{text}");
+
+    // A create of an image not pulled yet is answered `starting`, then runs.
+    let other = format!("{}/sbx/other:{tag}", reg.host());
+    let d = reg.push_image("sbx/other", tag, &nonce);
+    assert_eq!(d, digest);
+    let r = node.post_json(
+        "/v1/sandboxes",
+        &json!({ "image": other, "env": {"X": "1"} }),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["status"], "starting", "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let v = wait_status(&node, &id, "starting");
+    assert_eq!(v["status"], "running", "{v}");
+    let e = node.exec(&id, &json!({ "command": "echo \"$X $GREETING\"" }));
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], "1 hi from the image\n", "{done}");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn bad_and_missing_images_are_refused() {
+    let reg = Registry::start();
+    let node = node_for(&reg);
+    // Not a reference: 400 before anything is made.
+    for bad in ["UPPER/case", "a/b:c:d", "x@sha256:123"] {
+        let (status, v) = node.run(&json!({ "image": bad, "command": "true" }));
+        assert_error(status, &v, 400, "invalid_image", Some("image"));
+        let r = node.post_json("/v1/sandboxes", &json!({ "image": bad }));
+        assert_error(r.status, &r.json(), 400, "invalid_image", Some("image"));
+        let r = node.post_json("/v1/images/pull", &json!({ "image": bad }));
+        assert_error(r.status, &r.json(), 400, "invalid_image", Some("image"));
+    }
+    // Not in the registry: the run fails (sandbox_failed, invalid_image first in its message),
+    // the sandbox is `failed` with failure_code invalid_image, the pull ends with an error.
+    let missing = format!("{}/sbx/missing:v1", reg.host());
+    let (status, v) = node.run(&json!({ "image": missing, "command": "true" }));
+    assert_error(status, &v, 409, "sandbox_failed", Some("image"));
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.starts_with("invalid_image:"), "{v}");
+    let r = node.post_json("/v1/sandboxes", &json!({ "image": missing }));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let v = wait_status(&node, &id, "starting");
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["failure_code"], "invalid_image", "{v}");
+    node.delete_sandbox(&id);
+    let r = node.post_json("/v1/images/pull", &json!({ "image": missing }));
+    let text = r.text();
+    assert!(text.contains("event: error"), "{text}");
+    assert!(text.contains("invalid_image"), "{text}");
+    // A registry that is not there.
+    let r = node.post_json(
+        "/v1/images/pull",
+        &json!({ "image": "127.0.0.1:9/sbx/none:v1" }),
+    );
+    assert!(r.text().contains("event: error"), "{}", r.text());
+    // A pull secret that does not exist.
+    let (status, v) = node.run(&json!({
+        "image": missing, "image_pull_secret": "nope", "command": "true"
+    }));
+    assert_error(
+        status,
+        &v,
+        404,
+        "secret_not_found",
+        Some("image_pull_secret"),
+    );
+    node.assert_clean(Duration::from_secs(10));
+}
