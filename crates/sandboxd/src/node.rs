@@ -372,6 +372,14 @@ impl Node {
             }
             None => None,
         };
+        if req.start == Some(true) && !image.is_base() {
+            // The base image has no start command of its own; an OCI image's ENTRYPOINT and
+            // CMD are not started yet: refused, not ignored.
+            return Err(not_served(
+                "start",
+                "an OCI image's own start command (ENTRYPOINT/CMD) yet; give start_command",
+            ));
+        }
         let limits = Limits {
             memory_bytes: memory,
             vcpus,

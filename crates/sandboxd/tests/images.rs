@@ -324,6 +324,12 @@ fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
     let blobs = reg.gets("blobs");
     assert!(blobs >= 2, "config and top layer: {blobs}\n{}", reg.log());
 
+    // The image's own start command is not started yet: asking for it is refused, not ignored.
+    let (status, v) = node.run(&json!({ "image": by_tag, "command": "true", "start": true }));
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "not_served_here", "{v}");
+    assert_eq!(v["error"]["param"], "start", "{v}");
+
     // By digest: the store has it, no registry request at all.
     let manifests = reg.gets("manifests");
     let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
