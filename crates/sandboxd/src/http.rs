@@ -401,22 +401,40 @@ fn incomplete_suffix(b: &[u8]) -> usize {
 }
 
 /// Text of a stream's bytes for an event, keeping a UTF-8 character cut by a chunk for the next.
-/// Returns the text and how many bytes (carried ones included) it stands for.
-fn take_text(carry: &mut Vec<u8>, data: &[u8], encoding: Encoding) -> (String, usize) {
+/// Returns the text (borrowed from `data` when it is valid and nothing was carried) and how
+/// many bytes (carried ones included) it stands for.
+fn take_text<'a>(
+    carry: &mut Vec<u8>,
+    data: &'a [u8],
+    encoding: Encoding,
+) -> (std::borrow::Cow<'a, str>, usize) {
     if encoding == Encoding::Base64 {
-        return (encoding.encode(data), data.len());
+        return (encoding.encode(data).into(), data.len());
     }
     if carry.is_empty() {
-        // The common case: no copy of the bytes before they are text.
+        // The common case: no copy of the bytes before they are escaped.
         let emit = data.len() - incomplete_suffix(data);
         carry.extend_from_slice(&data[emit..]);
-        return (String::from_utf8_lossy(&data[..emit]).into_owned(), emit);
+        return (String::from_utf8_lossy(&data[..emit]), emit);
     }
     let mut all = std::mem::take(carry);
     all.extend_from_slice(data);
     let emit = all.len() - incomplete_suffix(&all);
     *carry = all[emit..].to_vec();
-    (String::from_utf8_lossy(&all[..emit]).into_owned(), emit)
+    (
+        String::from_utf8_lossy(&all[..emit]).into_owned().into(),
+        emit,
+    )
+}
+
+/// An output event, written by hand: the text is escaped once, straight into the event.
+fn output_event(kind: EventKind, id: u64, from: u64, text: &str) -> Bytes {
+    use std::io::Write;
+    let mut out = Vec::with_capacity(text.len() + text.len() / 16 + 96);
+    let _ = write!(out, "event: {}\nid: {id}\ndata: {{\"data\":", kind.as_str());
+    let _ = serde_json::to_writer(&mut out, text);
+    let _ = write!(out, ",\"position\":{from}}}\n\n");
+    Bytes::from(out)
 }
 
 struct SseState {
@@ -472,7 +490,7 @@ pub(crate) fn event_stream(
             return None;
         }
         let chunk = next_sse(&mut s).await;
-        Some((Ok::<_, Infallible>(Bytes::from(chunk)), s))
+        Some((Ok::<_, Infallible>(chunk), s))
     });
     let mut resp = Response::new(Body::from_stream(stream));
     let h = resp.headers_mut();
@@ -485,16 +503,16 @@ pub(crate) fn event_stream(
     resp
 }
 
-async fn next_sse(s: &mut SseState) -> String {
+async fn next_sse(s: &mut SseState) -> Bytes {
     loop {
         let ev = match tokio::time::timeout(KEEPALIVE_EVERY, s.rx.recv()).await {
-            Err(_) => return sbx_api::events::SSE_KEEPALIVE.to_string(),
+            Err(_) => return Bytes::from_static(sbx_api::events::SSE_KEEPALIVE.as_bytes()),
             Ok(ev) => ev,
         };
         let Some(ev) = ev else {
             s.done = true;
             let body = sbx_api::error_body(&ApiError::internal(), &s.rid, s.docs.as_deref());
-            return sbx_api::sse(EventKind::Error, s.cursor, &body);
+            return sbx_api::sse(EventKind::Error, s.cursor, &body).into();
         };
         match ev {
             RunEvent::Started { pid, started_at_ns } => {
@@ -509,7 +527,7 @@ async fn next_sse(s: &mut SseState) -> String {
                     false,
                 );
                 let data = serde_json::to_value(obj).unwrap_or_default();
-                return sbx_api::sse(EventKind::Start, 0, &data);
+                return sbx_api::sse(EventKind::Start, 0, &data).into();
             }
             RunEvent::Output { stream, pos, data } => {
                 let (kind, tail, carry) = match stream {
@@ -524,13 +542,7 @@ async fn next_sse(s: &mut SseState) -> String {
                 }
                 let from = pos - carried;
                 s.cursor = from + emitted as u64;
-                // Written by hand: the text is escaped once, not copied into a JSON value first.
-                let escaped = serde_json::to_string(&text).unwrap_or_default();
-                return format!(
-                    "event: {}\nid: {}\ndata: {{\"data\":{escaped},\"position\":{from}}}\n\n",
-                    kind.as_str(),
-                    s.cursor
-                );
+                return output_event(kind, s.cursor, from, &text);
             }
             RunEvent::Gap { from, to } => {
                 s.gap = true;
@@ -541,7 +553,8 @@ async fn next_sse(s: &mut SseState) -> String {
                     EventKind::Gap,
                     to,
                     &serde_json::json!({ "from": from, "to": to }),
-                );
+                )
+                .into();
             }
             RunEvent::Exited { exit, output } => {
                 s.done = true;
@@ -574,12 +587,12 @@ async fn next_sse(s: &mut SseState) -> String {
                 );
                 let data = serde_json::to_value(obj).unwrap_or_default();
                 tail.push_str(&sbx_api::sse(EventKind::Exit, output.end, &data));
-                return tail;
+                return tail.into();
             }
             RunEvent::Failed(e) => {
                 s.done = true;
                 let body = sbx_api::error_body(&e, &s.rid, s.docs.as_deref());
-                return sbx_api::sse(EventKind::Error, s.cursor, &body);
+                return sbx_api::sse(EventKind::Error, s.cursor, &body).into();
             }
         }
     }

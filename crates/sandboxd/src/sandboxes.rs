@@ -691,8 +691,9 @@ impl Node {
         command: String,
         stdin: Option<&[u8]>,
         stdin_open: bool,
-    ) -> Result<(ExecState, AgentConn), ApiError> {
+    ) -> Result<(ExecState, AgentConn, ExecRow), ApiError> {
         let exec_id = spec.exec_id.clone();
+        let attach = spec.attach;
         let tty = spec.tty;
         let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
             .await
@@ -748,17 +749,18 @@ impl Node {
             boot: m.boot(),
             final_json: None,
         };
-        self.store.insert_exec(&row).map_err(store_err)?;
-        if !stdin_open {
-            self.store
-                .close_exec_stdin(&m.id, &exec_id)
-                .map_err(store_err)?;
-        }
+        self.store
+            .insert_exec(&row, !stdin_open)
+            .map_err(store_err)?;
         if let Ok(mut r) = m.running.lock() {
             r.insert(exec_id.clone());
         }
-        self.watch_exec(m.clone(), sb.clone(), row);
-        Ok((state, conn))
+        if !attach {
+            // An attached caller reads the end on its own connection (and watches if it
+            // stops waiting first).
+            self.watch_exec(m.clone(), sb.clone(), row.clone());
+        }
+        Ok((state, conn, row))
     }
 
     /// Waits for a command to end, then records its final object and frees its slot.
@@ -848,7 +850,7 @@ impl Node {
                 req.stdin_open || req.tty,
             )
             .await;
-        let (state, mut conn) = match started {
+        let (state, mut conn, row) = match started {
             Ok(s) => s,
             Err(e) => {
                 if reserved {
@@ -860,7 +862,6 @@ impl Node {
             }
         };
         if req.wait_seconds > 0.0 && !req.tty {
-            let row = self.exec_row(&m, &exec_id)?;
             let meta = meta_of(&m, &row, req.encoding);
             let (mut out, mut err, mut gap) = (Tail::new(), Tail::new(), false);
             let collect = async {
@@ -886,6 +887,18 @@ impl Node {
                     pid: state.pid,
                     started_at_ns: state.started_at_ns,
                 };
+                // The end is known here: record it and free the slot, as the watcher would.
+                let ended = ExecState {
+                    exit: Some(exit.clone()),
+                    output,
+                    ..state.clone()
+                };
+                if let Ok(json) = serde_json::to_string(&final_object(&m, &row, Some(&ended))) {
+                    let _ = self.store.set_exec_final(&m.id, &row.exec_id, &json);
+                }
+                if let Ok(mut r) = m.running.lock() {
+                    r.remove(&row.exec_id);
+                }
                 return Ok(exec_object(
                     &meta,
                     &started,
@@ -898,6 +911,9 @@ impl Node {
             }
         }
         drop(conn);
+        if req.wait_seconds > 0.0 && !req.tty {
+            self.watch_exec(m.clone(), sb.clone(), row);
+        }
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }
 

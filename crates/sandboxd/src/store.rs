@@ -221,10 +221,13 @@ impl Store {
         })
     }
 
-    pub fn insert_exec(&self, e: &ExecRow) -> Result<(), StoreError> {
+    /// Records a command (one statement: its stdin already closed or not).
+    pub fn insert_exec(&self, e: &ExecRow, stdin_closed: bool) -> Result<(), StoreError> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO execs ({EXEC_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"),
+                &format!(
+                    "INSERT INTO execs ({EXEC_COLS}, stdin_closed) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9)"
+                ),
                 params![
                     e.sandbox_id,
                     e.exec_id,
@@ -233,7 +236,8 @@ impl Store {
                     e.encoding,
                     e.created_at_ns,
                     e.boot,
-                    e.final_json
+                    e.final_json,
+                    stdin_closed
                 ],
             )
             .map(|_| ())
@@ -426,7 +430,7 @@ mod tests {
             boot: 0,
             final_json: None,
         };
-        s.insert_exec(&e).unwrap();
+        s.insert_exec(&e, false).unwrap();
         s.set_exec_final("sbx-a", "exe-1", "{}").unwrap();
         assert_eq!(
             s.execs("sbx-a").unwrap()[0].final_json.as_deref(),
