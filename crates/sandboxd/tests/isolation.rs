@@ -362,3 +362,21 @@ fn limits_are_set_on_the_sandboxes_cgroup() {
     }
     node.assert_clean(CLEAN);
 }
+
+#[test]
+fn the_agent_cannot_be_inspected_from_inside() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({
+        "command": "ls /proc/1/fd >/dev/null 2>&1 && echo FD-SEEN || echo FD-HIDDEN; \
+                    cat /proc/1/environ >/dev/null 2>&1 && echo ENV-SEEN || echo ENV-HIDDEN; \
+                    ls /proc/$$/fd >/dev/null 2>&1 && echo OWN-FD-SEEN"
+    }));
+    let out = stdout(&v);
+    // Root of the sandbox has no CAP_SYS_PTRACE, and the agent is not dumpable: its
+    // descriptors (the node's socket) and environment stay closed, while a command's own are
+    // open to it.
+    assert!(out.contains("FD-HIDDEN"), "{out}");
+    assert!(out.contains("ENV-HIDDEN"), "{out}");
+    assert!(out.contains("OWN-FD-SEEN"), "{out}");
+    node.assert_clean(CLEAN);
+}

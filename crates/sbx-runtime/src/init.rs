@@ -493,6 +493,16 @@ fn stage1(root: &Path, from_parent: &OwnedFd, to_parent: &OwnedFd) -> Result<(),
         .map_err(|e| InitError::Other(format!("effective caps: {e}")))?;
     caps::set(None, caps::CapSet::Permitted, &keep)
         .map_err(|e| InitError::Other(format!("permitted caps: {e}")))?;
+    // The agent is not dumpable: a process of the sandbox (which has no CAP_SYS_PTRACE) can
+    // neither ptrace it nor read its memory or its descriptors (the node's socket) in /proc.
+    // Commands it starts are dumpable again when they exec.
+    // SAFETY: PR_SET_DUMPABLE takes integer arguments and touches no memory.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(InitError::Io {
+            what: "not dumpable".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
     // SAFETY: PR_SET_NO_NEW_PRIVS takes integer arguments and touches no memory.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(InitError::Io {
