@@ -1118,19 +1118,7 @@ impl Node {
             });
             return Ok((meta, started, rx));
         };
-        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
-            .await
-            .map_err(agent_lost)?;
-        let state = match conn
-            .request(&HostMsg::Status {
-                exec_id: exec_id.into(),
-            })
-            .await
-            .map_err(agent_lost)?
-        {
-            AgentMsg::State(s) => s,
-            _ => return Err(ApiError::internal()),
-        };
+        let (mut conn, state) = status_conn(&sb, exec_id).await?;
         conn.send(&HostMsg::Attach {
             exec_id: exec_id.into(),
             from,
@@ -1199,48 +1187,13 @@ impl Node {
             let gap = (from < end).then_some((from, end));
             return Ok((state, Vec::new(), gap));
         };
-        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
-            .await
-            .map_err(agent_lost)?;
-        let state = match conn
-            .request(&HostMsg::Status {
-                exec_id: exec_id.into(),
-            })
-            .await
-            .map_err(agent_lost)?
-        {
-            AgentMsg::State(s) => s,
-            _ => return Err(ApiError::internal()),
-        };
+        let (mut conn, state) = status_conn(&sb, exec_id).await?;
         let end = to.unwrap_or(u64::MAX).min(state.output.end);
         let mut pieces = Vec::new();
-        let mut gap = None;
-        if from < end {
-            conn.send(&HostMsg::Attach {
-                exec_id: exec_id.into(),
-                from,
-            })
-            .await
-            .map_err(agent_lost)?;
-            let mut cursor = from;
-            while cursor < end {
-                match conn.recv().await.map_err(agent_lost)? {
-                    Frame::Data {
-                        stream, pos, bytes, ..
-                    } => {
-                        let take = ((end - pos) as usize).min(bytes.len());
-                        cursor = pos + take as u64;
-                        pieces.push((stream, pos, bytes[..take].to_vec()));
-                    }
-                    Frame::Msg(AgentMsg::Gap { from, to, .. }) => {
-                        gap = Some((from, to.min(end)));
-                        cursor = to;
-                    }
-                    Frame::Msg(AgentMsg::Exited { .. }) => break,
-                    Frame::Msg(_) => {}
-                }
-            }
-        }
+        let gap = read_range(&mut conn, exec_id, from, end, |stream, pos, data| {
+            pieces.push((stream, pos, data.to_vec()))
+        })
+        .await?;
         Ok((state, pieces, gap))
     }
 
@@ -1432,58 +1385,80 @@ fn object_of(m: &Managed, row: &ExecRow, state: Option<&ExecState>, ending: bool
     )
 }
 
-/// Everything the agent keeps of a command: its state and the tails of both streams.
-async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail, bool), ApiError> {
+/// A connection to `sb`'s agent and the state of command `exec_id` (404 exec_not_found when the
+/// agent does not know it).
+async fn status_conn(sb: &Sandbox, exec_id: &str) -> Result<(AgentConn, ExecState), ApiError> {
     let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
         .await
         .map_err(agent_lost)?;
-    let state = match conn
-        .request(&HostMsg::Status {
-            exec_id: exec_id.into(),
-        })
-        .await
-        .map_err(agent_lost)?
-    {
-        AgentMsg::State(s) => s,
-        AgentMsg::ExecFailed { .. } => {
-            return Err(ApiError::new(
-                ErrorCode::ExecNotFound,
-                format!("no command {exec_id}"),
-            ))
-        }
-        _ => return Err(ApiError::internal()),
+    let status = HostMsg::Status {
+        exec_id: exec_id.into(),
     };
-    let (mut out, mut err) = (Tail::new(), Tail::new());
-    let mut gap = state.output.start > 0;
-    let end = state.output.end;
-    if end > state.output.start {
-        conn.send(&HostMsg::Attach {
-            exec_id: exec_id.into(),
-            from: state.output.start,
-        })
-        .await
-        .map_err(agent_lost)?;
-        let mut cursor = state.output.start;
-        while cursor < end {
-            match conn.recv().await.map_err(agent_lost)? {
-                Frame::Data {
-                    stream, pos, bytes, ..
-                } => {
-                    let take = ((end - pos) as usize).min(bytes.len());
-                    cursor = pos + take as u64;
-                    match stream {
-                        Stream::Stderr => err.push(&bytes[..take]),
-                        _ => out.push(&bytes[..take]),
-                    }
-                }
-                Frame::Msg(AgentMsg::Gap { to, .. }) => {
-                    gap = true;
-                    cursor = to;
-                }
-                Frame::Msg(AgentMsg::Exited { .. }) => break,
-                Frame::Msg(_) => {}
+    match conn.request(&status).await.map_err(agent_lost)? {
+        AgentMsg::State(s) => Ok((conn, s)),
+        AgentMsg::ExecFailed { .. } => Err(ApiError::new(
+            ErrorCode::ExecNotFound,
+            format!("no command {exec_id}"),
+        )),
+        _ => Err(ApiError::internal()),
+    }
+}
+
+/// Reads a command's output from `from` to `end` (what the agent has now), handing each piece
+/// to `piece`; the gap the ring no longer holds, if any.
+async fn read_range(
+    conn: &mut AgentConn,
+    exec_id: &str,
+    from: u64,
+    end: u64,
+    mut piece: impl FnMut(Stream, u64, &[u8]),
+) -> Result<Option<(u64, u64)>, ApiError> {
+    let mut gap = None;
+    if from >= end {
+        return Ok(gap);
+    }
+    conn.send(&HostMsg::Attach {
+        exec_id: exec_id.into(),
+        from,
+    })
+    .await
+    .map_err(agent_lost)?;
+    let mut cursor = from;
+    while cursor < end {
+        match conn.recv().await.map_err(agent_lost)? {
+            Frame::Data {
+                stream, pos, bytes, ..
+            } => {
+                let take = ((end - pos) as usize).min(bytes.len());
+                cursor = pos + take as u64;
+                piece(stream, pos, &bytes[..take]);
             }
+            Frame::Msg(AgentMsg::Gap { from, to, .. }) => {
+                gap = Some((from, to.min(end)));
+                cursor = to;
+            }
+            Frame::Msg(AgentMsg::Exited { .. }) => break,
+            Frame::Msg(_) => {}
         }
     }
-    Ok((state, out, err, gap))
+    Ok(gap)
+}
+
+/// Everything the agent keeps of a command: its state and the tails of both streams.
+async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail, bool), ApiError> {
+    let (mut conn, state) = status_conn(sb, exec_id).await?;
+    let (mut out, mut err) = (Tail::new(), Tail::new());
+    let (start, end) = (state.output.start, state.output.end);
+    let gap = read_range(
+        &mut conn,
+        exec_id,
+        start,
+        end,
+        |stream, _, data| match stream {
+            Stream::Stderr => err.push(data),
+            _ => out.push(data),
+        },
+    )
+    .await?;
+    Ok((state, out, err, start > 0 || gap.is_some()))
 }
