@@ -187,6 +187,19 @@ fn main() -> anyhow::Result<()> {
             .max_concurrent_exec_per_sandbox
             .unwrap_or(cli.max_execs_per_sandbox)
             .max(1),
+        image_allowlist: fn_cfg.image_allowlist.as_ref().map(|names| {
+            let mut all = names.clone();
+            // A custom image that is allowed boots as its local image: that one is allowed too.
+            all.extend(
+                fn_cfg
+                    .custom_images
+                    .iter()
+                    .filter(|c| names.contains(&c.name))
+                    .filter_map(|c| c.image.clone()),
+            );
+            all
+        }),
+        max_sandboxes: fn_cfg.max_sandboxes,
     };
     std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
         .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;

@@ -30,6 +30,11 @@ pub struct NodeConfig {
     pub warm_pool: usize,
     /// Commands one sandbox may run at once.
     pub max_execs_per_sandbox: usize,
+    /// When set, only these image names boot (the config file's image_allowlist, with the
+    /// local images its custom images boot as).
+    pub image_allowlist: Option<Vec<String>>,
+    /// The most sandboxes (runs' and kept ones) the node holds at once.
+    pub max_sandboxes: usize,
 }
 
 /// A sandbox in the table.
@@ -229,6 +234,26 @@ impl Node {
     /// Checks what a run or a create asks of the machine against what this node serves, and
     /// resolves its image and shape. Every refusal happens here, before anything is made.
     pub fn check_machine(&self, req: &RunRequest, long_lived: bool) -> Result<Machine, ApiError> {
+        if let Some(allowed) = &self.cfg.image_allowlist {
+            let name = req.image.as_deref().unwrap_or("base");
+            if !allowed.iter().any(|a| a == name) {
+                return Err(ApiError::new(
+                    ErrorCode::ImageNotAllowed,
+                    format!("image {name} is not in this node's image_allowlist"),
+                )
+                .with_param("image"));
+            }
+        }
+        let held = self.sandbox_count() + self.managed.lock().map(|m| m.len()).unwrap_or(0);
+        if held >= self.cfg.max_sandboxes {
+            return Err(ApiError::new(
+                ErrorCode::NoCapacity,
+                format!(
+                    "the node holds {held} sandboxes, its most (max_sandboxes {})",
+                    self.cfg.max_sandboxes
+                ),
+            ));
+        }
         if req.egress.as_ref().is_some_and(|e| !e.is_null()) {
             return Err(not_served("egress", "egress rules"));
         }

@@ -58,6 +58,8 @@ pub enum ErrorCode {
     // 403 forbidden
     /// A secret would be sent to a host it may not go to.
     SecretHostNotAllowed,
+    /// The image is not in the node's image_allowlist.
+    ImageNotAllowed,
 
     // 404 not_found
     /// The path names nothing (no route, or an object of no more precise kind).
@@ -175,7 +177,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 63] = [
+    pub const ALL: [ErrorCode; 64] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -197,6 +199,7 @@ impl ErrorCode {
         ErrorCode::MissingApiKey,
         ErrorCode::InvalidApiKey,
         ErrorCode::SecretHostNotAllowed,
+        ErrorCode::ImageNotAllowed,
         ErrorCode::NotFound,
         ErrorCode::SandboxNotFound,
         ErrorCode::ExecNotFound,
@@ -265,6 +268,7 @@ impl ErrorCode {
             ErrorCode::MissingApiKey => "missing_api_key",
             ErrorCode::InvalidApiKey => "invalid_api_key",
             ErrorCode::SecretHostNotAllowed => "secret_host_not_allowed",
+            ErrorCode::ImageNotAllowed => "image_not_allowed",
             ErrorCode::NotFound => "not_found",
             ErrorCode::SandboxNotFound => "sandbox_not_found",
             ErrorCode::ExecNotFound => "exec_not_found",
@@ -372,7 +376,7 @@ impl ErrorCode {
             | UnknownRegion => 400,
             MethodNotAllowed => 405,
             MissingApiKey | InvalidApiKey => 401,
-            SecretHostNotAllowed => 403,
+            SecretHostNotAllowed | ImageNotAllowed => 403,
             NotFound | SandboxNotFound | ExecNotFound | SnapshotNotFound | TemplateNotFound
             | VolumeNotFound | SecretNotFound => 404,
             NameTaken

@@ -193,6 +193,7 @@ pub fn s_code_of(err: &ApiError) -> &'static str {
         TooManyCommands => "S003",
         SandboxNotRunning => "S004",
         NotServedHere if param == "image" => "S100",
+        ImageNotAllowed => "S100",
         NotServedHere => "S304",
         NoCapacity | MemoryFull | DriveFull => "S400",
         InvalidField if param.starts_with("limits.") => "S400",

@@ -1,0 +1,49 @@
+//! The config file's image_allowlist and max_sandboxes hold for the whole node: the HTTP API's
+//! calls as much as the functions interface's.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_error, TestNode};
+use serde_json::json;
+
+fn node_with(config: &str) -> TestNode {
+    let dir = std::env::temp_dir().join(common::unique("sbx-limits"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sandboxd.toml");
+    std::fs::write(&path, config).unwrap();
+    let path = path.to_string_lossy().into_owned();
+    TestNode::start_with(&["--config", &path])
+}
+
+#[test]
+fn the_allowlist_holds_for_http_calls() {
+    let node = node_with("image_allowlist = [\"python\"]\n");
+    let v = node.run_ok(&json!({ "image": "python", "command": "echo ok" }));
+    assert_eq!(v["stdout"], "ok\n", "{v}");
+    for image in [json!("node"), json!(null)] {
+        let (status, body) = node.run(&json!({ "image": image, "command": "true" }));
+        assert_error(status, &body, 403, "image_not_allowed", Some("image"));
+        let r = node.post_json("/v1/sandboxes", &json!({ "image": image }));
+        assert_error(r.status, &r.json(), 403, "image_not_allowed", Some("image"));
+    }
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn max_sandboxes_holds_for_http_calls() {
+    let node = node_with("max_sandboxes = 2\n");
+    let a = node.create_sandbox(&json!({}));
+    let b = node.create_sandbox(&json!({}));
+    let r = node.post_json("/v1/sandboxes", &json!({}));
+    assert_error(r.status, &r.json(), 503, "no_capacity", None);
+    assert_eq!(r.json()["error"]["retryable"], true);
+    let (status, body) = node.run(&json!({ "command": "true" }));
+    assert_error(status, &body, 503, "no_capacity", None);
+    node.delete_sandbox(a["id"].as_str().unwrap());
+    let v = node.run_ok(&json!({ "command": "echo room" }));
+    assert_eq!(v["stdout"], "room\n", "{v}");
+    node.delete_sandbox(b["id"].as_str().unwrap());
+    node.assert_clean(Duration::from_secs(10));
+}
