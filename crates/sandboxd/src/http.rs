@@ -78,6 +78,12 @@ async fn edge(
             .and_then(|v| v.to_str().ok()),
     );
     req.extensions_mut().insert(RequestId(rid.clone()));
+    let has_body = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim() != "0")
+        || req.headers().contains_key(header::TRANSFER_ENCODING);
     let auth = if req.uri().path() == "/healthz" {
         Ok(())
     } else {
@@ -89,6 +95,12 @@ async fn edge(
     };
     if let Ok(v) = HeaderValue::from_str(&rid) {
         resp.headers_mut().insert("x-request-id", v);
+    }
+    // A refusal may come before the request's body was read: the connection is not reused
+    // then, or a client that sends its next request on it would find it closed under it.
+    if has_body && (resp.status().is_client_error() || resp.status().is_server_error()) {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp
 }
