@@ -26,6 +26,7 @@ pub struct Ring {
 }
 
 /// A piece of output to send: where it starts, which stream, the bytes.
+#[cfg(test)]
 pub type Piece = (u64, Stream, Vec<u8>);
 
 impl Ring {
@@ -88,7 +89,23 @@ impl Ring {
     }
 
     /// The bytes from `from` on (clamped to what is kept), at most `max` of them.
+    #[cfg(test)]
     pub fn read_from(&self, from: u64, max: usize) -> Vec<Piece> {
+        self.read_with(from, max, |_, _, data| data.to_vec())
+            .into_iter()
+            .map(|(pos, stream, _, data)| (pos, stream, data))
+            .collect()
+    }
+
+    /// The bytes from `from` on (clamped to what is kept), at most `max` of them, each run of
+    /// one chunk handed to `f` as a slice of the ring (so that a frame is built without an
+    /// intermediate copy): `(position, stream, length, f's value)`.
+    pub fn read_with<T>(
+        &self,
+        from: u64,
+        max: usize,
+        mut f: impl FnMut(u64, Stream, &[u8]) -> T,
+    ) -> Vec<(u64, Stream, usize, T)> {
         let mut out = Vec::new();
         let mut budget = max;
         let from = from.max(self.start);
@@ -102,11 +119,9 @@ impl Ring {
             }
             let skip = from.saturating_sub(c.pos) as usize;
             let take = (c.data.len() - skip).min(budget);
-            out.push((
-                c.pos + skip as u64,
-                c.stream,
-                c.data[skip..skip + take].to_vec(),
-            ));
+            let pos = c.pos + skip as u64;
+            let slice = &c.data[skip..skip + take];
+            out.push((pos, c.stream, take, f(pos, c.stream, slice)));
             budget -= take;
         }
         out

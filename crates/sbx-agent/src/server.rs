@@ -266,7 +266,10 @@ async fn stream_output(out: Out, exec: Rc<Exec>, from: u64) {
         let (gap, pieces, exit) = {
             let st = exec.state.borrow();
             let gap = (cursor < st.ring.start()).then(|| (cursor, st.ring.start()));
-            let pieces = st.ring.read_from(cursor, 1 << 20);
+            let id = &exec.id;
+            let pieces = st.ring.read_with(cursor, 1 << 20, |pos, stream, data| {
+                sbx_proto::encode_data(id, stream, pos, data)
+            });
             (gap, pieces, st.exit.clone())
         };
         if let Some((a, b)) = gap {
@@ -295,13 +298,9 @@ async fn stream_output(out: Out, exec: Rc<Exec>, from: u64) {
             }
             continue;
         }
-        for (pos, stream, data) in pieces {
-            cursor = pos + data.len() as u64;
-            if out
-                .send(sbx_proto::encode_data(&exec.id, stream, pos, &data))
-                .await
-                .is_err()
-            {
+        for (pos, _stream, len, frame) in pieces {
+            cursor = pos + len as u64;
+            if out.send(frame).await.is_err() {
                 return;
             }
             exec.sent_up_to(cursor);

@@ -291,38 +291,6 @@ pub fn encode_data(exec_id: &str, stream: Stream, pos: u64, bytes: &[u8]) -> Vec
     out
 }
 
-fn decode<M: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<Frame<M>, ProtoError> {
-    let (&kind, rest) = buf
-        .split_first()
-        .ok_or_else(|| ProtoError::Malformed("empty frame".into()))?;
-    match kind {
-        KIND_MSG => Ok(Frame::Msg(serde_json::from_slice(rest)?)),
-        KIND_DATA => {
-            if rest.len() < 10 {
-                return Err(ProtoError::Malformed("short data frame".into()));
-            }
-            let stream = Stream::from_u8(rest[0])
-                .ok_or_else(|| ProtoError::Malformed(format!("stream {}", rest[0])))?;
-            let mut pos = [0u8; 8];
-            pos.copy_from_slice(&rest[1..9]);
-            let id_len = rest[9] as usize;
-            let id_end = 10 + id_len;
-            if rest.len() < id_end {
-                return Err(ProtoError::Malformed("short exec id".into()));
-            }
-            let exec_id = String::from_utf8(rest[10..id_end].to_vec())
-                .map_err(|_| ProtoError::Malformed("exec id is not UTF-8".into()))?;
-            Ok(Frame::Data {
-                exec_id,
-                stream,
-                pos: u64::from_le_bytes(pos),
-                bytes: rest[id_end..].to_vec(),
-            })
-        }
-        other => Err(ProtoError::Malformed(format!("frame kind {other}"))),
-    }
-}
-
 /// Reads one frame; `Ok(None)` at a clean end of the connection.
 pub async fn read_frame<M, R>(r: &mut R) -> Result<Option<Frame<M>>, ProtoError>
 where
@@ -339,9 +307,47 @@ where
     if len > MAX_FRAME {
         return Err(ProtoError::TooLarge(len));
     }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf).await?;
-    decode(&buf).map(Some)
+    if len == 0 {
+        return Err(ProtoError::Malformed("empty frame".into()));
+    }
+    let mut kind = [0u8; 1];
+    r.read_exact(&mut kind).await?;
+    match kind[0] {
+        KIND_MSG => {
+            let mut buf = vec![0u8; len - 1];
+            r.read_exact(&mut buf).await?;
+            Ok(Some(Frame::Msg(serde_json::from_slice(&buf)?)))
+        }
+        KIND_DATA => {
+            // The bytes are read straight into their own buffer: no copy out of the frame.
+            if len < 11 {
+                return Err(ProtoError::Malformed("short data frame".into()));
+            }
+            let mut head = [0u8; 10];
+            r.read_exact(&mut head).await?;
+            let stream = Stream::from_u8(head[0])
+                .ok_or_else(|| ProtoError::Malformed(format!("stream {}", head[0])))?;
+            let mut pos = [0u8; 8];
+            pos.copy_from_slice(&head[1..9]);
+            let id_len = head[9] as usize;
+            if len < 11 + id_len {
+                return Err(ProtoError::Malformed("short exec id".into()));
+            }
+            let mut id = vec![0u8; id_len];
+            r.read_exact(&mut id).await?;
+            let exec_id = String::from_utf8(id)
+                .map_err(|_| ProtoError::Malformed("exec id is not UTF-8".into()))?;
+            let mut bytes = vec![0u8; len - 11 - id_len];
+            r.read_exact(&mut bytes).await?;
+            Ok(Some(Frame::Data {
+                exec_id,
+                stream,
+                pos: u64::from_le_bytes(pos),
+                bytes,
+            }))
+        }
+        other => Err(ProtoError::Malformed(format!("frame kind {other}"))),
+    }
 }
 
 /// Writes a message frame.
