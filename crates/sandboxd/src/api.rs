@@ -201,6 +201,11 @@ where
     }
 }
 
+/// An answer object as JSON (for `idempotent`, which keeps it).
+fn to_json<T: serde::Serialize>(o: T) -> Result<Value, ApiError> {
+    serde_json::to_value(o).map_err(|_| ApiError::internal())
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -224,10 +229,7 @@ async fn create(State(st): St, Extension(rid): Rid, headers: HeaderMap, body: Bo
                 Err(e) => return (StatusCode::BAD_REQUEST, Err(e)),
             };
             let r = node.create_sandbox(c).await;
-            (
-                StatusCode::CREATED,
-                r.and_then(|o| serde_json::to_value(o).map_err(|_| ApiError::internal())),
-            )
+            (StatusCode::CREATED, r.and_then(to_json))
         },
     )
     .await
@@ -309,10 +311,7 @@ async fn restart(
     let scope = format!("POST /v1/sandboxes/{}/restart", sandbox_key(&st, &id));
     idempotent(&st, &rid, &headers, &scope, &bytes, |_| async move {
         let r = node.restart_sandbox(&id).await;
-        (
-            StatusCode::OK,
-            r.and_then(|o| serde_json::to_value(o).map_err(|_| ApiError::internal())),
-        )
+        (StatusCode::OK, r.and_then(to_json))
     })
     .await
 }
@@ -359,10 +358,7 @@ async fn exec(
         };
         let exec_id = exec_id_for(&sid, "exec", key.as_deref());
         let r = node.exec(&id, req, exec_id).await;
-        (
-            StatusCode::CREATED,
-            r.and_then(|o| serde_json::to_value(o).map_err(|_| ApiError::internal())),
-        )
+        (StatusCode::CREATED, r.and_then(to_json))
     })
     .await
 }

@@ -92,18 +92,8 @@ struct RunArgs {
     /// Image or catalog name (python, node); default: the node's base image.
     #[arg(long)]
     image: Option<String>,
-    /// Environment variable, K=V (repeatable).
-    #[arg(short = 'e', long = "env", value_name = "K=V")]
-    env: Vec<String>,
-    /// Directory to run in.
-    #[arg(long)]
-    cwd: Option<String>,
-    /// User to run as (name, uid or uid:gid).
-    #[arg(long, short = 'u')]
-    user: Option<String>,
-    /// Seconds before the command is killed.
-    #[arg(long)]
-    timeout: Option<f64>,
+    #[command(flatten)]
+    opts: sandboxes::CommandOpts,
     /// Memory limit: bytes, or with a unit (512m, 1g, 256MiB).
     #[arg(long)]
     memory: Option<String>,
@@ -187,25 +177,7 @@ fn run_body(args: &RunArgs) -> anyhow::Result<Value> {
     if let Some(i) = &args.image {
         body.insert("image".into(), json!(i));
     }
-    if !args.env.is_empty() {
-        let mut env = Map::new();
-        for kv in &args.env {
-            let (k, v) = kv
-                .split_once('=')
-                .ok_or_else(|| anyhow!("-e takes K=V, got {kv:?}"))?;
-            env.insert(k.into(), json!(v));
-        }
-        body.insert("env".into(), Value::Object(env));
-    }
-    if let Some(c) = &args.cwd {
-        body.insert("cwd".into(), json!(c));
-    }
-    if let Some(u) = &args.user {
-        body.insert("user".into(), json!(u));
-    }
-    if let Some(t) = args.timeout {
-        body.insert("timeout_seconds".into(), json!(t));
-    }
+    args.opts.write(&mut body)?;
     let mut limits = Map::new();
     if let Some(m) = &args.memory {
         limits.insert("memory_bytes".into(), json!(parse_memory(m)?));

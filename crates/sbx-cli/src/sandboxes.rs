@@ -46,6 +46,42 @@ pub struct LsArgs {
     json: bool,
 }
 
+/// How a command runs: the options `sbx run` and `sbx exec` share.
+#[derive(clap::Args, Debug)]
+pub struct CommandOpts {
+    /// Environment variable, K=V (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "K=V")]
+    pub env: Vec<String>,
+    /// Directory to run in.
+    #[arg(long)]
+    pub cwd: Option<String>,
+    /// User to run as (name, uid or uid:gid).
+    #[arg(long, short = 'u')]
+    pub user: Option<String>,
+    /// Seconds before the command is killed.
+    #[arg(long)]
+    pub timeout: Option<f64>,
+}
+
+impl CommandOpts {
+    /// Writes these options into a request body.
+    pub fn write(&self, body: &mut Map<String, Value>) -> anyhow::Result<()> {
+        if !self.env.is_empty() {
+            body.insert("env".into(), Value::Object(kv_map(&self.env, "-e")?));
+        }
+        if let Some(c) = &self.cwd {
+            body.insert("cwd".into(), json!(c));
+        }
+        if let Some(u) = &self.user {
+            body.insert("user".into(), json!(u));
+        }
+        if let Some(t) = self.timeout {
+            body.insert("timeout_seconds".into(), json!(t));
+        }
+        Ok(())
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub struct ExecArgs {
     /// Start the command and print its id, without waiting.
@@ -57,18 +93,8 @@ pub struct ExecArgs {
     /// With -i: allocate a terminal.
     #[arg(short = 't', long)]
     tty: bool,
-    /// Environment variable, K=V (repeatable).
-    #[arg(short = 'e', long = "env", value_name = "K=V")]
-    env: Vec<String>,
-    /// Directory to run in.
-    #[arg(long)]
-    cwd: Option<String>,
-    /// User to run as.
-    #[arg(long, short = 'u')]
-    user: Option<String>,
-    /// Seconds before the command is killed.
-    #[arg(long)]
-    timeout: Option<f64>,
+    #[command(flatten)]
+    opts: CommandOpts,
     /// Print the exec object as JSON.
     #[arg(long)]
     json: bool,
@@ -336,18 +362,7 @@ pub fn exec(cli: &Cli, a: &ExecArgs) -> anyhow::Result<u8> {
     }
     let mut body = Map::new();
     body.insert("command".into(), command_value(&a.command));
-    if !a.env.is_empty() {
-        body.insert("env".into(), Value::Object(kv_map(&a.env, "-e")?));
-    }
-    if let Some(c) = &a.cwd {
-        body.insert("cwd".into(), json!(c));
-    }
-    if let Some(u) = &a.user {
-        body.insert("user".into(), json!(u));
-    }
-    if let Some(t) = a.timeout {
-        body.insert("timeout_seconds".into(), json!(t));
-    }
+    a.opts.write(&mut body)?;
     let obj: Value = req(cli, "POST", &format!("/v1/sandboxes/{}/exec", a.sandbox))
         .send_json(Value::Object(body))
         .map_err(api_error)?
