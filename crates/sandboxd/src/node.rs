@@ -499,7 +499,7 @@ impl Node {
                 }
             }
             let warm = if can_be_warm {
-                self.warm.lock().ok().and_then(|mut w| w.pop())
+                self.take_live_warm()
             } else {
                 None
             };
@@ -712,9 +712,27 @@ impl Node {
         }
     }
 
+    /// Takes a warm sandbox whose agent still runs; one found dead (killed from outside while
+    /// it waited) is ended, and the next one is tried.
+    fn take_live_warm(&self) -> Option<Warm> {
+        loop {
+            let w = self.warm.lock().ok().and_then(|mut w| w.pop())?;
+            if w.sandbox.is_alive() {
+                return Some(w);
+            }
+            tracing::warn!(sandbox = %w.sandbox.id, "a warm sandbox had died: ended");
+            self.live_remove(&w.sandbox.id);
+            // Its agent is gone already: what is left (cgroups, directory) goes at once.
+            if let Err(e) = self.driver.destroy(&w.sandbox) {
+                tracing::warn!(sandbox = %w.sandbox.id, error = %e, "teardown");
+            }
+            let _ = sbx_runtime::driver::remove_dir(&w.sandbox.dir);
+        }
+    }
+
     /// Takes a warm sandbox (out of the node's live table: the caller keeps it).
     pub(crate) fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
-        let w = self.warm.lock().ok().and_then(|mut w| w.pop())?;
+        let w = self.take_live_warm()?;
         self.live_remove(&w.sandbox.id);
         self.refill();
         Some(w.sandbox)

@@ -424,3 +424,48 @@ fn warm_sandboxes_serve_runs_and_the_pool_refills() {
     assert!(!after.contains(&v["sandbox_id"].as_str().unwrap().to_string()));
     node.assert_clean(CLEAN);
 }
+
+#[test]
+fn a_warm_sandbox_that_died_is_not_handed_out() {
+    let node = TestNode::start();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut warm = node.warm_ids();
+    while warm.len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        warm = node.warm_ids();
+    }
+    assert_eq!(warm.len(), 2, "the pool fills at start");
+    // Kill every warm agent from the host, as an operator or the OOM killer might.
+    let mut pids = Vec::new();
+    for id in &warm {
+        let pid = node.agent_pid(id).expect("the warm sandbox's agent");
+        kill_hard(pid);
+        pids.push(pid);
+    }
+    // Until they have really ended (their exit takes their mounts down first).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .is_ok_and(|s| !s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')))
+    }) {
+        assert!(Instant::now() < deadline, "the killed agents did not end");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..3 {
+        let v = node.run_ok(&json!({ "command": "echo alive" }));
+        assert_eq!(stdout(&v), "alive\n", "{v}");
+        assert!(
+            !warm.contains(&v["sandbox_id"].as_str().unwrap().to_string()),
+            "{v}"
+        );
+    }
+    node.assert_clean(CLEAN);
+}
+
+fn kill_hard(pid: u32) {
+    let status = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
