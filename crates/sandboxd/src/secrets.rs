@@ -496,14 +496,16 @@ impl Node {
             _ => registry_host,
         };
         if !host_allowed(row.allowed_hosts.as_deref(), host) {
-            let hosts = row.allowed_hosts.unwrap_or_default().join(", ");
+            let allowed = row.allowed_hosts.unwrap_or_default();
+            let hosts = allowed.join(", ");
             return Err(ApiError::new(
                 ErrorCode::SecretHostNotAllowed,
                 format!(
                     "secret {secret_name} may not go to {host}: its allowed_hosts are [{hosts}]"
                 ),
             )
-            .with_param(PARAM));
+            .with_param(PARAM)
+            .with_beside("allowed_hosts", serde_json::json!(allowed)));
         }
         let value = self.secret_value(&row)?;
         split_credentials(&value).ok_or_else(|| {

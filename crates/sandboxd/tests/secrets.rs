@@ -283,6 +283,11 @@ fn image_pull_secret_is_checked_against_the_secret() {
         "secret_host_not_allowed",
         Some("image_pull_secret"),
     );
+    assert_eq!(
+        v["allowed_hosts"],
+        json!(["registry.example.com", "*.corp.example"]),
+        "where it may go, beside error: {v}"
+    );
     assert_hidden(&node, "403", v.to_string().as_bytes(), &pass);
     // No host: docker.io, which the list does not cover.
     let (s, v) = run("python:3.12", "scoped");

@@ -455,6 +455,8 @@ pub struct ApiError {
     pub message: String,
     /// The field or query parameter at fault (`limits.memory_bytes`, `env.FOO`, ...).
     pub param: Option<String>,
+    /// Keys the answer carries beside `error` (`allowed_hosts` of secret_host_not_allowed).
+    pub beside: Option<serde_json::Map<String, Value>>,
 }
 
 impl ApiError {
@@ -464,6 +466,7 @@ impl ApiError {
             code,
             message: message.into(),
             param: None,
+            beside: None,
         }
     }
 
@@ -471,6 +474,15 @@ impl ApiError {
     #[must_use]
     pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
         self.param = Some(param.into());
+        self
+    }
+
+    /// The same error, its answer carrying `key` beside `error`.
+    #[must_use]
+    pub fn with_beside(mut self, key: impl Into<String>, value: Value) -> ApiError {
+        self.beside
+            .get_or_insert_with(serde_json::Map::new)
+            .insert(key.into(), value);
         self
     }
 
@@ -519,7 +531,7 @@ impl ApiError {
 /// `docs_base` with the code appended.
 pub fn error_body(err: &ApiError, request_id: &str, docs_base: Option<&str>) -> Value {
     let code = err.code.as_str();
-    json!({
+    let mut body = json!({
         "error": {
             "type": err.code.error_type(),
             "code": code,
@@ -529,7 +541,15 @@ pub fn error_body(err: &ApiError, request_id: &str, docs_base: Option<&str>) -> 
             "request_id": request_id,
             "docs_url": docs_base.map(|base| format!("{base}{code}")),
         }
-    })
+    });
+    if let (Some(extra), Some(obj)) = (&err.beside, body.as_object_mut()) {
+        for (k, v) in extra {
+            if k != "error" {
+                obj.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    body
 }
 
 #[cfg(test)]
