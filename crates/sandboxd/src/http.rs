@@ -148,7 +148,7 @@ async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "sandboxes": n.sandbox_count(),
         "teardowns": n.pending_teardowns(),
         "warm_pool": { "target": n.cfg.warm_pool, "ready": n.warm_ids() },
-        "templates": ["base"],
+        "templates": n.template_objects(),
     }))
     .into_response()
 }

@@ -15,6 +15,7 @@
 //! the image). A pulled image's layers are the overlay's lower directories, top first; its
 //! config gives the agent's env, user and working directory.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -79,6 +80,15 @@ pub struct ImageMeta {
     pub workdir: Option<String>,
     pub uid_base: u32,
     pub source: String,
+    /// The image's own start command: ENTRYPOINT then CMD (`start: true`).
+    #[serde(default)]
+    pub start: Vec<String>,
+    /// STOPSIGNAL, as the image names it.
+    #[serde(default)]
+    pub stop_signal: Option<String>,
+    /// Its labels (`sbx.start`, `sbx.ready`).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
 }
 
 /// An image ready to be a sandbox's lower layers.
@@ -103,7 +113,7 @@ pub struct OciInfo {
 /// An image as a create names it: on the node, or to be pulled (its normalised reference).
 #[derive(Debug, Clone)]
 pub enum Source {
-    Local(Image),
+    Local(Box<Image>),
     Remote(String),
 }
 
@@ -194,21 +204,31 @@ impl ImageStore {
     /// Where a create's image comes from: the base image, a pulled image the node has, or a
     /// pull. An image name that is not a reference is `InvalidReference`.
     pub fn lookup(&self, name: Option<&str>) -> Result<Source, ImageError> {
+        self.lookup_as(name, false)
+    }
+
+    /// [`ImageStore::lookup`] for the owner of a private image (a create that names the
+    /// login it was pulled with, of a template built with it): the store's copy serves.
+    pub fn lookup_private(&self, name: &str) -> Result<Source, ImageError> {
+        self.lookup_as(Some(name), true)
+    }
+
+    fn lookup_as(&self, name: Option<&str>, owner: bool) -> Result<Source, ImageError> {
         match name {
-            n if Self::is_catalog(n) => self.base().map(Source::Local),
+            n if Self::is_catalog(n) => self.base().map(|i| Source::Local(Box::new(i))),
             Some(n) => {
                 let r = sbx_image::parse_reference(n)
                     .map_err(|e| ImageError::InvalidReference(e.to_string()))?;
                 match self.oci.get(n) {
                     // An image pulled with credentials is asked of its registry again when
                     // named without them: the registry decides whether it is public.
-                    Some(img) if !self.is_private(&img.digest) => {
-                        self.of_oci(img).map(Source::Local)
+                    Some(img) if owner || !self.is_private(&img.digest) => {
+                        self.of_oci(img).map(|i| Source::Local(Box::new(i)))
                     }
                     _ => Ok(Source::Remote(r.to_string())),
                 }
             }
-            None => self.base().map(Source::Local),
+            None => self.base().map(|i| Source::Local(Box::new(i))),
         }
     }
 
@@ -273,6 +293,15 @@ impl ImageStore {
                 workdir: c.working_dir.clone(),
                 uid_base: self.uid_base,
                 source: img.digest.clone(),
+                start: c
+                    .entrypoint
+                    .iter()
+                    .flatten()
+                    .chain(c.cmd.iter().flatten())
+                    .cloned()
+                    .collect(),
+                stop_signal: c.stop_signal.clone(),
+                labels: c.labels.clone(),
             },
             rootfs: top,
             lowers,
@@ -363,7 +392,7 @@ impl ImageStore {
     /// reference of a pulled image the node has (no registry request).
     pub fn resolve(&self, name: Option<&str>) -> Result<Image, ImageError> {
         match self.lookup(name)? {
-            Source::Local(i) => Ok(i),
+            Source::Local(i) => Ok(*i),
             Source::Remote(r) => Err(ImageError::Unknown(r)),
         }
     }
@@ -469,6 +498,9 @@ impl ImageStore {
                 "debootstrap {} minbase + python3 nodejs procps",
                 source.suite
             ),
+            start: Vec::new(),
+            stop_signal: None,
+            labels: BTreeMap::new(),
         };
         let meta_text =
             serde_json::to_vec_pretty(&meta).map_err(|e| ImageError::Build(e.to_string()))?;

@@ -10,9 +10,11 @@ mod iii;
 mod image;
 mod images_api;
 mod node;
+mod probe;
 mod sandboxes;
 mod secrets;
 mod store;
+mod templates;
 mod terminal;
 
 use std::collections::HashSet;
@@ -207,7 +209,8 @@ fn main() -> anyhow::Result<()> {
         store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
     store.idem_tidy().context("tidy idempotency records")?;
     secrets::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
-    let node = node::Node::new(cfg, Arc::new(driver), images, store);
+    let templates = templates::Templates::open(&store).context("the templates table")?;
+    let node = node::Node::new(cfg, Arc::new(driver), images, store, templates);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -59,6 +59,7 @@ struct Warm {
 pub struct Node {
     pub cfg: NodeConfig,
     pub(crate) store: crate::store::Store,
+    pub(crate) templates: crate::templates::Templates,
     pub(crate) managed: Mutex<HashMap<String, Arc<crate::sandboxes::Managed>>>,
     warm: Mutex<Vec<Warm>>,
     refilling: AtomicBool,
@@ -152,10 +153,12 @@ impl Node {
         driver: Arc<dyn Driver>,
         images: ImageStore,
         store: crate::store::Store,
+        templates: crate::templates::Templates,
     ) -> Arc<Node> {
         Arc::new(Node {
             cfg,
             store,
+            templates,
             managed: Mutex::new(HashMap::new()),
             warm: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
@@ -182,14 +185,31 @@ impl Node {
             .map(|m| m.keys().cloned().collect())
             .unwrap_or_default();
         let mut n = 0;
+        let mut busy = Vec::new();
         for id in self.driver.list_groups() {
             if kept.contains(&id) {
                 continue;
             }
             if let Err(e) = self.driver.remove_leftovers(&id) {
-                tracing::warn!(sandbox = %id, error = %e, "cannot remove a leftover cgroup");
+                tracing::info!(sandbox = %id, error = %e, "a leftover cgroup is still busy: tried again in the background");
+                busy.push(id);
             }
             n += 1;
+        }
+        if !busy.is_empty() {
+            // Its last process is a zombie its new parent (the host's init, after a kill -9 of
+            // the node) has not reaped yet: the group goes once it has.
+            let driver = self.driver.clone();
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+                while !busy.is_empty() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    busy.retain(|id| driver.remove_leftovers(id).is_err());
+                }
+                for id in busy {
+                    tracing::warn!(sandbox = %id, "cannot remove a leftover cgroup");
+                }
+            });
         }
         if let Ok(rd) = std::fs::read_dir(self.sandboxes_dir()) {
             for e in rd.flatten() {
@@ -272,7 +292,13 @@ impl Node {
             .with_param("snapshot"));
         }
         if let Some(t) = &req.template {
-            if t != "base" {
+            let known = t == crate::templates::BASE
+                || (long_lived
+                    && crate::templates::get(&self.store, t)
+                        .ok()
+                        .flatten()
+                        .is_some());
+            if !known {
                 return Err(ApiError::new(
                     ErrorCode::TemplateNotFound,
                     format!("no template {t} on this node"),
@@ -293,7 +319,6 @@ impl Node {
         if req.runtime.as_ref().is_some_and(|r| !r.is_null()) {
             return Err(not_served("runtime", "runtime settings"));
         }
-        // `start: true` starts the image's own start command: the base image has none.
         if !long_lived && (req.ready.is_some() || req.start_command.is_some()) {
             let param = if req.ready.is_some() {
                 "ready"
@@ -301,15 +326,6 @@ impl Node {
                 "start_command"
             };
             return Err(not_served(param, "start commands in a run"));
-        }
-        if matches!(
-            req.ready,
-            Some(sbx_api::Ready::Tcp { .. } | sbx_api::Ready::Http { .. })
-        ) {
-            return Err(not_served(
-                "ready",
-                "tcp and http ready checks (its sandboxes have no address the host reaches; use ready.command)",
-            ));
         }
         if req.on_expiry != sbx_api::OnExpiry::Delete {
             return Err(not_served("on_expiry", "sleep"));
@@ -397,13 +413,9 @@ impl Node {
             }
             None => None,
         };
-        if req.start == Some(true) && !image.is_base() {
-            // The base image has no start command of its own; an OCI image's ENTRYPOINT and
-            // CMD are not started yet: refused, not ignored.
-            return Err(not_served(
-                "start",
-                "an OCI image's own start command (ENTRYPOINT/CMD) yet; give start_command",
-            ));
+        if !long_lived && req.start == Some(true) && !image.is_base() {
+            // A run starts no start command; the base image has none to start.
+            return Err(not_served("start", "start commands in a run"));
         }
         let limits = Limits {
             memory_bytes: memory,
@@ -595,7 +607,7 @@ impl Node {
             }
             None => {
                 let image = match &plan.image {
-                    Source::Local(i) => i.clone(),
+                    Source::Local(i) => (**i).clone(),
                     Source::Remote(r) => self
                         .images
                         .pull(r, plan.creds.as_ref(), &|_| {})

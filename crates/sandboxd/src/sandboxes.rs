@@ -17,9 +17,11 @@ use tokio::sync::mpsc;
 
 use crate::agent::{one_shot, AgentConn, AgentError};
 use crate::http::{exec_object, ExecMeta, Started, Tail};
-use crate::image::Source;
+use crate::image::{ImageMeta, Source};
 use crate::node::{Machine, Node, RunEvent};
+use crate::probe::Probe;
 use crate::store::{ExecRow, SandboxRow};
+use crate::templates::{self, Plan, Settings, BASE, CANCELLED};
 
 /// The id of the start command's exec.
 pub const START_EXEC: &str = "exe-start";
@@ -43,12 +45,178 @@ pub struct StoredSpec {
     /// A command that succeeds once the sandbox is up (`ready.command`).
     #[serde(default)]
     pub ready_command: Option<Command>,
-    pub stop_signal: i32,
+    /// `ready.tcp` / `ready.http`, tried from the host.
+    #[serde(default)]
+    pub ready_probe: Option<Probe>,
+    /// `start` as given: true starts the image's ENTRYPOINT and CMD, false nothing; not given
+    /// (and no start_command, no ready) the image's labels `sbx.start` and `sbx.ready` decide.
+    #[serde(default)]
+    pub start: Option<bool>,
+    /// The signal that stops the start command; `None`: the image's STOPSIGNAL, else SIGTERM.
+    #[serde(default)]
+    pub stop_signal: Option<i32>,
     pub stop_grace_ms: u32,
     pub expires_at: Option<String>,
     /// The secret of the image's registry login: each boot pulls with it.
     #[serde(default)]
     pub image_pull_secret: Option<String>,
+    /// The key of its template ([`crate::templates`]); `None` in a row of an older node.
+    #[serde(default)]
+    pub template: Option<String>,
+}
+
+impl StoredSpec {
+    /// Whether start, start_command or ready was given: then the image's labels are not read.
+    fn start_given(&self) -> bool {
+        self.start.is_some()
+            || self.start_command.is_some()
+            || self.ready_command.is_some()
+            || self.ready_probe.is_some()
+    }
+
+    /// The settings that make its template.
+    pub fn template_settings(&self) -> Settings {
+        let nothing_started =
+            self.start == Some(false) || (self.image == "base" && !self.start_given());
+        Settings {
+            image: self.image.clone(),
+            image_pull_secret: self.image_pull_secret.clone(),
+            start: self.start,
+            start_command: self.start_command.clone(),
+            ready_command: self.ready_command.clone(),
+            ready_probe: self.ready_probe.clone(),
+            env: if nothing_started {
+                BTreeMap::new()
+            } else {
+                self.env.clone()
+            },
+            vcpus: self.vcpus,
+            memory_bytes: self.memory_bytes,
+        }
+    }
+}
+
+/// A sandbox's ready check.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Check {
+    /// Run in the sandbox by sh, as the image's user.
+    Command(String),
+    /// Tried from the host.
+    Probe(Probe),
+}
+
+/// What a boot starts and checks, resolved against its image.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Resolved {
+    pub start: Option<Command>,
+    pub ready: Option<Check>,
+    pub stop_signal: i32,
+    /// The manifest digest of a pulled image.
+    pub digest: Option<String>,
+}
+
+impl Default for Resolved {
+    fn default() -> Resolved {
+        Resolved {
+            start: None,
+            ready: None,
+            stop_signal: 15,
+            digest: None,
+        }
+    }
+}
+
+/// Resolves what `spec` starts against its image (`None`: the base image, which has no start
+/// command, labels or STOPSIGNAL). `Err` says why the image cannot be started as asked
+/// (failure_code `invalid_image`).
+pub(crate) fn resolve(spec: &StoredSpec, meta: Option<&ImageMeta>) -> Result<Resolved, String> {
+    let label = |name: &str| {
+        meta.and_then(|m| m.labels.get(name))
+            .filter(|v| !v.trim().is_empty())
+            .cloned()
+    };
+    let (start, ready) = if spec.start_given() {
+        let start = match (&spec.start_command, spec.start) {
+            (Some(c), _) => Some(c.clone()),
+            // The base image (no meta) has no start command of its own: nothing to start.
+            (None, Some(true)) => match meta.map(|m| &m.start) {
+                None => None,
+                Some(argv) if !argv.is_empty() => Some(Command::Argv(argv.clone())),
+                Some(_) => {
+                    return Err(format!(
+                        "start: true, and the image {} has no start command (ENTRYPOINT or CMD)",
+                        spec.image
+                    ))
+                }
+            },
+            _ => None,
+        };
+        let ready = match (&spec.ready_command, &spec.ready_probe) {
+            (Some(c), _) => Some(Check::Command(shell_line(c))),
+            (None, Some(p)) => Some(Check::Probe(p.clone())),
+            (None, None) => None,
+        };
+        (start, ready)
+    } else {
+        let start = label("sbx.start").map(Command::Shell);
+        // A ready label without a start label has nothing to wait for.
+        let ready = label("sbx.ready")
+            .filter(|_| start.is_some())
+            .map(Check::Command);
+        (start, ready)
+    };
+    // STOPSIGNAL is a name (SIGTERM) or a number (15), as Docker takes it.
+    let image_signal = meta.and_then(|m| m.stop_signal.as_deref()).and_then(|s| {
+        sbx_api::signal_number(s).or_else(|| s.parse().ok().filter(|n| (1..=64).contains(n)))
+    });
+    Ok(Resolved {
+        start,
+        ready,
+        stop_signal: spec.stop_signal.or(image_signal).unwrap_or(15),
+        digest: None,
+    })
+}
+
+/// A command as one line for sh.
+fn shell_line(c: &Command) -> String {
+    match c {
+        Command::Shell(s) => s.clone(),
+        Command::Argv(a) => a.join(" "),
+    }
+}
+
+/// The `<registry>/<repository>@<digest>` of `image` (a reference) pinned to `digest`.
+fn pinned_reference(image: &str, digest: &str) -> Option<String> {
+    let r = sbx_image::parse_reference(image).ok()?;
+    Some(format!(
+        "{}/{}@{}",
+        r.registry_addr(),
+        r.repository(),
+        digest
+    ))
+}
+
+/// Set when a sandbox is deleted while it starts: its pull, its template wait and its ready
+/// check end at once.
+struct Cancel(tokio::sync::watch::Sender<bool>);
+
+impl Cancel {
+    fn new() -> Cancel {
+        Cancel(tokio::sync::watch::channel(false).0)
+    }
+
+    fn cancel(&self) {
+        self.0.send_replace(true);
+    }
+
+    fn is_set(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    async fn wait(&self) {
+        let mut rx = self.0.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
+    }
 }
 
 /// A sandbox the node keeps.
@@ -60,9 +228,29 @@ pub struct Managed {
     running: Mutex<HashSet<String>>,
     /// One lifecycle change at a time.
     op: Arc<tokio::sync::Mutex<()>>,
+    /// What the current boot started and checks.
+    resolved: Mutex<Resolved>,
+    cancel: Cancel,
 }
 
 impl Managed {
+    fn new(row: SandboxRow, spec: StoredSpec) -> Managed {
+        Managed {
+            id: row.id.clone(),
+            row: Mutex::new(row),
+            spec,
+            machine: Mutex::new(None),
+            running: Mutex::new(HashSet::new()),
+            op: Arc::new(tokio::sync::Mutex::new(())),
+            resolved: Mutex::new(Resolved::default()),
+            cancel: Cancel::new(),
+        }
+    }
+
+    fn resolved(&self) -> Resolved {
+        self.resolved.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
     fn status(&self) -> SandboxStatus {
         self.row
             .lock()
@@ -173,40 +361,81 @@ impl Node {
             failure_code: row.failure_code,
             failure: row.failure,
             restarts: row.restarts,
+            template: m.spec.template.clone(),
         }
     }
 
-    /// The machine of `m`: its image resolved (a pulled image from the node's store, pulled
-    /// again when the store no longer has it). Errors carry the sandbox's failure code.
-    async fn machine_spec(&self, m: &Managed) -> Result<SandboxSpec, (&'static str, ApiError)> {
+    /// The image of `spec`'s template pinned by digest, once the template is built of a
+    /// pulled image.
+    fn pinned_image(&self, spec: &StoredSpec) -> Option<String> {
+        spec.template
+            .as_deref()
+            .filter(|k| *k != BASE)
+            .and_then(|k| templates::get(&self.store, k).ok().flatten())
+            .filter(|t| t.status == "ready")
+            .and_then(|t| t.digest)
+            .and_then(|d| pinned_reference(&spec.image, &d))
+    }
+
+    /// What an adopted sandbox's boot started, resolved again from the node's store (no
+    /// pull): its start command's stop signal, for its delete.
+    fn resolve_adopted(&self, spec: &StoredSpec) -> Resolved {
+        let pinned = self.pinned_image(spec);
+        let name = pinned.as_deref().unwrap_or(&spec.image);
+        let meta = match self.images.lookup_private(name) {
+            Ok(Source::Local(i)) if i.meta.name != "base" => Some(i.meta),
+            _ => None,
+        };
+        resolve(spec, meta.as_ref()).unwrap_or_default()
+    }
+
+    /// The machine of `m` and what it starts: its image resolved (its template's, pinned by
+    /// digest, once the template is built; a pulled image from the node's store, pulled again
+    /// when the store no longer has it). Errors carry the sandbox's failure code.
+    async fn machine_spec(
+        &self,
+        m: &Managed,
+    ) -> Result<(SandboxSpec, Resolved), (&'static str, ApiError)> {
+        let failed =
+            |code: &'static str, why: String| (code, ApiError::new(ErrorCode::SandboxFailed, why));
+        let pinned = self.pinned_image(&m.spec);
+        let name = pinned.as_deref().unwrap_or(&m.spec.image);
         let (looked_up, creds) = match &m.spec.image_pull_secret {
-            Some(secret) => match self.image_login(Some(&m.spec.image), secret) {
-                Ok((creds, source)) => (Ok(source), Some(creds)),
+            Some(secret) => match self.image_login(Some(name), secret) {
+                // The template of this login is its own: a built one is on the node.
+                Ok((creds, source)) => {
+                    match pinned.as_deref().map(|p| self.images.lookup_private(p)) {
+                        Some(Ok(Source::Local(i))) => (Ok(Source::Local(i)), Some(creds)),
+                        _ => (Ok(source), Some(creds)),
+                    }
+                }
                 Err(e) => {
                     let code = e.code.as_str();
                     return Err((code, e));
                 }
             },
-            None => (self.images.lookup(Some(&m.spec.image)), None),
+            None => (self.images.lookup(Some(name)), None),
         };
         let image = match looked_up {
-            Ok(Source::Local(i)) => i,
-            Ok(Source::Remote(r)) => self
-                .images
-                .pull(&r, creds.as_ref(), &|_| {})
-                .await
-                .map_err(|e| {
-                    let code = e.code();
-                    (code, crate::node::pull_refused(&r, &e))
-                })?,
-            Err(e) => {
-                return Err((
-                    "boot_failed",
-                    ApiError::new(ErrorCode::SandboxFailed, format!("image: {e}")),
-                ))
+            Ok(Source::Local(i)) => *i,
+            Ok(Source::Remote(r)) => {
+                let pull = self.images.pull(&r, creds.as_ref(), &|_| {});
+                tokio::select! {
+                    got = pull => got.map_err(|e| {
+                        let code = e.code();
+                        (code, crate::node::pull_refused(&r, &e))
+                    })?,
+                    _ = m.cancel.wait() => {
+                        return Err(failed("boot_failed", "deleted while its image was pulled".into()))
+                    }
+                }
             }
+            Err(e) => return Err(failed("boot_failed", format!("image: {e}"))),
         };
-        Ok(SandboxSpec {
+        let meta = (!image.meta.name.eq("base")).then_some(&image.meta);
+        let mut resolved = resolve(&m.spec, meta).map_err(|why| failed("invalid_image", why))?;
+        resolved.digest = image.oci.as_ref().map(|o| o.digest.clone());
+        let spec = SandboxSpec {
             id: m.id.clone(),
             lowers: image.lowers.clone(),
             dir: self.sandboxes_dir().join(&m.id),
@@ -220,7 +449,8 @@ impl Node {
             image_env: image.meta.env.clone(),
             image_user: image.meta.user.clone(),
             image_workdir: image.meta.workdir.clone(),
-        })
+        };
+        Ok((spec, resolved))
     }
 
     fn base_env(m: &Managed) -> Vec<(String, String)> {
@@ -229,26 +459,32 @@ impl Node {
         env
     }
 
-    /// Boots the machine of `m` (made, or taken warm), starts its start command; on failure the
-    /// sandbox is `failed` with `failure_code` `boot_failed`.
+    /// Boots the machine of `m` (made, or taken warm), starts its start command and waits for
+    /// its ready check; on failure the sandbox is `failed` with its `failure_code`.
     async fn boot(
         self: &Arc<Self>,
         m: &Arc<Managed>,
         warm: Option<Arc<Sandbox>>,
     ) -> Result<(), ApiError> {
         let made = match warm {
-            Some(sb) => Ok(sb),
+            // A warm sandbox is of the base image: nothing of an image to resolve.
+            Some(sb) => resolve(&m.spec, None).map(|r| (sb, r)).map_err(|why| {
+                (
+                    "invalid_image",
+                    ApiError::new(ErrorCode::SandboxFailed, why),
+                )
+            }),
             None => match self.machine_spec(m).await {
-                Ok(spec) => self
+                Ok((spec, resolved)) => self
                     .create(spec)
                     .await
-                    .map(|(sb, _conn)| sb)
+                    .map(|(sb, _conn)| (sb, resolved))
                     .map_err(|e| ("boot_failed", e)),
                 Err(failed) => Err(failed),
             },
         };
-        let sb = match made {
-            Ok(sb) => sb,
+        let (sb, resolved) = match made {
+            Ok(x) => x,
             Err((code, e)) => {
                 self.set_failed(m, code, &e.message);
                 return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
@@ -257,7 +493,10 @@ impl Node {
         // `create` put it among the node's run sandboxes; a kept sandbox is its own.
         self.live_remove(&m.id);
         *m.machine.lock().map_err(|_| ApiError::internal())? = Some(sb.clone());
-        if let Some(start) = &m.spec.start_command {
+        if let Ok(mut r) = m.resolved.lock() {
+            *r = resolved.clone();
+        }
+        if let Some(start) = &resolved.start {
             // exe-start is this boot's start command: an earlier boot's record gives way.
             self.store
                 .delete_exec(&m.id, START_EXEC)
@@ -290,8 +529,11 @@ impl Node {
                 return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
             }
         }
-        if let Some(check) = &m.spec.ready_command {
-            if let Err(why) = self.wait_ready(m, &sb, check).await {
+        if let Some(check) = &resolved.ready {
+            if let Err(why) = self
+                .wait_ready(m, &sb, check, resolved.start.is_some())
+                .await
+            {
                 self.set_failed(m, "boot_failed", &why);
                 self.end_machine(m).await;
                 return Err(ApiError::new(ErrorCode::SandboxFailed, why));
@@ -308,55 +550,98 @@ impl Node {
         Ok(())
     }
 
-    /// Runs the ready check every 0.2 s for at most 120 s, as the image's user by sh; a start
-    /// command that ends with a failure meanwhile ends the wait at once. The error says what
-    /// the check last got and what the start command printed last.
-    async fn wait_ready(&self, m: &Managed, sb: &Sandbox, check: &Command) -> Result<(), String> {
-        let line = match check {
-            Command::Shell(s) => s.clone(),
-            Command::Argv(a) => a.join(" "),
-        };
+    /// Boots `m` as its template's plan says: the base template and a built one at once; the
+    /// first sandbox of new settings builds the template (and reports its end to the other
+    /// first sandboxes, which wait for it, then boot from it).
+    async fn boot_planned(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        warm: Option<Arc<Sandbox>>,
+        plan: Plan,
+    ) -> Result<(), ApiError> {
+        match plan {
+            Plan::Base | Plan::Ready => self.boot(m, warm).await,
+            Plan::Build(builder) => {
+                let r = self.boot(m, warm).await;
+                match &r {
+                    Ok(()) => {
+                        let digest = m.resolved().digest;
+                        self.templates.ready(&self.store, builder, digest);
+                    }
+                    Err(_) if m.cancel.is_set() => self.templates.cancel(&self.store, builder),
+                    Err(e) => {
+                        let (code, why) = m
+                            .row
+                            .lock()
+                            .ok()
+                            .map(|r| (r.failure_code.clone(), r.failure.clone()))
+                            .unwrap_or_default();
+                        self.templates.failed(
+                            &self.store,
+                            builder,
+                            code.as_deref().unwrap_or("boot_failed"),
+                            why.as_deref().unwrap_or(&e.message),
+                        );
+                    }
+                }
+                r
+            }
+            Plan::Wait(rx) => {
+                let got = tokio::select! {
+                    got = templates::wait(rx) => got,
+                    _ = m.cancel.wait() => Err(("boot_failed".into(), "deleted while its template was built".into())),
+                };
+                match got {
+                    Ok(()) => self.boot(m, warm).await,
+                    Err((code, _)) if code == CANCELLED && !m.cancel.is_set() => {
+                        // The first sandbox went away midway: this one builds.
+                        let key = m.spec.template.clone().unwrap_or_default();
+                        let settings = m.spec.template_settings();
+                        let plan = self
+                            .templates
+                            .plan(&self.store, &key, &settings, &m.id)
+                            .map_err(|e| {
+                                tracing::error!(error = %e, "templates");
+                                ApiError::internal()
+                            })?;
+                        Box::pin(self.boot_planned(m, warm, plan)).await
+                    }
+                    Err((code, why)) => {
+                        let why = format!("its template did not build: {why}");
+                        self.set_failed(m, &code, &why);
+                        Err(ApiError::new(ErrorCode::SandboxFailed, why))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the ready check every 0.2 s for at most 120 s (a command as the image's user by
+    /// sh, a tcp or http check from the host); a start command that ends with a failure
+    /// meanwhile ends the wait at once. The error says what the check last got and what the
+    /// start command printed last.
+    async fn wait_ready(
+        &self,
+        m: &Managed,
+        sb: &Sandbox,
+        check: &Check,
+        has_start: bool,
+    ) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
         let mut last = String::new();
         for n in 0u32.. {
-            let spec = ExecSpec {
-                exec_id: format!("exe-ready-{n}"),
-                program: Program::Shell(line.clone()),
-                env: Self::base_env(m),
-                cwd: m.spec.cwd.clone(),
-                user: None,
-                timeout_ms: Some(10_000),
-                stdin_open: false,
-                attach: true,
-                tty: false,
-                wait_for_reader: false,
-                rows: 24,
-                cols: 80,
-            };
-            let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
-                .await
-                .map_err(|e| e.to_string())?;
-            conn.send(&HostMsg::Exec(spec))
-                .await
-                .map_err(|e| e.to_string())?;
-            let mut out = Vec::new();
-            let code = loop {
-                match conn.recv().await.map_err(|e| e.to_string())? {
-                    Frame::Data { bytes, .. } => out.extend_from_slice(&bytes),
-                    Frame::Msg(AgentMsg::Exited { exit, .. }) => break exit.exit_code,
-                    Frame::Msg(AgentMsg::ExecFailed { message, .. }) => return Err(message),
-                    Frame::Msg(_) => {}
-                }
-            };
-            if code == 0 {
-                return Ok(());
+            if m.cancel.is_set() {
+                return Err("deleted while its ready check was waited for".into());
             }
-            let text = String::from_utf8_lossy(&out);
-            last = format!(
-                "exit code {code}: {}",
-                text.trim().chars().take(500).collect::<String>()
-            );
-            if m.spec.start_command.is_some() {
+            let got = match check {
+                Check::Command(line) => self.ready_command_once(m, sb, line, n).await?,
+                Check::Probe(p) => p.try_once(sb.pid as i32).await,
+            };
+            match got {
+                Ok(()) => return Ok(()),
+                Err(what) => last = what,
+            }
+            if has_start {
                 if let Ok(AgentMsg::State(st)) = one_shot(
                     &sb.socket,
                     &HostMsg::Status {
@@ -367,8 +652,9 @@ impl Node {
                 {
                     if let Some(x) = st.exit.filter(|x| x.exit_code != 0) {
                         return Err(format!(
-                            "the start command ended with exit code {} before the ready check passed; the check last got {last}",
-                            x.exit_code
+                            "the start command ended with exit code {} before the ready check passed; the check last got {last}{}",
+                            x.exit_code,
+                            start_output(sb).await
                         ));
                     }
                 }
@@ -376,11 +662,67 @@ impl Node {
             if tokio::time::Instant::now() + Duration::from_millis(200) > deadline {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                _ = m.cancel.wait() => {}
+            }
         }
+        let printed = if has_start {
+            start_output(sb).await
+        } else {
+            String::new()
+        };
         Err(format!(
-            "the ready check did not pass in 120 s; it last got {last}"
+            "the ready check did not pass in 120 s; it last got {last}{printed}"
         ))
+    }
+
+    /// One try of a `ready.command`: `Ok(Err(what))` when it did not pass, `Err` when the
+    /// agent could not run it.
+    async fn ready_command_once(
+        &self,
+        m: &Managed,
+        sb: &Sandbox,
+        line: &str,
+        n: u32,
+    ) -> Result<Result<(), String>, String> {
+        let spec = ExecSpec {
+            exec_id: format!("exe-ready-{n}"),
+            program: Program::Shell(line.to_string()),
+            env: Self::base_env(m),
+            cwd: m.spec.cwd.clone(),
+            user: None,
+            timeout_ms: Some(10_000),
+            stdin_open: false,
+            attach: true,
+            tty: false,
+            wait_for_reader: false,
+            rows: 24,
+            cols: 80,
+        };
+        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+            .await
+            .map_err(|e| e.to_string())?;
+        conn.send(&HostMsg::Exec(spec))
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        let code = loop {
+            match conn.recv().await.map_err(|e| e.to_string())? {
+                Frame::Data { bytes, .. } => out.extend_from_slice(&bytes),
+                Frame::Msg(AgentMsg::Exited { exit, .. }) => break exit.exit_code,
+                Frame::Msg(AgentMsg::ExecFailed { message, .. }) => return Err(message),
+                Frame::Msg(_) => {}
+            }
+        };
+        if code == 0 {
+            return Ok(Ok(()));
+        }
+        let text = String::from_utf8_lossy(&out);
+        Ok(Err(format!(
+            "exit code {code}: {}",
+            text.trim().chars().take(500).collect::<String>()
+        )))
     }
 
     fn set_failed(&self, m: &Managed, code: &str, why: &str) {
@@ -409,10 +751,10 @@ impl Node {
             expires_in_ms,
         } = self.check_machine(&req, true)?;
         let (stop_signal, stop_grace_ms) = match &req.stop {
-            Some(s) => (s.signal_number().unwrap_or(15), s.grace_ms_or_default()),
-            None => (15, 10_000),
+            Some(s) => (s.signal_number(), s.grace_ms_or_default()),
+            None => (None, sbx_api::run::DEFAULT_GRACE_MS),
         };
-        let spec = StoredSpec {
+        let mut spec = StoredSpec {
             image: req.image.clone().unwrap_or_else(|| "base".into()),
             vcpus: limits.vcpus,
             memory_bytes: limits.memory_bytes,
@@ -428,18 +770,47 @@ impl Node {
                 Some(sbx_api::Ready::Command(c)) => Some(c.clone()),
                 _ => None,
             },
+            ready_probe: match &req.ready {
+                Some(sbx_api::Ready::Tcp { port }) => Some(Probe::Tcp { port: *port }),
+                Some(sbx_api::Ready::Http { port, path }) => Some(Probe::Http {
+                    port: *port,
+                    path: path.clone(),
+                }),
+                _ => None,
+            },
+            start: req.start,
             stop_signal,
             stop_grace_ms,
             expires_at: req.expires_at.clone(),
             image_pull_secret: req.image_pull_secret.clone(),
+            template: None,
         };
-        // A pull is waited for in the background, as a ready check is.
+        if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
+            self.apply_template(&mut spec, key, &req.limits)?;
+        }
+        let settings = spec.template_settings();
+        let key = match req.template.as_deref() {
+            Some(k) => k.to_string(),
+            None => settings.key(self.cfg.default_vcpus, self.cfg.default_memory_bytes),
+        };
+        spec.template = Some(key.clone());
+        // The first sandbox of a template that pulls, or waits for a check, is answered
+        // `starting`; so is one that waits for another's build.
+        let checks = spec.ready_command.is_some()
+            || spec.ready_probe.is_some()
+            || match &image {
+                Source::Local(i) if !spec.start_given() => i.meta.labels.contains_key("sbx.ready"),
+                _ => false,
+            };
         let pulls = matches!(image, Source::Remote(_));
+        // A warm sandbox is a machine of the base image in the default shape, whatever it is
+        // then to start.
         let warm_ok = image.is_base()
+            && spec.image == "base"
             && spec.hostname.is_none()
             && !spec.tmp_memory
-            && limits.memory_bytes == self.cfg.default_memory_bytes
-            && limits.vcpus == self.cfg.default_vcpus;
+            && spec.memory_bytes == self.cfg.default_memory_bytes
+            && spec.vcpus == self.cfg.default_vcpus;
         let warm = if warm_ok { self.pop_warm() } else { None };
         let id = match &warm {
             Some(sb) => sb.id.clone(),
@@ -468,40 +839,94 @@ impl Node {
             give_back(self, warm);
             return Err(e);
         }
+        let plan = match self.templates.plan(&self.store, &key, &settings, &id) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(error = %e, "templates");
+                self.release_name(req.name.as_deref());
+                give_back(self, warm);
+                return Err(ApiError::internal());
+            }
+        };
         if let Err(e) = self.store.insert_sandbox(&row) {
             self.release_name(req.name.as_deref());
             give_back(self, warm);
             return Err(store_err(e));
         }
-        let m = Arc::new(Managed {
-            id: id.clone(),
-            row: Mutex::new(row),
-            spec,
-            machine: Mutex::new(None),
-            running: Mutex::new(HashSet::new()),
-            op: Arc::new(tokio::sync::Mutex::new(())),
-        });
+        let m = Arc::new(Managed::new(row, spec));
         if let Ok(mut all) = self.managed.lock() {
             all.insert(id.clone(), m.clone());
         }
         if let Some(ms) = expires_in_ms {
             self.expire_at(&m, ms);
         }
-        if m.spec.ready_command.is_some() || pulls {
-            // Answered `starting`: the sandbox becomes running or failed when its check (or
-            // its image's pull) says.
+        let answer_starting = match &plan {
+            Plan::Base | Plan::Ready => false,
+            Plan::Build(_) => pulls || checks,
+            Plan::Wait(_) => true,
+        };
+        if answer_starting {
+            // Answered `starting`: the sandbox becomes running or failed when its template's
+            // build (its image's pull, its check) says.
             let op = m.op.clone().lock_owned().await;
             let (node, m2) = (self.clone(), m.clone());
             tokio::spawn(async move {
                 let _op = op;
-                let _ = node.boot(&m2, warm).await;
+                let _ = node.boot_planned(&m2, warm, plan).await;
             });
             return Ok(self.sandbox_object(&m));
         }
         let _op = m.op.lock().await;
         // A failed boot leaves the sandbox `failed`, to be seen and deleted.
-        let _ = self.boot(&m, warm).await;
+        let _ = self.boot_planned(&m, warm, plan).await;
         Ok(self.sandbox_object(&m))
+    }
+
+    /// A create that names a template (`template: "img-…"`): its image and the settings that
+    /// made it; the create's own env is added to the template's. Its shape is the template's:
+    /// another is 400 invalid_field (param limits).
+    fn apply_template(
+        &self,
+        spec: &mut StoredSpec,
+        key: &str,
+        limits: &sbx_api::Limits,
+    ) -> Result<(), ApiError> {
+        let row = templates::get(&self.store, key)
+            .map_err(|e| {
+                tracing::error!(error = %e, "templates");
+                ApiError::internal()
+            })?
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorCode::TemplateNotFound,
+                    format!("no template {key} on this node"),
+                )
+                .with_param("template")
+            })?;
+        let t = row.settings;
+        let other_shape = limits.vcpus.is_some_and(|v| v != t.vcpus)
+            || limits.memory_bytes.is_some_and(|b| b != t.memory_bytes);
+        if other_shape {
+            return Err(ApiError::invalid_field(
+                "limits",
+                format!(
+                    "the template {key} has {} vcpus and {} bytes of memory",
+                    t.vcpus, t.memory_bytes
+                ),
+            ));
+        }
+        let mut env = t.env;
+        env.extend(std::mem::take(&mut spec.env));
+        spec.env = env;
+        spec.image = t.image;
+        spec.image_pull_secret = t.image_pull_secret;
+        spec.start = t.start;
+        spec.start_command = t.start_command;
+        spec.ready_command = t.ready_command;
+        spec.ready_probe = t.ready_probe;
+        spec.vcpus = t.vcpus;
+        spec.memory_bytes = t.memory_bytes;
+        Ok(())
     }
 
     fn expire_at(self: &Arc<Self>, m: &Arc<Managed>, ms: u64) {
@@ -573,9 +998,10 @@ impl Node {
         let Some(sb) = m.machine() else {
             return;
         };
-        let stop_first = m.spec.start_command.is_some() && sb.is_alive();
+        let resolved = m.resolved();
+        let stop_first = resolved.start.is_some() && sb.is_alive();
         if stop_first
-            && crate::agent::signal(&sb.socket, START_EXEC, m.spec.stop_signal)
+            && crate::agent::signal(&sb.socket, START_EXEC, resolved.stop_signal)
                 .await
                 .is_ok()
         {
@@ -618,6 +1044,10 @@ impl Node {
     /// `DELETE /v1/sandboxes/{id}`.
     pub async fn delete_sandbox(self: &Arc<Self>, id: &str) -> Result<SandboxObject, ApiError> {
         let m = self.managed(id)?;
+        // A sandbox still starting stops waiting for its pull, template or check.
+        if m.status() == SandboxStatus::Starting {
+            m.cancel.cancel();
+        }
         let _op = m.op.lock().await;
         if !m.status().can_delete() {
             return Err(not_found(id));
@@ -1210,14 +1640,7 @@ impl Node {
                     continue;
                 }
             };
-            let m = Arc::new(Managed {
-                id: row.id.clone(),
-                row: Mutex::new(row.clone()),
-                spec,
-                machine: Mutex::new(None),
-                running: Mutex::new(HashSet::new()),
-                op: Arc::new(tokio::sync::Mutex::new(())),
-            });
+            let m = Arc::new(Managed::new(row.clone(), spec));
             let dir = self.sandboxes_dir().join(&row.id);
             let alive = match (row.status.as_str(), row.pid) {
                 // A zombie (an agent that died while no node reaped it) is no agent.
@@ -1232,6 +1655,9 @@ impl Node {
                     let sb = Arc::new(sb);
                     if let Ok(mut mm) = m.machine.lock() {
                         *mm = Some(sb.clone());
+                    }
+                    if let Ok(mut r) = m.resolved.lock() {
+                        *r = self.resolve_adopted(&m.spec);
                     }
                     if let Ok(mut r) = m.row.lock() {
                         r.status = "running".into();
@@ -1444,6 +1870,25 @@ async fn read_range(
     Ok(gap)
 }
 
+/// What the start command printed last (its last 500 bytes), for a boot's failure.
+async fn start_output(sb: &Sandbox) -> String {
+    let Ok((mut conn, state)) = status_conn(sb, START_EXEC).await else {
+        return String::new();
+    };
+    let end = state.output.end;
+    let from = end.saturating_sub(500).max(state.output.start);
+    let mut out = Vec::new();
+    let read = read_range(&mut conn, START_EXEC, from, end, |_, _, d| {
+        out.extend_from_slice(d)
+    })
+    .await;
+    let text = String::from_utf8_lossy(&out);
+    match text.trim() {
+        t if t.is_empty() || read.is_err() => String::new(),
+        t => format!("; the start command printed last: {t}"),
+    }
+}
+
 /// Everything the agent keeps of a command: its state and the tails of both streams.
 async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail, bool), ApiError> {
     let (mut conn, state) = status_conn(sb, exec_id).await?;
@@ -1461,4 +1906,114 @@ async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail,
     )
     .await?;
     Ok((state, out, err, start > 0 || gap.is_some()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(image: &str) -> StoredSpec {
+        StoredSpec {
+            image: image.into(),
+            vcpus: 1,
+            memory_bytes: 512 << 20,
+            hostname: None,
+            tmp_memory: false,
+            env: BTreeMap::new(),
+            secret_env: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            cwd: None,
+            user: None,
+            start_command: None,
+            ready_command: None,
+            ready_probe: None,
+            start: None,
+            stop_signal: None,
+            stop_grace_ms: 10_000,
+            expires_at: None,
+            image_pull_secret: None,
+            template: None,
+        }
+    }
+
+    fn meta(start: &[&str], labels: &[(&str, &str)], stop: Option<&str>) -> ImageMeta {
+        ImageMeta {
+            name: "127.0.0.1:5000/app:1".into(),
+            created_at: String::new(),
+            env: Vec::new(),
+            user: None,
+            workdir: None,
+            uid_base: 100_000,
+            source: "sha256:ab".into(),
+            start: start.iter().map(|s| s.to_string()).collect(),
+            stop_signal: stop.map(str::to_string),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_images_labels_start_it_unless_the_create_says_otherwise() {
+        let m = meta(
+            &["/entry", "serve"],
+            &[("sbx.start", "run-me"), ("sbx.ready", "ready-me")],
+            Some("SIGQUIT"),
+        );
+        let s = spec("127.0.0.1:5000/app:1");
+        let r = resolve(&s, Some(&m)).expect("labels");
+        assert_eq!(r.start, Some(Command::Shell("run-me".into())));
+        assert_eq!(r.ready, Some(Check::Command("ready-me".into())));
+        assert_eq!(r.stop_signal, 3, "STOPSIGNAL");
+
+        let mut s = spec("127.0.0.1:5000/app:1");
+        s.start = Some(true);
+        let r = resolve(&s, Some(&m)).expect("entrypoint");
+        assert_eq!(
+            r.start,
+            Some(Command::Argv(vec!["/entry".into(), "serve".into()])),
+            "ENTRYPOINT then CMD"
+        );
+        assert_eq!(
+            r.ready, None,
+            "given, the start settings are all that count"
+        );
+
+        s.start = Some(false);
+        assert_eq!(resolve(&s, Some(&m)).expect("nothing").start, None);
+
+        let mut s = spec("127.0.0.1:5000/app:1");
+        s.start_command = Some(Command::Shell("mine".into()));
+        s.ready_probe = Some(Probe::Tcp { port: 80 });
+        s.stop_signal = Some(2);
+        let r = resolve(&s, Some(&m)).expect("own");
+        assert_eq!(r.start, Some(Command::Shell("mine".into())));
+        assert_eq!(r.ready, Some(Check::Probe(Probe::Tcp { port: 80 })));
+        assert_eq!(r.stop_signal, 2);
+    }
+
+    #[test]
+    fn start_true_needs_a_start_command_of_the_image() {
+        let mut s = spec("127.0.0.1:5000/app:1");
+        s.start = Some(true);
+        let err = resolve(&s, Some(&meta(&[], &[], Some("15")))).unwrap_err();
+        assert!(err.contains("ENTRYPOINT or CMD"), "{err}");
+        // The base image has none: start: true starts nothing there.
+        let mut b = spec("base");
+        b.start = Some(true);
+        assert_eq!(resolve(&b, None).expect("base").start, None);
+        // A ready label without a start label waits for nothing; a numeric STOPSIGNAL counts.
+        let m = meta(&[], &[("sbx.ready", "x")], Some("10"));
+        let r = resolve(&spec("127.0.0.1:5000/app:1"), Some(&m)).expect("r");
+        assert_eq!((r.start, r.ready, r.stop_signal), (None, None, 10));
+    }
+
+    #[test]
+    fn pinned_references_name_the_digest() {
+        assert_eq!(
+            pinned_reference("127.0.0.1:5000/app:1", "sha256:ab").as_deref(),
+            Some("127.0.0.1:5000/app@sha256:ab")
+        );
+    }
 }

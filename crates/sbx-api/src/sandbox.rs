@@ -269,6 +269,10 @@ pub struct SandboxObject {
     pub failure: Option<String>,
     /// How many times it was restarted.
     pub restarts: u32,
+    /// The key of the template it is made from (`base`, `img-…`; GET /internal/node lists
+    /// them).
+    #[serde(default)]
+    pub template: Option<String>,
 }
 
 #[cfg(test)]

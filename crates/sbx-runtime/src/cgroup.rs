@@ -313,7 +313,9 @@ impl Group {
     pub fn destroy(&self, wait: Duration) -> Result<(), CgroupError> {
         let deadline = Instant::now() + wait;
         loop {
-            let pids = self.pids();
+            // A zombie cannot be killed: it leaves when its parent reaps it (after a node's
+            // kill -9 that is the host's init, which may take its time); the rmdir below waits.
+            let pids: Vec<u32> = self.pids().into_iter().filter(|p| !is_zombie(*p)).collect();
             if pids.is_empty() {
                 break;
             }
@@ -387,6 +389,18 @@ fn parse_proc_cgroup(s: &str) -> Vec<(String, String)> {
             Some((ctrls, path))
         })
         .collect()
+}
+
+/// Whether process `pid` has exited and waits to be reaped (`Z` in /proc/PID/stat).
+fn is_zombie(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // The state follows the command's closing parenthesis.
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace().next().map(|st| st == "Z")
+        })
+        .unwrap_or(false)
 }
 
 #[cfg(test)]

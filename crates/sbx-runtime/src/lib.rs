@@ -5,12 +5,14 @@
 //! - [`process`]: starting, reaping and signalling processes (the agent's side);
 //! - [`cgroup`]: cgroups v1 and v2 behind one interface;
 //! - [`seccomp`]: the sandbox's syscall filter;
-//! - [`fsutil`]: ownership shifting of image trees.
+//! - [`fsutil`]: ownership shifting of image trees;
+//! - [`netns`]: sockets made from the host in a sandbox's network namespace.
 
 pub mod cgroup;
 pub mod driver;
 pub mod fsutil;
 pub mod init;
+pub mod netns;
 pub mod process;
 pub mod seccomp;
 

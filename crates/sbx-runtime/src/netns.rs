@@ -1,0 +1,51 @@
+//! Work done from the host inside a sandbox's network namespace: a socket made there stays
+//! there, so the node can reach a sandbox's ports without running anything in the sandbox.
+
+use std::fs::File;
+use std::io;
+
+use nix::sched::CloneFlags;
+
+/// Runs `f` on a new thread that has joined the network namespace of process `pid` (a
+/// sandbox's agent), and returns what it returns. A socket `f` makes belongs to that
+/// namespace for its whole life, wherever it is used afterwards. The thread ends with `f`, so
+/// no thread of the caller is left in the sandbox's namespace. Blocks for the thread's life.
+pub fn in_netns_of<T, F>(pid: i32, f: F) -> io::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+{
+    let ns = File::open(format!("/proc/{pid}/ns/net"))?;
+    std::thread::Builder::new()
+        .name("sbx-netns".into())
+        .spawn(move || {
+            nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+            f()
+        })?
+        .join()
+        .map_err(|_| io::Error::other("the thread in the sandbox's network namespace panicked"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_of_our_own_namespace_sees_the_same_namespace() {
+        // Joining the namespace we are in already works without privileges beyond
+        // CAP_SYS_ADMIN; skip where the tests do not run as root.
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let me = std::process::id() as i32;
+        let ours = std::fs::read_link("/proc/self/ns/net").map_err(|e| e.to_string());
+        let theirs = in_netns_of(me, || std::fs::read_link("/proc/thread-self/ns/net"))
+            .map_err(|e| e.to_string());
+        assert_eq!(ours, theirs);
+    }
+
+    #[test]
+    fn a_process_that_is_gone_is_an_error() {
+        assert!(in_netns_of(i32::MAX, || Ok(())).is_err());
+    }
+}
