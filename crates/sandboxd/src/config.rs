@@ -11,12 +11,17 @@
 //! default_memory_mb = 512
 //! docs_base_url = "https://iii.dev/docs/sandbox#"   # errors' docs_url is this + the S-code
 //!
+//! [catalog]                             # catalog names -> images of a registry; the base
+//! python = "127.0.0.1:5000/library/python:3.12"  # image serves when the registry cannot be
+//! node = "127.0.0.1:5000/library/node:22"        # reached (offline)
+//!
 //! [[custom_images]]                      # more catalog names
 //! name = "py"
 //! oci_ref = "docker.io/library/python:3.12"
 //! image = "python"                       # the local image it boots (none: S101 on boot)
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Context;
@@ -46,6 +51,9 @@ pub struct Config {
     pub default_cpus: Option<u32>,
     pub default_memory_mb: Option<u64>,
     pub docs_base_url: Option<String>,
+    /// `python` / `node` -> an OCI reference, pulled like any image; the base image when its
+    /// registry cannot be reached. Not set: the base image.
+    pub catalog: BTreeMap<String, String>,
 }
 
 impl Default for Config {
@@ -60,6 +68,7 @@ impl Default for Config {
             default_cpus: None,
             default_memory_mb: None,
             docs_base_url: None,
+            catalog: BTreeMap::new(),
         }
     }
 }
@@ -80,6 +89,14 @@ impl Config {
             cfg.max_concurrent_exec_per_sandbox != Some(0),
             "max_concurrent_exec_per_sandbox must be over 0"
         );
+        for (name, reference) in &cfg.catalog {
+            anyhow::ensure!(
+                matches!(name.as_str(), "python" | "node"),
+                "catalog: {name} is not a catalog name (python, node)"
+            );
+            sbx_image::parse_reference(reference)
+                .map_err(|e| anyhow::anyhow!("catalog.{name}: {e}"))?;
+        }
         Ok(cfg)
     }
 
@@ -112,5 +129,23 @@ mod tests {
         assert_eq!(d, Config::default());
         assert!(d.allowed("node"));
         assert!(toml::from_str::<Config>("nope = 1").is_err());
+        let c: Config = toml::from_str("[catalog]\npython = \"127.0.0.1:5000/py:3\"\n").unwrap();
+        assert_eq!(c.catalog["python"], "127.0.0.1:5000/py:3");
+    }
+
+    #[test]
+    fn catalog_entries_are_checked() {
+        let dir = std::env::temp_dir().join(format!("sbx-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        for (text, ok) in [
+            ("[catalog]\npython = \"127.0.0.1:5000/py:3\"\n", true),
+            ("[catalog]\nruby = \"127.0.0.1:5000/rb:3\"\n", false),
+            ("[catalog]\nnode = \"UPPER/Case\"\n", false),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            assert_eq!(Config::load(&path).is_ok(), ok, "{text}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

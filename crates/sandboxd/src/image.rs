@@ -175,6 +175,8 @@ pub struct ImageStore {
     dir: PathBuf,
     uid_base: u32,
     oci: std::sync::Arc<sbx_image::Store>,
+    /// Catalog names mapped to normalised references (the node's config).
+    catalog: BTreeMap<String, String>,
 }
 
 impl std::fmt::Debug for ImageStore {
@@ -193,7 +195,19 @@ impl ImageStore {
             dir,
             uid_base,
             oci: std::sync::Arc::new(oci),
+            catalog: BTreeMap::new(),
         }
+    }
+
+    /// Maps catalog names (`python`, `node`) to registries' images (normalised here).
+    pub fn set_catalog(&mut self, catalog: &BTreeMap<String, String>) {
+        self.catalog = catalog
+            .iter()
+            .filter_map(|(name, r)| {
+                let r = sbx_image::parse_reference(r).ok()?;
+                Some((name.clone(), r.to_string()))
+            })
+            .collect();
     }
 
     /// An image name of the catalog (or none: the base image).
@@ -214,6 +228,9 @@ impl ImageStore {
     }
 
     fn lookup_as(&self, name: Option<&str>, owner: bool) -> Result<Source, ImageError> {
+        // A catalog name the node maps to a registry's image is that image.
+        let mapped = name.and_then(|n| self.catalog.get(n));
+        let name = mapped.map(String::as_str).or(name);
         match name {
             n if Self::is_catalog(n) => self.base().map(|i| Source::Local(Box::new(i))),
             Some(n) => {
@@ -240,11 +257,18 @@ impl ImageStore {
         creds: Option<&sbx_image::Credentials>,
         progress: &(dyn Fn(sbx_image::Progress) + Send + Sync),
     ) -> Result<Image, PullError> {
-        let img = self
-            .oci
-            .pull(reference, creds, progress)
-            .await
-            .map_err(PullError::Pull)?;
+        let img = match self.oci.pull(reference, creds, progress).await {
+            Ok(img) => img,
+            // The image of a catalog name: offline, the base image serves.
+            Err(e)
+                if pull_failure_code(&e) == "image_pull_failed"
+                    && self.catalog.values().any(|r| r == reference) =>
+            {
+                tracing::warn!(image = %reference, error = %e, "a catalog image cannot be pulled: the base image serves");
+                return self.base().map_err(PullError::Node);
+            }
+            Err(e) => return Err(PullError::Pull(e)),
+        };
         if creds.is_some() {
             self.mark_private(&img.digest).map_err(PullError::Node)?;
         }

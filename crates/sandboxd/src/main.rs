@@ -121,7 +121,7 @@ fn main() -> anyhow::Result<()> {
         .images_dir
         .clone()
         .unwrap_or_else(|| cli.data_dir.join("images"));
-    let images =
+    let mut images =
         image::ImageStore::with_insecure(images_dir, cli.uid_base, cli.insecure_registries.clone());
     let mut progress = |line: &str| tracing::info!("{line}");
     match cli.command {
@@ -171,6 +171,7 @@ fn main() -> anyhow::Result<()> {
         Some(p) => config::Config::load(p)?,
         None => config::Config::default(),
     };
+    images.set_catalog(&fn_cfg.catalog);
     let cfg = node::NodeConfig {
         data_dir: cli.data_dir.clone(),
         default_memory_bytes: fn_cfg

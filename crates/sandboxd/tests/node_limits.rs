@@ -47,3 +47,30 @@ fn max_sandboxes_holds_for_http_calls() {
     node.delete_sandbox(b["id"].as_str().unwrap());
     node.assert_clean(Duration::from_secs(10));
 }
+
+#[test]
+fn a_catalog_name_mapped_to_an_unreachable_registry_falls_back_to_the_base_image() {
+    // Nothing listens on port 1: the pull fails as offline pulls do, and the base image
+    // serves `python`, in a run and in a kept sandbox alike.
+    let node = node_with("[catalog]\npython = \"127.0.0.1:1/library/python:3.12\"\n");
+    let v = node.run_ok(&json!({ "image": "python", "command": "python3 -c 'print(2+2)'" }));
+    assert_eq!(v["stdout"], "4\n", "{v}");
+    let r = node.post_json("/v1/sandboxes", &json!({ "image": "python" }));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let v = loop {
+        let v = node.get(&format!("/v1/sandboxes/{id}"), &[]).json();
+        if v["status"] != "starting" || std::time::Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(v["status"], "running", "{v}");
+    assert!(
+        node.log_text().contains("the base image serves"),
+        "the fallback is logged"
+    );
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
