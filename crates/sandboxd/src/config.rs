@@ -11,6 +11,8 @@
 //! default_memory_mb = 512
 //! docs_base_url = "https://iii.dev/docs/sandbox#"   # errors' docs_url is this + the S-code
 //!
+//! insecure_registries = ["127.0.0.1:5000"]   # plain HTTP to these (= --insecure-registry)
+//!
 //! [catalog]                             # catalog names -> images of a registry; the base
 //! python = "127.0.0.1:5000/library/python:3.12"  # image serves when the registry cannot be
 //! node = "127.0.0.1:5000/library/node:22"        # reached (offline)
@@ -54,6 +56,8 @@ pub struct Config {
     /// `python` / `node` -> an OCI reference, pulled like any image; the base image when its
     /// registry cannot be reached. Not set: the base image.
     pub catalog: BTreeMap<String, String>,
+    /// Registries (`HOST:PORT`) pulled from over plain HTTP, with `--insecure-registry`'s.
+    pub insecure_registries: Vec<String>,
 }
 
 impl Default for Config {
@@ -69,6 +73,7 @@ impl Default for Config {
             default_memory_mb: None,
             docs_base_url: None,
             catalog: BTreeMap::new(),
+            insecure_registries: Vec::new(),
         }
     }
 }
@@ -129,6 +134,8 @@ mod tests {
         assert_eq!(d, Config::default());
         assert!(d.allowed("node"));
         assert!(toml::from_str::<Config>("nope = 1").is_err());
+        let c: Config = toml::from_str("insecure_registries = [\"127.0.0.1:5000\"]\n").unwrap();
+        assert_eq!(c.insecure_registries, ["127.0.0.1:5000"]);
         let c: Config = toml::from_str("[catalog]\npython = \"127.0.0.1:5000/py:3\"\n").unwrap();
         assert_eq!(c.catalog["python"], "127.0.0.1:5000/py:3");
     }

@@ -121,8 +121,15 @@ fn main() -> anyhow::Result<()> {
         .images_dir
         .clone()
         .unwrap_or_else(|| cli.data_dir.join("images"));
-    let mut images =
-        image::ImageStore::with_insecure(images_dir, cli.uid_base, cli.insecure_registries.clone());
+    let fn_cfg = match &cli.config {
+        Some(p) => config::Config::load(p)?,
+        None => config::Config::default(),
+    };
+    // Plain HTTP for the registries of --insecure-registry and of the config file.
+    let mut insecure = cli.insecure_registries.clone();
+    insecure.extend(fn_cfg.insecure_registries.iter().cloned());
+    let mut images = image::ImageStore::with_insecure(images_dir, cli.uid_base, insecure);
+    images.set_catalog(&fn_cfg.catalog);
     let mut progress = |line: &str| tracing::info!("{line}");
     match cli.command {
         Some(Cmd::BuildBase) => {
@@ -167,11 +174,6 @@ fn main() -> anyhow::Result<()> {
         .map(|n| n.get() as u32)
         .unwrap_or(1)
         .min(32);
-    let fn_cfg = match &cli.config {
-        Some(p) => config::Config::load(p)?,
-        None => config::Config::default(),
-    };
-    images.set_catalog(&fn_cfg.catalog);
     let cfg = node::NodeConfig {
         data_dir: cli.data_dir.clone(),
         default_memory_bytes: fn_cfg
