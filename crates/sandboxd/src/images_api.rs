@@ -125,6 +125,7 @@ async fn pull(
     tracing::info!(request_id = %rid.0, image = %reference, "pull");
     let (tx, rx) = mpsc::channel::<Event>(256);
     let images = st.node.images.clone();
+    let node = st.node.clone();
     tokio::spawn(async move {
         let progress_tx = tx.clone();
         let progress = move |p: sbx_image::Progress| {
@@ -132,11 +133,21 @@ async fn pull(
             let _ = progress_tx.try_send(Event::Progress(p));
         };
         let ev = match images.pull(&reference, creds.as_ref(), &progress).await {
-            Ok(img) => Event::Done(json!({
-                "reference": reference,
-                "digest": img.oci.as_ref().map(|o| o.digest.clone()),
-                "layers": img.lowers.len(),
-            })),
+            Ok(img) => {
+                let digest = img.oci.as_ref().map(|o| o.digest.clone());
+                // Templates built of an older image of this reference go: the next sandbox
+                // of their settings builds one of what was pulled now.
+                let forgotten = digest
+                    .as_deref()
+                    .map(|d| node.forget_moved_templates(&reference, d))
+                    .unwrap_or(0);
+                Event::Done(json!({
+                    "reference": reference,
+                    "digest": digest,
+                    "layers": img.lowers.len(),
+                    "templates_forgotten": forgotten,
+                }))
+            }
             Err(e) => {
                 tracing::info!(image = %reference, error = %e, "pull failed");
                 Event::Error(json!({ "code": e.code(), "message": e.to_string() }))

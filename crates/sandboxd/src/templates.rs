@@ -324,6 +324,31 @@ impl crate::node::Node {
     }
 }
 
+impl crate::node::Node {
+    /// After an explicit pull of `reference` that got `digest`: the ready templates of that
+    /// reference built of another digest are forgotten (their sandboxes keep running, their
+    /// restarts pull the reference again). How many.
+    pub fn forget_moved_templates(&self, reference: &str, digest: &str) -> usize {
+        let rows = list(&self.store).unwrap_or_default();
+        let mut n = 0;
+        for t in rows {
+            let same_ref = sbx_image::parse_reference(&t.settings.image)
+                .is_ok_and(|r| r.to_string() == reference);
+            if same_ref && t.status == "ready" && t.digest.as_deref().is_some_and(|d| d != digest)
+            {
+                let gone = self
+                    .store
+                    .with_conn(|c| c.execute("DELETE FROM templates WHERE key=?1", params![t.key]));
+                if gone.is_ok() {
+                    tracing::info!(template = %t.key, image = %reference, "template of a moved tag forgotten");
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+}
+
 fn row_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TemplateRow, String)> {
     let settings: String = r.get(1)?;
     Ok((
