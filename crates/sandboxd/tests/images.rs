@@ -8,182 +8,43 @@ mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{assert_error, TestNode};
+use sbx_testreg::{Compression, Layer, Registry, Tar};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
-
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
-const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
 
 // ---------------------------------------------------------------------------------------------
-// The registry (as in sbx-image's tests, without auth).
+// The registry (sbx-testreg) and the test image.
 
-struct Registry {
-    child: Child,
-    dir: PathBuf,
-    port: u16,
+/// A registry on loopback, without auth.
+fn registry() -> Registry {
+    Registry::start(None).unwrap()
 }
 
-impl Registry {
-    fn start() -> Registry {
-        let bin = "docker-registry";
-        assert!(
-            Command::new("sh")
-                .args(["-c", &format!("command -v {bin}")])
-                .stdout(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success()),
-            "these tests need Debian's docker-registry package (apt-get install docker-registry)"
-        );
-        let dir = std::env::temp_dir().join(common::unique("sbx-registry"));
-        fs::create_dir_all(&dir).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let storage = dir.join("storage");
-        fs::create_dir(&storage).unwrap();
-        let config = format!(
-            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\n\
-             storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n\
-             http:\n  addr: 127.0.0.1:{port}\n",
-            storage.display()
-        );
-        let config_path = dir.join("config.yml");
-        fs::write(&config_path, config).unwrap();
-        let log = fs::File::create(dir.join("registry.log")).unwrap();
-        let child = Command::new(bin)
-            .arg("serve")
-            .arg(&config_path)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let reg = Registry { child, dir, port };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            match ureq::get(&format!("{}/v2/", reg.url())).call() {
-                Ok(_) | Err(ureq::Error::Status(401, _)) => break,
-                Err(e) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "registry did not start: {e}\n{}",
-                        reg.log()
-                    );
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        }
-        reg
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(self.dir.join("registry.log")).unwrap_or_default()
-    }
-
-    /// GETs of `kind` (`blobs` or `manifests`) in the access log.
-    fn gets(&self, kind: &str) -> usize {
-        // The access log line is written as the response completes.
-        std::thread::sleep(Duration::from_millis(150));
-        self.log()
-            .lines()
-            .filter(|l| l.contains("\"GET /v2/") && l.contains(&format!("/{kind}/")))
-            .count()
-    }
-
-    fn push_blob(&self, repo: &str, body: &[u8]) -> String {
-        let digest = sha256(body);
-        let res = ureq::post(&format!("{}/v2/{repo}/blobs/uploads/", self.url()))
-            .call()
-            .unwrap();
-        let location = res.header("Location").unwrap().to_string();
-        let location = if location.starts_with('/') {
-            format!("{}{location}", self.url())
-        } else {
-            location
-        };
-        let sep = if location.contains('?') { '&' } else { '?' };
-        ureq::put(&format!("{location}{sep}digest={digest}"))
-            .set("Content-Type", "application/octet-stream")
-            .send_bytes(body)
-            .unwrap();
-        digest
-    }
-
-    fn push_manifest(&self, repo: &str, reference: &str, body: &[u8]) -> String {
-        ureq::put(&format!("{}/v2/{repo}/manifests/{reference}", self.url()))
-            .set("Content-Type", OCI_MANIFEST)
-            .send_bytes(body)
-            .unwrap();
-        sha256(body)
-    }
-
-    /// Builds and pushes the test image as `repo:tag`; its manifest digest. `nonce` goes into
-    /// the top layer and the config, so that the node's store (shared by the tests) has
-    /// neither yet.
-    fn push_image(&self, repo: &str, tag: &str, nonce: &str) -> String {
-        let layers = [layer_one(), layer_two(nonce)];
-        let diff_ids: Vec<String> = layers.iter().map(|l| sha256(l)).collect();
-        let config = json!({
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {
-                "Env": ["PATH=/bin", "GREETING=hi from the image"],
-                "WorkingDir": "/app",
-                "Labels": { "nonce": nonce },
-            },
-            "rootfs": { "type": "layers", "diff_ids": diff_ids },
-        });
-        let config = serde_json::to_vec(&config).unwrap();
-        let config_digest = self.push_blob(repo, &config);
-        let descs: Vec<Value> = layers
-            .iter()
-            .map(|l| {
-                json!({
-                    "mediaType": OCI_LAYER,
-                    "digest": self.push_blob(repo, l),
-                    "size": l.len(),
-                })
-            })
-            .collect();
-        let manifest = json!({
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": { "mediaType": OCI_CONFIG, "digest": config_digest, "size": config.len() },
-            "layers": descs,
-        });
-        self.push_manifest(repo, tag, &serde_json::to_vec(&manifest).unwrap())
-    }
+/// Builds and pushes the test image as `repo:tag`; its manifest digest. `nonce` goes into the
+/// top layer and the config, so that the node's store (shared by the tests) has neither yet.
+fn push_probe(reg: &Registry, repo: &str, tag: &str, nonce: &str) -> String {
+    let layers = [
+        Layer::new(layer_one(), Compression::None),
+        Layer::new(layer_two(nonce), Compression::None),
+    ];
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Env": ["PATH=/bin", "GREETING=hi from the image"],
+            "WorkingDir": "/app",
+            "Labels": { "nonce": nonce },
+        },
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": layers.iter().map(|l| l.diff_id.clone()).collect::<Vec<_>>(),
+        },
+    });
+    let config = serde_json::to_vec(&config).unwrap();
+    reg.push_image(repo, Some(tag), &layers, &config).unwrap().0
 }
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn sha256(body: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(body)))
-}
-
-// ---------------------------------------------------------------------------------------------
-// The image.
 
 /// Reads `path` of the base image, following symlinks inside it (an absolute one is taken
 /// against the image's root, not the host's).
@@ -205,40 +66,6 @@ fn read_base(path: &str) -> Vec<u8> {
     panic!("{path}: too many symlinks");
 }
 
-struct Tar(tar::Builder<Vec<u8>>);
-
-impl Tar {
-    fn new() -> Tar {
-        Tar(tar::Builder::new(Vec::new()))
-    }
-
-    fn add(&mut self, kind: tar::EntryType, name: &str, mode: u32, data: &[u8]) -> &mut Tar {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(kind);
-        h.set_mode(mode);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        h.set_size(data.len() as u64);
-        h.set_path(name).unwrap();
-        h.set_cksum();
-        self.0.append(&h, data).unwrap();
-        self
-    }
-
-    fn dir(&mut self, name: &str, mode: u32) -> &mut Tar {
-        self.add(tar::EntryType::Directory, name, mode, b"")
-    }
-
-    fn file(&mut self, name: &str, mode: u32, data: &[u8]) -> &mut Tar {
-        self.add(tar::EntryType::Regular, name, mode, data)
-    }
-
-    fn finish(self) -> Vec<u8> {
-        self.0.into_inner().unwrap()
-    }
-}
-
 /// /bin/sh (dash) with its loader and libc, a few directories, /etc/hidden.
 fn layer_one() -> Vec<u8> {
     let mut t = Tar::new();
@@ -251,38 +78,38 @@ fn layer_one() -> Vec<u8> {
         "app",
         "root",
     ] {
-        t.dir(d, 0o755);
+        t.dir_mode(d, 0o755);
     }
     for d in ["proc", "dev", "sys"] {
-        t.dir(d, 0o555);
+        t.dir_mode(d, 0o555);
     }
-    t.dir("tmp", 0o1777);
-    t.file("bin/sh", 0o755, &read_base("/usr/bin/dash"));
-    t.file(
+    t.dir_mode("tmp", 0o1777);
+    t.file_mode("bin/sh", 0o755, &read_base("/usr/bin/dash"));
+    t.file_mode(
         "lib64/ld-linux-x86-64.so.2",
         0o755,
         &read_base("/lib64/ld-linux-x86-64.so.2"),
     );
-    t.file(
+    t.file_mode(
         "lib/x86_64-linux-gnu/libc.so.6",
         0o755,
         &read_base("/lib/x86_64-linux-gnu/libc.so.6"),
     );
-    t.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n");
-    t.file("etc/group", 0o644, b"root:x:0:\n");
-    t.file("etc/hidden", 0o644, b"from layer one\n");
-    t.file("etc/kept", 0o644, b"kept\n");
-    t.finish()
+    t.file_mode("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n");
+    t.file_mode("etc/group", 0o644, b"root:x:0:\n");
+    t.file_mode("etc/hidden", 0o644, b"from layer one\n");
+    t.file_mode("etc/kept", 0o644, b"kept\n");
+    t.done()
 }
 
 /// /app/hello.txt and a whiteout over /etc/hidden.
 fn layer_two(nonce: &str) -> Vec<u8> {
     let mut t = Tar::new();
-    t.dir("app", 0o755).dir("etc", 0o755);
-    t.file("app/nonce", 0o644, nonce.as_bytes());
-    t.file("app/hello.txt", 0o644, b"hello from layer two\n");
-    t.file("etc/.wh.hidden", 0o644, b"");
-    t.finish()
+    t.dir_mode("app", 0o755).dir_mode("etc", 0o755);
+    t.file_mode("app/nonce", 0o644, nonce.as_bytes());
+    t.file_mode("app/hello.txt", 0o644, b"hello from layer two\n");
+    t.file_mode("etc/.wh.hidden", 0o644, b"");
+    t.done()
 }
 
 /// What a command in the image prints: the image's env and working directory, a file of the
@@ -309,9 +136,9 @@ fn node_for(reg: &Registry) -> TestNode {
 
 #[test]
 fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
-    let reg = Registry::start();
+    let reg = registry();
     let repo = "sbx/probe";
-    let digest = reg.push_image(repo, "v1", &common::unique("n"));
+    let digest = push_probe(&reg, repo, "v1", &common::unique("n"));
     let node = node_for(&reg);
     let by_tag = format!("{}/{repo}:v1", reg.host());
     let by_digest = format!("{}/{repo}@{digest}", reg.host());
@@ -387,10 +214,10 @@ fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
 
 #[test]
 fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
-    let reg = Registry::start();
+    let reg = registry();
     let repo = "sbx/pulled";
     let nonce = common::unique("n");
-    let digest = reg.push_image(repo, "v2", &nonce);
+    let digest = push_probe(&reg, repo, "v2", &nonce);
     let tag = "v3";
     let node = node_for(&reg);
 
@@ -408,7 +235,7 @@ fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
 
     // A create of an image not pulled yet is answered `starting`, then runs.
     let other = format!("{}/sbx/other:{tag}", reg.host());
-    let d = reg.push_image("sbx/other", tag, &nonce);
+    let d = push_probe(&reg, "sbx/other", tag, &nonce);
     assert_eq!(d, digest);
     let r = node.post_json(
         "/v1/sandboxes",
@@ -429,7 +256,7 @@ fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
 
 #[test]
 fn bad_and_missing_images_are_refused() {
-    let reg = Registry::start();
+    let reg = registry();
     let node = node_for(&reg);
     // Not a reference: 400 before anything is made.
     for bad in ["UPPER/case", "a/b:c:d", "x@sha256:123"] {
