@@ -661,6 +661,37 @@ async fn gc_removes_what_no_image_uses() {
 }
 
 #[tokio::test]
+async fn gc_stops_at_a_record_it_cannot_read() {
+    let reg = Registry::start(None).unwrap();
+    let (_, _, layers) = push_app(&reg, "gc/keep", "1");
+    let store_dir = tempfile::tempdir().unwrap();
+    let root = store_dir.path();
+    let store = store_of(&reg, root);
+    let reference = format!("{}/gc/keep:1", reg.host());
+    let image = store.pull(&reference, None, &no_progress).await.unwrap();
+    let stray = root.join("layers").join("2".repeat(64));
+    fs::create_dir(&stray).unwrap();
+    // A record whose read fails (a directory where a file should be): nothing is removed,
+    // neither the garbage nor, above all, anything of an image gc could not see.
+    let unreadable = root.join("images").join(format!("{}.json", "3".repeat(64)));
+    fs::create_dir(&unreadable).unwrap();
+    let r = store.gc();
+    assert!(matches!(r, Err(ImageError::Io { .. })), "{r:?}");
+    assert!(stray.is_dir());
+    assert!(unreadable.is_dir());
+    for l in &layers {
+        assert!(root.join("layers").join(hex_of(&l.diff_id)).is_dir());
+    }
+    assert_eq!(store.get(&reference).unwrap(), image);
+    // Once it can be read again (here: gone), gc goes on.
+    fs::remove_dir(&unreadable).unwrap();
+    let report = store.gc().unwrap();
+    assert_eq!(report.layers_removed, 1, "{report:?}");
+    assert!(!stray.exists());
+    assert_eq!(store.get(&reference).unwrap(), image);
+}
+
+#[tokio::test]
 async fn docker_v2_manifests_and_concurrent_pulls() {
     const LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
     const MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
