@@ -212,8 +212,10 @@ impl ImageStore {
         }
     }
 
-    /// Pulls `reference` (a registry request unless the store has it by digest; by tag only
-    /// its manifest is asked for when the store has the image).
+    /// Pulls `reference`: the registry is always asked (only the manifest when the store has
+    /// the image), by digest too. A create gets here when the store does not have the image,
+    /// when its copy was pulled with a login, or with a login of its own: the registry then
+    /// decides whether the caller may have it.
     pub async fn pull(
         &self,
         reference: &str,
@@ -222,7 +224,7 @@ impl ImageStore {
     ) -> Result<Image, PullError> {
         let img = self
             .oci
-            .pull(reference, creds, progress)
+            .pull_from_registry(reference, creds, progress)
             .await
             .map_err(PullError::Pull)?;
         if creds.is_some() {

@@ -164,12 +164,35 @@ impl Store {
         creds: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<Image, ImageError> {
+        self.pull_inner(reference, creds, progress, false).await
+    }
+
+    /// As [`Store::pull`], but the registry is always asked for the manifest, by digest too,
+    /// even when the store has the image: for an image the caller may only have when the
+    /// registry says so (a private one). Only the manifest is fetched when the store has the
+    /// image; a refusal is `Unauthorized`.
+    pub async fn pull_from_registry(
+        &self,
+        reference: &str,
+        creds: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<Image, ImageError> {
+        self.pull_inner(reference, creds, progress, true).await
+    }
+
+    async fn pull_inner(
+        &self,
+        reference: &str,
+        creds: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+        ask_registry: bool,
+    ) -> Result<Image, ImageError> {
         let r = parse_reference(reference)?;
         let layout = Layout::new(&self.root);
         layout.init(self.uid_base)?;
         let lock = Arc::new(layout.lock_for_pull().await?);
 
-        if let Some(d) = r.digest() {
+        if let (Some(d), false) = (r.digest(), ask_registry) {
             if let Some(rec) = layout.complete_by_digest(d) {
                 return layout.remember(&r, rec, None);
             }

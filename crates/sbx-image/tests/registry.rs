@@ -522,6 +522,29 @@ async fn private_registry_needs_credentials() {
         .unwrap();
     assert_eq!(image.digest, amd64);
     assert_eq!(image.layers.len(), 3);
+
+    // The store has it now: `pull` by digest answers from the store; `pull_from_registry`
+    // asks the registry (its manifest only), which refuses without the login.
+    let by_digest = format!("{}/private/app@{amd64}", reg.host());
+    let blobs = reg.gets("blobs");
+    assert_eq!(
+        store.pull(&by_digest, None, &no_progress).await.unwrap(),
+        store.get(&by_digest).unwrap()
+    );
+    for creds in [None, Some(&wrong)] {
+        let r = store
+            .pull_from_registry(&by_digest, creds, &no_progress)
+            .await;
+        assert!(matches!(r, Err(ImageError::Unauthorized { .. })), "{r:?}");
+    }
+    let manifests = reg.gets("manifests");
+    let again = store
+        .pull_from_registry(&by_digest, Some(&right), &no_progress)
+        .await
+        .unwrap();
+    assert_eq!(again.digest, amd64);
+    assert_eq!(reg.gets("manifests"), manifests + 1);
+    assert_eq!(reg.gets("blobs"), blobs, "no blob fetched again");
 }
 
 #[tokio::test]
