@@ -304,3 +304,122 @@ fn bad_and_missing_images_are_refused() {
     );
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// `PUT /v1/secrets/{name}`: must answer 201 or 200.
+fn put_secret(node: &TestNode, name: &str, body: &Value) {
+    let r = ureq::put(&node.url(&format!("/v1/secrets/{name}")))
+        .set("Content-Type", "application/json")
+        .send_bytes(&serde_json::to_vec(body).unwrap());
+    match r {
+        Ok(r) => assert!([200, 201].contains(&r.status()), "PUT secret {name}"),
+        Err(e) => panic!("PUT secret {name}: {e}\n{}", node.log_tail(20)),
+    }
+}
+
+/// A create that must be answered `starting` (its image is pulled in the background), then
+/// the sandbox once it is no longer `starting`.
+fn create_pulling(node: &TestNode, body: &Value) -> (String, Value) {
+    let r = node.post_json("/v1/sandboxes", body);
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["status"], "starting", "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let sb = wait_status(node, &id, "starting");
+    (id, sb)
+}
+
+#[test]
+fn a_private_registry_needs_the_right_pull_secret() {
+    let password = common::unique("Right-Pa55");
+    let wrong = common::unique("Wrong-Pa55");
+    let reg = Registry::start(Some(("sbx", &password))).unwrap();
+    let repo = "private/probe";
+    let digest = push_probe(&reg, repo, "v1", &common::unique("n"));
+    let image = format!("{}/{repo}:v1", reg.host());
+    let by_digest = format!("{}/{repo}@{digest}", reg.host());
+    let node = node_for(&reg);
+    put_secret(
+        &node,
+        "wrong-login",
+        &json!({ "value": format!("sbx:{wrong}"), "allowed_hosts": ["127.0.0.1"] }),
+    );
+    put_secret(
+        &node,
+        "right-login",
+        &json!({ "value": format!("sbx:{password}"), "allowed_hosts": ["127.0.0.1"] }),
+    );
+    let hidden = |what: &str, text: &str| {
+        for secret in [&password, &wrong] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{what} holds a password: {text}"
+            );
+        }
+    };
+    // A refused pull, as a sandbox: `starting`, then `failed` with registry_auth_failed.
+    let assert_refused = |body: &Value| {
+        let (id, sb) = create_pulling(&node, body);
+        assert_eq!(sb["status"], "failed", "{body}: {sb}");
+        assert_eq!(sb["failure_code"], "registry_auth_failed", "{sb}");
+        let failure = sb["failure"].as_str().unwrap_or_default();
+        assert!(failure.contains(&reg.host()), "{sb}");
+        hidden("the sandbox", &sb.to_string());
+        hidden("the list", &node.get("/v1/sandboxes", &[]).text());
+        node.delete_sandbox(&id);
+    };
+    // As a run: 409 sandbox_failed, the failure code first in its message.
+    let assert_run_refused = |body: &Value| {
+        let (status, v) = node.run(body);
+        assert_error(status, &v, 409, "sandbox_failed", Some("image"));
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.starts_with("registry_auth_failed:"), "{v}");
+        hidden("the run's error", &v.to_string());
+    };
+
+    // The wrong password.
+    assert_refused(&json!({ "image": image, "image_pull_secret": "wrong-login" }));
+    assert_run_refused(&json!({
+        "image": image, "image_pull_secret": "wrong-login", "command": "true"
+    }));
+    // No secret at all: the registry wants a login.
+    assert_refused(&json!({ "image": image }));
+    assert_run_refused(&json!({ "image": image, "command": "true" }));
+
+    // The right one: the sandbox runs, and so does a command in it and a run.
+    let (id, sb) = create_pulling(
+        &node,
+        &json!({ "image": image, "image_pull_secret": "right-login" }),
+    );
+    assert_eq!(sb["status"], "running", "{sb}");
+    let e = node.exec(&id, &json!({ "command": PROBE }));
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], PROBE_OUT, "{done}");
+    node.delete_sandbox(&id);
+    let v = node.run_ok(&json!({
+        "image": image, "image_pull_secret": "right-login", "command": PROBE
+    }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+
+    // Pulled with a login, the image is not served from the node's store to a create without
+    // one, nor to one with a wrong login, by tag or by digest: the registry is asked again and
+    // refuses.
+    for name in [&image, &by_digest] {
+        assert_refused(&json!({ "image": name }));
+        assert_run_refused(&json!({ "image": name, "command": "true" }));
+        assert_refused(&json!({ "image": name, "image_pull_secret": "wrong-login" }));
+        assert_run_refused(&json!({
+            "image": name, "image_pull_secret": "wrong-login", "command": "true"
+        }));
+    }
+    // With the right one by digest it runs (from the store: no blob fetched again).
+    let blobs = reg.gets("blobs");
+    let v = node.run_ok(&json!({
+        "image": by_digest, "image_pull_secret": "right-login", "command": PROBE
+    }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    assert_eq!(reg.gets("blobs"), blobs);
+
+    std::thread::sleep(Duration::from_millis(200));
+    hidden("the node's log", &node.log_text());
+    node.assert_clean(Duration::from_secs(10));
+}
