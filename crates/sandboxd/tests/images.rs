@@ -423,3 +423,116 @@ fn a_private_registry_needs_the_right_pull_secret() {
     hidden("the node's log", &node.log_text());
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// The node's `image gc:` log lines, once there are at least `n` (at most 30 s).
+fn gc_lines(node: &TestNode, n: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let lines: Vec<String> = node
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("image gc"))
+            .map(String::from)
+            .collect();
+        if lines.len() >= n {
+            return lines;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no image gc in the log\n{}",
+            node.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_node_start_collects_what_no_image_uses() {
+    let reg = registry();
+    let repo = "sbx/kept";
+    let digest = push_probe(&reg, repo, "v1", &common::unique("n"));
+    let by_digest = format!("{}/{repo}@{digest}", reg.host());
+    let mut node =
+        TestNode::start_private_images(&["--insecure-registry", &reg.host(), "--warm-pool", "0"]);
+    let images = node.images_dir.clone();
+    let oci = images.join("oci");
+    // The first start finds no store: nothing removed.
+    let first = gc_lines(&node, 1);
+    assert!(
+        first[0].contains("removed 0 blobs (0 bytes), 0 layers"),
+        "{first:?}"
+    );
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    // A kept sandbox of the image runs across the node's restart (and its gc).
+    let sb = node.create_sandbox(&json!({ "image": by_digest }));
+    let id = sb["id"].as_str().unwrap().to_string();
+    node.stop();
+
+    // What a killed pull leaves (a half-unpacked layer, a half-written blob), what no image
+    // names (a layer, a blob), and the private marker of an image no longer stored.
+    let half_layer = oci.join("layers/.tmp-1-0-half");
+    fs::create_dir(&half_layer).unwrap();
+    fs::write(half_layer.join("file"), b"half").unwrap();
+    let half_blob = oci.join("blobs/sha256/.tmp-1-1-part");
+    fs::write(&half_blob, b"part").unwrap();
+    let stray_layer = oci.join("layers").join("5".repeat(64));
+    fs::create_dir(&stray_layer).unwrap();
+    fs::write(stray_layer.join("file"), b"stray").unwrap();
+    let stray_blob = oci.join("blobs/sha256").join("6".repeat(64));
+    fs::write(&stray_blob, b"0123456789").unwrap();
+    let marker = images.join("oci-private").join("7".repeat(64));
+    fs::create_dir_all(marker.parent().unwrap()).unwrap();
+    fs::write(&marker, b"").unwrap();
+    let layers_before = fs::read_dir(oci.join("layers")).unwrap().count();
+
+    node.restart();
+    let lines = gc_lines(&node, 2);
+    assert!(
+        lines[1].contains(
+            "removed 1 blobs (10 bytes), 1 layers, 2 temp files, 0 records, 1 private markers"
+        ),
+        "{lines:?}"
+    );
+    for gone in [&half_layer, &half_blob, &stray_layer, &stray_blob, &marker] {
+        assert!(!gone.exists(), "{} is left", gone.display());
+    }
+    assert_eq!(
+        fs::read_dir(oci.join("layers")).unwrap().count(),
+        layers_before - 2,
+        "the image's layers are kept"
+    );
+    // The image still runs from the store (no blob fetched again), and so does the kept
+    // sandbox on it.
+    let blobs = reg.gets("blobs");
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    assert_eq!(reg.gets("blobs"), blobs, "a blob was fetched again");
+    let e = node.exec(&id, &json!({ "command": PROBE }));
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], PROBE_OUT, "{done}");
+
+    // The same as a command, beside the running node.
+    fs::write(&stray_blob, b"01234").unwrap();
+    let gc = |what: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandboxd"))
+            .arg("--images-dir")
+            .arg(&images)
+            .arg("gc")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{what}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        gc("gc"),
+        "removed 1 blobs (5 bytes), 0 layers, 0 temp files, 0 records, 0 private markers\n"
+    );
+    assert!(!stray_blob.exists());
+    assert!(gc("gc again").starts_with("removed 0 blobs (0 bytes), 0 layers"));
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
