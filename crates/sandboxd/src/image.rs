@@ -65,6 +65,39 @@ impl PullError {
     }
 }
 
+/// Why a gc of the images stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum GcError {
+    #[error("image store: {0}")]
+    Store(#[from] sbx_image::ImageError),
+    #[error(transparent)]
+    Node(#[from] ImageError),
+}
+
+/// What a gc of the images removed: sbx-image's report, and the private markers of images no
+/// longer in the store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcSummary {
+    pub store: sbx_image::GcReport,
+    pub markers_removed: u64,
+}
+
+impl std::fmt::Display for GcSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.store;
+        write!(
+            f,
+            "{} blobs ({} bytes), {} layers, {} temp files, {} records, {} private markers",
+            s.blobs_removed,
+            s.bytes_freed,
+            s.layers_removed,
+            s.temps_removed,
+            s.records_removed,
+            self.markers_removed
+        )
+    }
+}
+
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError {
     let what = what.into();
     move |source| ImageError::Io { what, source }
@@ -249,15 +282,21 @@ impl ImageStore {
         }
     }
 
-    /// Pulls `reference` (a registry request unless the store has it by digest; by tag only
-    /// its manifest is asked for when the store has the image).
+    /// Pulls `reference`: the registry is always asked (only the manifest when the store has
+    /// the image), by digest too. A create gets here when the store does not have the image,
+    /// when its copy was pulled with a login, or with a login of its own: the registry then
+    /// decides whether the caller may have it.
     pub async fn pull(
         &self,
         reference: &str,
         creds: Option<&sbx_image::Credentials>,
         progress: &(dyn Fn(sbx_image::Progress) + Send + Sync),
     ) -> Result<Image, PullError> {
-        let img = match self.oci.pull(reference, creds, progress).await {
+        let img = match self
+            .oci
+            .pull_from_registry(reference, creds, progress)
+            .await
+        {
             Ok(img) => img,
             // The image of a catalog name: offline, the base image serves.
             Err(e)
@@ -291,6 +330,41 @@ impl ImageStore {
             fs::create_dir_all(dir).map_err(io("mkdir oci-private"))?;
         }
         fs::write(&path, b"").map_err(io("mark a private image"))
+    }
+
+    /// Removes what no pulled image uses: sbx-image's gc of `<images>/oci` (blobs, layers and
+    /// refs no image record names, temp files of pulls no longer running; it waits for running
+    /// pulls), then the private markers of images the store no longer has. Never a layer an
+    /// image record names, so never one a sandbox may run on. Blocking.
+    pub fn gc(&self) -> Result<GcSummary, GcError> {
+        let store = self.oci.gc()?;
+        let mut markers_removed = 0;
+        let markers = self.dir.join("oci-private");
+        let entries = match fs::read_dir(&markers) {
+            Ok(rd) => rd
+                .collect::<std::io::Result<Vec<_>>>()
+                .map_err(io(format!("read {}", markers.display())))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io(format!("read {}", markers.display()))(e).into()),
+        };
+        let records = self.dir.join("oci").join("images");
+        for e in entries {
+            let name = e.file_name();
+            let Some(hex) = name.to_str() else { continue };
+            // A marker is written after its image's record, and records are only ever removed
+            // by gc: one without a record is of an image gone.
+            match fs::symlink_metadata(records.join(format!("{hex}.json"))) {
+                Ok(_) => continue,
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(io(format!("stat the record of {hex}"))(err).into()),
+            }
+            fs::remove_file(e.path()).map_err(io(format!("remove {}", e.path().display())))?;
+            markers_removed += 1;
+        }
+        Ok(GcSummary {
+            store,
+            markers_removed,
+        })
     }
 
     fn of_oci(&self, img: sbx_image::Image) -> Result<Image, ImageError> {

@@ -95,6 +95,10 @@ enum Cmd {
     Serve,
     /// Build the base image now (debootstrap from the machine's apt sources) and exit.
     BuildBase,
+    /// Remove what no pulled image uses from the images directory (blobs, layers, refs, temp
+    /// files of pulls no longer running), print what was removed and exit. Safe while nodes
+    /// run on the same directory: it waits for their pulls.
+    Gc,
 }
 
 fn host_memory() -> u64 {
@@ -135,6 +139,11 @@ fn main() -> anyhow::Result<()> {
         Some(Cmd::BuildBase) => {
             let img = images.build_base(&mut progress)?;
             println!("base image ready at {}", img.rootfs.display());
+            return Ok(());
+        }
+        Some(Cmd::Gc) => {
+            let removed = images.gc()?;
+            println!("removed {removed}");
             return Ok(());
         }
         Some(Cmd::Serve) | None => {}
@@ -227,9 +236,27 @@ fn main() -> anyhow::Result<()> {
         if removed > 0 {
             tracing::info!(removed, "removed what a previous run left");
         }
+        gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
         serve(cli.listen, node, api_keys, cli.docs_url, cli.iii_url).await
     })
+}
+
+/// The images' gc, in the background: it waits for pulls of other nodes sharing the images
+/// directory, and the node serves meanwhile.
+fn gc_images(images: image::ImageStore) {
+    tokio::task::spawn_blocking(move || match images.gc() {
+        Ok(removed) => tracing::info!(
+            blobs = removed.store.blobs_removed,
+            layers = removed.store.layers_removed,
+            temps = removed.store.temps_removed,
+            records = removed.store.records_removed,
+            markers = removed.markers_removed,
+            bytes = removed.store.bytes_freed,
+            "image gc: removed {removed}"
+        ),
+        Err(e) => tracing::warn!(error = %e, "image gc failed"),
+    });
 }
 
 async fn serve(

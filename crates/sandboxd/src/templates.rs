@@ -334,8 +334,7 @@ impl crate::node::Node {
         for t in rows {
             let same_ref = sbx_image::parse_reference(&t.settings.image)
                 .is_ok_and(|r| r.to_string() == reference);
-            if same_ref && t.status == "ready" && t.digest.as_deref().is_some_and(|d| d != digest)
-            {
+            if same_ref && t.status == "ready" && t.digest.as_deref().is_some_and(|d| d != digest) {
                 let gone = self
                     .store
                     .with_conn(|c| c.execute("DELETE FROM templates WHERE key=?1", params![t.key]));

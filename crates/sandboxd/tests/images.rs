@@ -8,182 +8,43 @@ mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{assert_error, TestNode};
+use sbx_testreg::{Compression, Layer, Registry, Tar};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
-
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
-const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
 
 // ---------------------------------------------------------------------------------------------
-// The registry (as in sbx-image's tests, without auth).
+// The registry (sbx-testreg) and the test image.
 
-struct Registry {
-    child: Child,
-    dir: PathBuf,
-    port: u16,
+/// A registry on loopback, without auth.
+fn registry() -> Registry {
+    Registry::start(None).unwrap()
 }
 
-impl Registry {
-    fn start() -> Registry {
-        let bin = "docker-registry";
-        assert!(
-            Command::new("sh")
-                .args(["-c", &format!("command -v {bin}")])
-                .stdout(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success()),
-            "these tests need Debian's docker-registry package (apt-get install docker-registry)"
-        );
-        let dir = std::env::temp_dir().join(common::unique("sbx-registry"));
-        fs::create_dir_all(&dir).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let storage = dir.join("storage");
-        fs::create_dir(&storage).unwrap();
-        let config = format!(
-            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\n\
-             storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n\
-             http:\n  addr: 127.0.0.1:{port}\n",
-            storage.display()
-        );
-        let config_path = dir.join("config.yml");
-        fs::write(&config_path, config).unwrap();
-        let log = fs::File::create(dir.join("registry.log")).unwrap();
-        let child = Command::new(bin)
-            .arg("serve")
-            .arg(&config_path)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let reg = Registry { child, dir, port };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            match ureq::get(&format!("{}/v2/", reg.url())).call() {
-                Ok(_) | Err(ureq::Error::Status(401, _)) => break,
-                Err(e) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "registry did not start: {e}\n{}",
-                        reg.log()
-                    );
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        }
-        reg
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(self.dir.join("registry.log")).unwrap_or_default()
-    }
-
-    /// GETs of `kind` (`blobs` or `manifests`) in the access log.
-    fn gets(&self, kind: &str) -> usize {
-        // The access log line is written as the response completes.
-        std::thread::sleep(Duration::from_millis(150));
-        self.log()
-            .lines()
-            .filter(|l| l.contains("\"GET /v2/") && l.contains(&format!("/{kind}/")))
-            .count()
-    }
-
-    fn push_blob(&self, repo: &str, body: &[u8]) -> String {
-        let digest = sha256(body);
-        let res = ureq::post(&format!("{}/v2/{repo}/blobs/uploads/", self.url()))
-            .call()
-            .unwrap();
-        let location = res.header("Location").unwrap().to_string();
-        let location = if location.starts_with('/') {
-            format!("{}{location}", self.url())
-        } else {
-            location
-        };
-        let sep = if location.contains('?') { '&' } else { '?' };
-        ureq::put(&format!("{location}{sep}digest={digest}"))
-            .set("Content-Type", "application/octet-stream")
-            .send_bytes(body)
-            .unwrap();
-        digest
-    }
-
-    fn push_manifest(&self, repo: &str, reference: &str, body: &[u8]) -> String {
-        ureq::put(&format!("{}/v2/{repo}/manifests/{reference}", self.url()))
-            .set("Content-Type", OCI_MANIFEST)
-            .send_bytes(body)
-            .unwrap();
-        sha256(body)
-    }
-
-    /// Builds and pushes the test image as `repo:tag`; its manifest digest. `nonce` goes into
-    /// the top layer and the config, so that the node's store (shared by the tests) has
-    /// neither yet.
-    fn push_image(&self, repo: &str, tag: &str, nonce: &str) -> String {
-        let layers = [layer_one(), layer_two(nonce)];
-        let diff_ids: Vec<String> = layers.iter().map(|l| sha256(l)).collect();
-        let config = json!({
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {
-                "Env": ["PATH=/bin", "GREETING=hi from the image"],
-                "WorkingDir": "/app",
-                "Labels": { "nonce": nonce },
-            },
-            "rootfs": { "type": "layers", "diff_ids": diff_ids },
-        });
-        let config = serde_json::to_vec(&config).unwrap();
-        let config_digest = self.push_blob(repo, &config);
-        let descs: Vec<Value> = layers
-            .iter()
-            .map(|l| {
-                json!({
-                    "mediaType": OCI_LAYER,
-                    "digest": self.push_blob(repo, l),
-                    "size": l.len(),
-                })
-            })
-            .collect();
-        let manifest = json!({
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": { "mediaType": OCI_CONFIG, "digest": config_digest, "size": config.len() },
-            "layers": descs,
-        });
-        self.push_manifest(repo, tag, &serde_json::to_vec(&manifest).unwrap())
-    }
+/// Builds and pushes the test image as `repo:tag`; its manifest digest. `nonce` goes into the
+/// top layer and the config, so that the node's store (shared by the tests) has neither yet.
+fn push_probe(reg: &Registry, repo: &str, tag: &str, nonce: &str) -> String {
+    let layers = [
+        Layer::new(layer_one(), Compression::None),
+        Layer::new(layer_two(nonce), Compression::None),
+    ];
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Env": ["PATH=/bin", "GREETING=hi from the image"],
+            "WorkingDir": "/app",
+            "Labels": { "nonce": nonce },
+        },
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": layers.iter().map(|l| l.diff_id.clone()).collect::<Vec<_>>(),
+        },
+    });
+    let config = serde_json::to_vec(&config).unwrap();
+    reg.push_image(repo, Some(tag), &layers, &config).unwrap().0
 }
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn sha256(body: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(body)))
-}
-
-// ---------------------------------------------------------------------------------------------
-// The image.
 
 /// Reads `path` of the base image, following symlinks inside it (an absolute one is taken
 /// against the image's root, not the host's).
@@ -205,40 +66,6 @@ fn read_base(path: &str) -> Vec<u8> {
     panic!("{path}: too many symlinks");
 }
 
-struct Tar(tar::Builder<Vec<u8>>);
-
-impl Tar {
-    fn new() -> Tar {
-        Tar(tar::Builder::new(Vec::new()))
-    }
-
-    fn add(&mut self, kind: tar::EntryType, name: &str, mode: u32, data: &[u8]) -> &mut Tar {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(kind);
-        h.set_mode(mode);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        h.set_size(data.len() as u64);
-        h.set_path(name).unwrap();
-        h.set_cksum();
-        self.0.append(&h, data).unwrap();
-        self
-    }
-
-    fn dir(&mut self, name: &str, mode: u32) -> &mut Tar {
-        self.add(tar::EntryType::Directory, name, mode, b"")
-    }
-
-    fn file(&mut self, name: &str, mode: u32, data: &[u8]) -> &mut Tar {
-        self.add(tar::EntryType::Regular, name, mode, data)
-    }
-
-    fn finish(self) -> Vec<u8> {
-        self.0.into_inner().unwrap()
-    }
-}
-
 /// /bin/sh (dash) with its loader and libc, a few directories, /etc/hidden.
 fn layer_one() -> Vec<u8> {
     let mut t = Tar::new();
@@ -251,38 +78,38 @@ fn layer_one() -> Vec<u8> {
         "app",
         "root",
     ] {
-        t.dir(d, 0o755);
+        t.dir_mode(d, 0o755);
     }
     for d in ["proc", "dev", "sys"] {
-        t.dir(d, 0o555);
+        t.dir_mode(d, 0o555);
     }
-    t.dir("tmp", 0o1777);
-    t.file("bin/sh", 0o755, &read_base("/usr/bin/dash"));
-    t.file(
+    t.dir_mode("tmp", 0o1777);
+    t.file_mode("bin/sh", 0o755, &read_base("/usr/bin/dash"));
+    t.file_mode(
         "lib64/ld-linux-x86-64.so.2",
         0o755,
         &read_base("/lib64/ld-linux-x86-64.so.2"),
     );
-    t.file(
+    t.file_mode(
         "lib/x86_64-linux-gnu/libc.so.6",
         0o755,
         &read_base("/lib/x86_64-linux-gnu/libc.so.6"),
     );
-    t.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n");
-    t.file("etc/group", 0o644, b"root:x:0:\n");
-    t.file("etc/hidden", 0o644, b"from layer one\n");
-    t.file("etc/kept", 0o644, b"kept\n");
-    t.finish()
+    t.file_mode("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n");
+    t.file_mode("etc/group", 0o644, b"root:x:0:\n");
+    t.file_mode("etc/hidden", 0o644, b"from layer one\n");
+    t.file_mode("etc/kept", 0o644, b"kept\n");
+    t.done()
 }
 
 /// /app/hello.txt and a whiteout over /etc/hidden.
 fn layer_two(nonce: &str) -> Vec<u8> {
     let mut t = Tar::new();
-    t.dir("app", 0o755).dir("etc", 0o755);
-    t.file("app/nonce", 0o644, nonce.as_bytes());
-    t.file("app/hello.txt", 0o644, b"hello from layer two\n");
-    t.file("etc/.wh.hidden", 0o644, b"");
-    t.finish()
+    t.dir_mode("app", 0o755).dir_mode("etc", 0o755);
+    t.file_mode("app/nonce", 0o644, nonce.as_bytes());
+    t.file_mode("app/hello.txt", 0o644, b"hello from layer two\n");
+    t.file_mode("etc/.wh.hidden", 0o644, b"");
+    t.done()
 }
 
 /// What a command in the image prints: the image's env and working directory, a file of the
@@ -309,9 +136,9 @@ fn node_for(reg: &Registry) -> TestNode {
 
 #[test]
 fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
-    let reg = Registry::start();
+    let reg = registry();
     let repo = "sbx/probe";
-    let digest = reg.push_image(repo, "v1", &common::unique("n"));
+    let digest = push_probe(&reg, repo, "v1", &common::unique("n"));
     let node = node_for(&reg);
     let by_tag = format!("{}/{repo}:v1", reg.host());
     let by_digest = format!("{}/{repo}@{digest}", reg.host());
@@ -324,7 +151,7 @@ fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
     let blobs = reg.gets("blobs");
     assert!(blobs >= 2, "config and top layer: {blobs}\n{}", reg.log());
 
-    // The image's own start command is not started yet: asking for it is refused, not ignored.
+    // A run starts no start command: asking for the image's is refused, not ignored.
     let (status, v) = node.run(&json!({ "image": by_tag, "command": "true", "start": true }));
     assert_eq!(status, 503, "{v}");
     assert_eq!(v["error"]["code"], "not_served_here", "{v}");
@@ -387,10 +214,10 @@ fn an_image_of_a_registry_runs_by_tag_and_by_digest() {
 
 #[test]
 fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
-    let reg = Registry::start();
+    let reg = registry();
     let repo = "sbx/pulled";
     let nonce = common::unique("n");
-    let digest = reg.push_image(repo, "v2", &nonce);
+    let digest = push_probe(&reg, repo, "v2", &nonce);
     let tag = "v3";
     let node = node_for(&reg);
 
@@ -408,7 +235,7 @@ fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
 
     // A create of an image not pulled yet is answered `starting`, then runs.
     let other = format!("{}/sbx/other:{tag}", reg.host());
-    let d = reg.push_image("sbx/other", tag, &nonce);
+    let d = push_probe(&reg, "sbx/other", tag, &nonce);
     assert_eq!(d, digest);
     let r = node.post_json(
         "/v1/sandboxes",
@@ -429,7 +256,7 @@ fn a_sandbox_waits_for_its_pull_and_pulls_stream_progress() {
 
 #[test]
 fn bad_and_missing_images_are_refused() {
-    let reg = Registry::start();
+    let reg = registry();
     let node = node_for(&reg);
     // Not a reference: 400 before anything is made.
     for bad in ["UPPER/case", "a/b:c:d", "x@sha256:123"] {
@@ -475,5 +302,415 @@ fn bad_and_missing_images_are_refused() {
         "secret_not_found",
         Some("image_pull_secret"),
     );
+    node.assert_clean(Duration::from_secs(10));
+}
+
+/// `PUT /v1/secrets/{name}`: must answer 201 or 200.
+fn put_secret(node: &TestNode, name: &str, body: &Value) {
+    let r = ureq::put(&node.url(&format!("/v1/secrets/{name}")))
+        .set("Content-Type", "application/json")
+        .send_bytes(&serde_json::to_vec(body).unwrap());
+    match r {
+        Ok(r) => assert!([200, 201].contains(&r.status()), "PUT secret {name}"),
+        Err(e) => panic!("PUT secret {name}: {e}\n{}", node.log_tail(20)),
+    }
+}
+
+/// A create that must be answered `starting` (its image is pulled in the background), then
+/// the sandbox once it is no longer `starting`.
+fn create_pulling(node: &TestNode, body: &Value) -> (String, Value) {
+    let r = node.post_json("/v1/sandboxes", body);
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["status"], "starting", "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let sb = wait_status(node, &id, "starting");
+    (id, sb)
+}
+
+#[test]
+fn a_private_registry_needs_the_right_pull_secret() {
+    let password = common::unique("Right-Pa55");
+    let wrong = common::unique("Wrong-Pa55");
+    let reg = Registry::start(Some(("sbx", &password))).unwrap();
+    let repo = "private/probe";
+    let digest = push_probe(&reg, repo, "v1", &common::unique("n"));
+    let image = format!("{}/{repo}:v1", reg.host());
+    let by_digest = format!("{}/{repo}@{digest}", reg.host());
+    let node = node_for(&reg);
+    put_secret(
+        &node,
+        "wrong-login",
+        &json!({ "value": format!("sbx:{wrong}"), "allowed_hosts": ["127.0.0.1"] }),
+    );
+    put_secret(
+        &node,
+        "right-login",
+        &json!({ "value": format!("sbx:{password}"), "allowed_hosts": ["127.0.0.1"] }),
+    );
+    let hidden = |what: &str, text: &str| {
+        for secret in [&password, &wrong] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{what} holds a password: {text}"
+            );
+        }
+    };
+    // A refused pull, as a sandbox: `starting`, then `failed` with registry_auth_failed.
+    let assert_refused = |body: &Value| {
+        let (id, sb) = create_pulling(&node, body);
+        assert_eq!(sb["status"], "failed", "{body}: {sb}");
+        assert_eq!(sb["failure_code"], "registry_auth_failed", "{sb}");
+        let failure = sb["failure"].as_str().unwrap_or_default();
+        assert!(failure.contains(&reg.host()), "{sb}");
+        hidden("the sandbox", &sb.to_string());
+        hidden("the list", &node.get("/v1/sandboxes", &[]).text());
+        node.delete_sandbox(&id);
+    };
+    // As a run: 409 sandbox_failed, the failure code first in its message.
+    let assert_run_refused = |body: &Value| {
+        let (status, v) = node.run(body);
+        assert_error(status, &v, 409, "sandbox_failed", Some("image"));
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.starts_with("registry_auth_failed:"), "{v}");
+        hidden("the run's error", &v.to_string());
+    };
+
+    // The wrong password.
+    assert_refused(&json!({ "image": image, "image_pull_secret": "wrong-login" }));
+    assert_run_refused(&json!({
+        "image": image, "image_pull_secret": "wrong-login", "command": "true"
+    }));
+    // No secret at all: the registry wants a login.
+    assert_refused(&json!({ "image": image }));
+    assert_run_refused(&json!({ "image": image, "command": "true" }));
+
+    // The right one: the sandbox runs, and so does a command in it and a run.
+    let (id, sb) = create_pulling(
+        &node,
+        &json!({ "image": image, "image_pull_secret": "right-login" }),
+    );
+    assert_eq!(sb["status"], "running", "{sb}");
+    let e = node.exec(&id, &json!({ "command": PROBE }));
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], PROBE_OUT, "{done}");
+    node.delete_sandbox(&id);
+    let v = node.run_ok(&json!({
+        "image": image, "image_pull_secret": "right-login", "command": PROBE
+    }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+
+    // Pulled with a login, the image is not served from the node's store to a create without
+    // one, nor to one with a wrong login, by tag or by digest: the registry is asked again and
+    // refuses.
+    for name in [&image, &by_digest] {
+        assert_refused(&json!({ "image": name }));
+        assert_run_refused(&json!({ "image": name, "command": "true" }));
+        assert_refused(&json!({ "image": name, "image_pull_secret": "wrong-login" }));
+        assert_run_refused(&json!({
+            "image": name, "image_pull_secret": "wrong-login", "command": "true"
+        }));
+    }
+    // With the right one by digest it runs (from the store: no blob fetched again).
+    let blobs = reg.gets("blobs");
+    let v = node.run_ok(&json!({
+        "image": by_digest, "image_pull_secret": "right-login", "command": PROBE
+    }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    assert_eq!(reg.gets("blobs"), blobs);
+
+    std::thread::sleep(Duration::from_millis(200));
+    hidden("the node's log", &node.log_text());
+    node.assert_clean(Duration::from_secs(10));
+}
+
+/// The node's `image gc:` log lines, once there are at least `n` (at most 30 s).
+fn gc_lines(node: &TestNode, n: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let lines: Vec<String> = node
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("image gc"))
+            .map(String::from)
+            .collect();
+        if lines.len() >= n {
+            return lines;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no image gc in the log\n{}",
+            node.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_node_start_collects_what_no_image_uses() {
+    let reg = registry();
+    let repo = "sbx/kept";
+    let digest = push_probe(&reg, repo, "v1", &common::unique("n"));
+    let by_digest = format!("{}/{repo}@{digest}", reg.host());
+    let mut node =
+        TestNode::start_private_images(&["--insecure-registry", &reg.host(), "--warm-pool", "0"]);
+    let images = node.images_dir.clone();
+    let oci = images.join("oci");
+    // The first start finds no store: nothing removed.
+    let first = gc_lines(&node, 1);
+    assert!(
+        first[0].contains("removed 0 blobs (0 bytes), 0 layers"),
+        "{first:?}"
+    );
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    // A kept sandbox of the image runs across the node's restart (and its gc).
+    let sb = node.create_sandbox(&json!({ "image": by_digest }));
+    let id = sb["id"].as_str().unwrap().to_string();
+    node.stop();
+
+    // What a killed pull leaves (a half-unpacked layer, a half-written blob), what no image
+    // names (a layer, a blob), and the private marker of an image no longer stored.
+    let half_layer = oci.join("layers/.tmp-1-0-half");
+    fs::create_dir(&half_layer).unwrap();
+    fs::write(half_layer.join("file"), b"half").unwrap();
+    let half_blob = oci.join("blobs/sha256/.tmp-1-1-part");
+    fs::write(&half_blob, b"part").unwrap();
+    let stray_layer = oci.join("layers").join("5".repeat(64));
+    fs::create_dir(&stray_layer).unwrap();
+    fs::write(stray_layer.join("file"), b"stray").unwrap();
+    let stray_blob = oci.join("blobs/sha256").join("6".repeat(64));
+    fs::write(&stray_blob, b"0123456789").unwrap();
+    let marker = images.join("oci-private").join("7".repeat(64));
+    fs::create_dir_all(marker.parent().unwrap()).unwrap();
+    fs::write(&marker, b"").unwrap();
+    let layers_before = fs::read_dir(oci.join("layers")).unwrap().count();
+
+    node.restart();
+    let lines = gc_lines(&node, 2);
+    assert!(
+        lines[1].contains(
+            "removed 1 blobs (10 bytes), 1 layers, 2 temp files, 0 records, 1 private markers"
+        ),
+        "{lines:?}"
+    );
+    for gone in [&half_layer, &half_blob, &stray_layer, &stray_blob, &marker] {
+        assert!(!gone.exists(), "{} is left", gone.display());
+    }
+    assert_eq!(
+        fs::read_dir(oci.join("layers")).unwrap().count(),
+        layers_before - 2,
+        "the image's layers are kept"
+    );
+    // The image still runs from the store (no blob fetched again), and so does the kept
+    // sandbox on it.
+    let blobs = reg.gets("blobs");
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+    assert_eq!(reg.gets("blobs"), blobs, "a blob was fetched again");
+    let e = node.exec(&id, &json!({ "command": PROBE }));
+    let done = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(10));
+    assert_eq!(done["stdout"], PROBE_OUT, "{done}");
+
+    // The same as a command, beside the running node.
+    fs::write(&stray_blob, b"01234").unwrap();
+    let gc = |what: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandboxd"))
+            .arg("--images-dir")
+            .arg(&images)
+            .arg("gc")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{what}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        gc("gc"),
+        "removed 1 blobs (5 bytes), 0 layers, 0 temp files, 0 records, 0 private markers\n"
+    );
+    assert!(!stray_blob.exists());
+    assert!(gc("gc again").starts_with("removed 0 blobs (0 bytes), 0 layers"));
+    let v = node.run_ok(&json!({ "image": by_digest, "command": PROBE }));
+    assert_eq!(v["stdout"], PROBE_OUT, "{v}");
+
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The image's own start: ENTRYPOINT/CMD, labels, STOPSIGNAL; templates pinned by digest.
+
+/// An image whose config starts a service three ways: ENTRYPOINT+CMD, the labels sbx.start and
+/// sbx.ready; STOPSIGNAL SIGQUIT, which its CMD traps. `nonce` is in /app/nonce.
+fn push_service(reg: &Registry, repo: &str, tag: &str, nonce: &str) -> String {
+    let mut t = Tar::new();
+    t.dir_mode("bin", 0o755).dir_mode("app", 0o755);
+    t.file_mode("bin/sleep", 0o755, &read_base("/usr/bin/sleep"));
+    t.file_mode("app/nonce", 0o644, nonce.as_bytes());
+    let layers = [
+        Layer::new(layer_one(), Compression::None),
+        Layer::new(t.done(), Compression::Gzip),
+    ];
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Env": ["PATH=/bin"],
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": ["echo by-cmd > /tmp/cmd; trap 'echo got-quit > /tmp/sig; exit 0' QUIT; sleep 1000 & wait"],
+            "StopSignal": "SIGQUIT",
+            "Labels": {
+                "sbx.start": "echo by-label > /tmp/label; exec sleep 1000",
+                "sbx.ready": "test -f /tmp/label",
+            },
+        },
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": layers.iter().map(|l| l.diff_id.clone()).collect::<Vec<_>>(),
+        },
+    });
+    let config = serde_json::to_vec(&config).unwrap();
+    reg.push_image(repo, Some(tag), &layers, &config).unwrap().0
+}
+
+fn sh(node: &TestNode, id: &str, command: &str) -> String {
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/run"),
+        &json!({ "command": command }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["stdout"].as_str().unwrap_or_default().to_string()
+}
+
+fn running(node: &TestNode, body: &Value) -> String {
+    let r = node.post_json("/v1/sandboxes", body);
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let v = wait_status(node, &id, "starting");
+    assert_eq!(v["status"], "running", "{v}");
+    id
+}
+
+#[test]
+fn an_images_own_start_labels_and_stop_signal_are_honoured() {
+    let reg = registry();
+    let repo = "sbx/service";
+    let nonce = common::unique("n");
+    push_service(&reg, repo, "v1", &nonce);
+    // Plain HTTP to the registry because the config file says so (no --insecure-registry).
+    let dir = std::env::temp_dir().join(common::unique("sbx-img-cfg"));
+    fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("sandboxd.toml");
+    fs::write(
+        &cfg,
+        format!("insecure_registries = [\"{}\"]\n", reg.host()),
+    )
+    .unwrap();
+    let node = TestNode::start_with(&["--config", cfg.to_str().unwrap(), "--warm-pool", "0"]);
+    let image = format!("{}/{repo}:v1", reg.host());
+
+    // Nothing said of the start: the labels start it, and it is running once sbx.ready passes.
+    let labels = running(&node, &json!({ "image": image }));
+    assert_eq!(
+        sh(&node, &labels, "read l < /tmp/label; echo $l"),
+        "by-label\n"
+    );
+    let e = node
+        .get(&format!("/v1/sandboxes/{labels}/exec/exe-start"), &[])
+        .json();
+    assert_eq!(e["status"], "running", "{e}");
+
+    // start: true: ENTRYPOINT then CMD, not the labels; a restart stops it with STOPSIGNAL.
+    let cmd = running(&node, &json!({ "image": image, "start": true }));
+    let out = sh(
+        &node,
+        &cmd,
+        "while ! test -e /tmp/cmd; do sleep 0.05; done; read c < /tmp/cmd; echo $c; \
+         test -e /tmp/label || echo no-label",
+    );
+    assert_eq!(out, "by-cmd\nno-label\n");
+    let r = node.post_json(&format!("/v1/sandboxes/{cmd}/restart"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = wait_status(&node, &cmd, "starting");
+    assert_eq!(v["status"], "running", "{v}");
+    assert_eq!(
+        sh(&node, &cmd, "read s < /tmp/sig; echo $s"),
+        "got-quit\n",
+        "SIGQUIT, the image's STOPSIGNAL"
+    );
+
+    // start: false: nothing.
+    let none = running(&node, &json!({ "image": image, "start": false }));
+    let r = node.get(&format!("/v1/sandboxes/{none}/exec/exe-start"), &[]);
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // Three settings, three templates, each pinned to the image's digest.
+    let info = node.get("/internal/node", &[]).json();
+    let ts: Vec<&Value> = info["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["image"] == image.as_str())
+        .collect();
+    assert_eq!(ts.len(), 3, "{info}");
+    let digest = ts[0]["digest"].as_str().unwrap().to_string();
+    assert!(
+        ts.iter()
+            .all(|t| t["status"] == "ready" && t["digest"] == digest.as_str()),
+        "{info}"
+    );
+
+    // The tag moves: a later sandbox of the same settings is still made of the template's
+    // digest, with no registry request; an explicit pull forgets the template, and the next
+    // one is of the new image.
+    let nonce2 = common::unique("n");
+    push_service(&reg, repo, "v1", &nonce2);
+    let manifests = reg.gets("manifests");
+    let later = running(&node, &json!({ "image": image, "start": false }));
+    assert_eq!(
+        sh(&node, &later, "read n < /app/nonce; echo $n"),
+        format!("{nonce}\n")
+    );
+    assert_eq!(
+        reg.gets("manifests"),
+        manifests,
+        "no registry request: {}",
+        reg.log()
+    );
+    let mut s = node.open_sse_post("/v1/images/pull", &json!({ "image": image }));
+    let done = s.rest().pop().unwrap();
+    assert_eq!(done.event, "done", "{:?}", done.data);
+    assert_eq!(done.data["templates_forgotten"], 3, "{:?}", done.data);
+    let newer = running(&node, &json!({ "image": image, "start": false }));
+    assert_eq!(
+        sh(&node, &newer, "read n < /app/nonce; echo $n"),
+        format!("{nonce2}\n")
+    );
+
+    for id in [&labels, &cmd, &none, &later, &newer] {
+        node.delete_sandbox(id);
+    }
+    node.assert_clean(Duration::from_secs(10));
+    let _ = fs::remove_dir_all(dir);
+}
+
+#[test]
+fn an_image_without_a_start_command_fails_start_true_as_invalid_image() {
+    let reg = registry();
+    let repo = "sbx/probe-nostart";
+    push_probe(&reg, repo, "v1", &common::unique("n"));
+    let node = node_for(&reg);
+    let image = format!("{}/{repo}:v1", reg.host());
+    let r = node.post_json("/v1/sandboxes", &json!({ "image": image, "start": true }));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let v = wait_status(&node, &id, "starting");
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["failure_code"], "invalid_image", "{v}");
+    assert!(
+        v["failure"].as_str().unwrap().contains("ENTRYPOINT or CMD"),
+        "{v}"
+    );
+    node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }

@@ -164,12 +164,35 @@ impl Store {
         creds: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<Image, ImageError> {
+        self.pull_inner(reference, creds, progress, false).await
+    }
+
+    /// As [`Store::pull`], but the registry is always asked for the manifest, by digest too,
+    /// even when the store has the image: for an image the caller may only have when the
+    /// registry says so (a private one). Only the manifest is fetched when the store has the
+    /// image; a refusal is `Unauthorized`.
+    pub async fn pull_from_registry(
+        &self,
+        reference: &str,
+        creds: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<Image, ImageError> {
+        self.pull_inner(reference, creds, progress, true).await
+    }
+
+    async fn pull_inner(
+        &self,
+        reference: &str,
+        creds: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+        ask_registry: bool,
+    ) -> Result<Image, ImageError> {
         let r = parse_reference(reference)?;
         let layout = Layout::new(&self.root);
         layout.init(self.uid_base)?;
         let lock = Arc::new(layout.lock_for_pull().await?);
 
-        if let Some(d) = r.digest() {
+        if let (Some(d), false) = (r.digest(), ask_registry) {
             if let Some(rec) = layout.complete_by_digest(d) {
                 return layout.remember(&r, rec, None);
             }
@@ -330,7 +353,10 @@ impl Store {
     }
 
     /// Removes blobs, layers and refs no image uses, and temp files of pulls no longer running.
-    /// Waits for running pulls of this store to finish: call it where blocking is allowed.
+    /// What an image record names is never removed; a record (or ref) that cannot be read
+    /// stops gc with an error before any blob, layer or record is removed (one whose content
+    /// is not a record is garbage). Waits for running pulls of this store to finish: call it
+    /// where blocking is allowed.
     pub fn gc(&self) -> Result<GcReport, ImageError> {
         let layout = Layout::new(&self.root);
         if !self.root.exists() {
@@ -431,6 +457,13 @@ fn remove_any(path: &Path) -> io::Result<()> {
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Option<T> {
     serde_json::from_slice(&fs::read(path).ok()?).ok()
+}
+
+/// A record for gc: `None` when its content is not one (it is then garbage); an error when it
+/// cannot be read, so that a failing disk never makes gc drop a live image and its layers.
+fn read_record<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Option<T>, ImageError> {
+    let body = fs::read(path).map_err(ImageError::io(format!("read {}", path.display())))?;
+    Ok(serde_json::from_slice(&body).ok())
 }
 
 fn sha256_digest(body: &[u8]) -> String {
@@ -773,11 +806,11 @@ impl Layout {
         let mut layers = std::collections::HashSet::new();
         let mut images = std::collections::HashSet::new();
         for e in read_dir(&self.images())? {
-            let rec = e
-                .file_name()
-                .to_str()
-                .and_then(|n| n.strip_suffix(".json"))
-                .and_then(|_| read_json::<ImageRecord>(&e.path()));
+            let named = e.file_name().to_str().is_some_and(|n| n.ends_with(".json"));
+            let rec = match named {
+                true => read_record::<ImageRecord>(&e.path())?,
+                false => None,
+            };
             let Some(rec) = rec else {
                 remove_any(&e.path())
                     .map_err(ImageError::io(format!("remove {}", e.path().display())))?;
@@ -801,8 +834,8 @@ impl Layout {
                 if e.path() == self.indexes() {
                     continue;
                 }
-                let live =
-                    read_json::<RefRecord>(&e.path()).is_some_and(|r| images.contains(&r.digest));
+                let live = read_record::<RefRecord>(&e.path())?
+                    .is_some_and(|r| images.contains(&r.digest));
                 if !live {
                     remove_any(&e.path())
                         .map_err(ImageError::io(format!("remove {}", e.path().display())))?;

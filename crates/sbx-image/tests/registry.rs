@@ -5,190 +5,22 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use base64::Engine as _;
 use sbx_image::{Credentials, ImageError, Progress, Store, OPAQUE_XATTR};
+use sbx_testreg::{hex_of, sha256, Compression, IndexEntry, Layer, Registry, Tar, OCI_MANIFEST};
 use serde_json::json;
-use sha2::{Digest, Sha256};
 
 const BASE: u32 = 100_000;
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
-const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 
 // ---------------------------------------------------------------------------------------------
-// The registry.
+// The registry (sbx-testreg) and a store that speaks plain HTTP to it.
 
-struct Registry {
-    child: Child,
-    dir: tempfile::TempDir,
-    port: u16,
-    auth: Option<(String, String)>,
-}
-
-impl Registry {
-    fn start(auth: Option<(&str, &str)>) -> Registry {
-        let bin = "docker-registry";
-        assert!(
-            Command::new("sh")
-                .args(["-c", &format!("command -v {bin}")])
-                .stdout(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success()),
-            "these tests need Debian's docker-registry package (apt-get install docker-registry)"
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let storage = dir.path().join("storage");
-        fs::create_dir(&storage).unwrap();
-        let mut config = format!(
-            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\n\
-             storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n\
-             http:\n  addr: 127.0.0.1:{port}\n",
-            storage.display()
-        );
-        if let Some((user, pass)) = auth {
-            let hash = bcrypt::hash_with_result(pass, 4)
-                .unwrap()
-                .format_for_version(bcrypt::Version::TwoA);
-            let htpasswd = dir.path().join("htpasswd");
-            fs::write(&htpasswd, format!("{user}:{hash}\n")).unwrap();
-            config.push_str(&format!(
-                "auth:\n  htpasswd:\n    realm: sbx-test\n    path: {}\n",
-                htpasswd.display()
-            ));
-        }
-        let config_path = dir.path().join("config.yml");
-        fs::write(&config_path, config).unwrap();
-        let log = fs::File::create(dir.path().join("registry.log")).unwrap();
-        let child = Command::new(bin)
-            .arg("serve")
-            .arg(&config_path)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let reg = Registry {
-            child,
-            dir,
-            port,
-            auth: auth.map(|(u, p)| (u.to_string(), p.to_string())),
-        };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            match ureq::get(&format!("{}/v2/", reg.url())).call() {
-                Ok(_) | Err(ureq::Error::Status(401, _)) => break,
-                Err(e) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "registry did not start: {e}\n{}",
-                        reg.log()
-                    );
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        }
-        reg
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn store(&self, root: &Path) -> Store {
-        Store::new(root.to_path_buf(), BASE, vec![self.host()])
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(self.dir.path().join("registry.log")).unwrap_or_default()
-    }
-
-    /// GETs of `kind` (`blobs` or `manifests`) in the access log.
-    fn gets(&self, kind: &str) -> usize {
-        // The access log line is written as the response completes.
-        std::thread::sleep(Duration::from_millis(150));
-        self.log()
-            .lines()
-            .filter(|l| l.contains("\"GET /v2/") && l.contains(&format!("/{kind}/")))
-            .count()
-    }
-
-    fn authorize(&self, req: ureq::Request) -> ureq::Request {
-        match &self.auth {
-            Some((u, p)) => {
-                let token = base64::engine::general_purpose::STANDARD.encode(format!("{u}:{p}"));
-                req.set("Authorization", &format!("Basic {token}"))
-            }
-            None => req,
-        }
-    }
-
-    fn push_blob(&self, repo: &str, body: &[u8]) -> String {
-        let digest = sha256(body);
-        let res = self
-            .authorize(ureq::post(&format!(
-                "{}/v2/{repo}/blobs/uploads/",
-                self.url()
-            )))
-            .call()
-            .unwrap();
-        let location = res.header("Location").unwrap().to_string();
-        let location = if location.starts_with('/') {
-            format!("{}{location}", self.url())
-        } else {
-            location
-        };
-        let sep = if location.contains('?') { '&' } else { '?' };
-        self.authorize(ureq::put(&format!("{location}{sep}digest={digest}")))
-            .set("Content-Type", "application/octet-stream")
-            .send_bytes(body)
-            .unwrap();
-        digest
-    }
-
-    fn push_manifest(&self, repo: &str, reference: &str, media_type: &str, body: &[u8]) -> String {
-        self.authorize(ureq::put(&format!(
-            "{}/v2/{repo}/manifests/{reference}",
-            self.url()
-        )))
-        .set("Content-Type", media_type)
-        .send_bytes(body)
-        .unwrap();
-        sha256(body)
-    }
-
-    /// The registry's own copy of a blob.
-    fn blob_data(&self, digest: &str) -> PathBuf {
-        let hex = digest.trim_start_matches("sha256:");
-        self.dir
-            .path()
-            .join("storage/docker/registry/v2/blobs/sha256")
-            .join(&hex[..2])
-            .join(hex)
-            .join("data")
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn store_of(reg: &Registry, root: &Path) -> Store {
+    Store::new(root.to_path_buf(), BASE, vec![reg.host()])
 }
 
 /// A read-only overlay mount, unmounted when dropped.
@@ -215,132 +47,6 @@ impl Drop for Mount {
 
 // ---------------------------------------------------------------------------------------------
 // Images.
-
-fn sha256(body: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(body)))
-}
-
-fn hex_of(digest: &str) -> &str {
-    digest.trim_start_matches("sha256:")
-}
-
-#[derive(Clone, Copy)]
-enum Compression {
-    Gzip,
-    Zstd,
-    None,
-}
-
-struct Layer {
-    blob: Vec<u8>,
-    media_type: &'static str,
-    diff_id: String,
-}
-
-impl Layer {
-    fn new(tar: Vec<u8>, c: Compression) -> Layer {
-        let diff_id = sha256(&tar);
-        let (blob, media_type) = match c {
-            Compression::Gzip => {
-                let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-                e.write_all(&tar).unwrap();
-                (
-                    e.finish().unwrap(),
-                    "application/vnd.oci.image.layer.v1.tar+gzip",
-                )
-            }
-            Compression::Zstd => (
-                zstd::encode_all(&tar[..], 3).unwrap(),
-                "application/vnd.oci.image.layer.v1.tar+zstd",
-            ),
-            Compression::None => (tar, "application/vnd.oci.image.layer.v1.tar"),
-        };
-        Layer {
-            blob,
-            media_type,
-            diff_id,
-        }
-    }
-
-    fn digest(&self) -> String {
-        sha256(&self.blob)
-    }
-}
-
-/// Layer tars, entry by entry.
-struct Tar(tar::Builder<Vec<u8>>);
-
-impl Tar {
-    fn new() -> Tar {
-        Tar(tar::Builder::new(Vec::new()))
-    }
-
-    fn add(
-        &mut self,
-        kind: tar::EntryType,
-        name: &str,
-        mode: u32,
-        owner: (u64, u64),
-        data: &[u8],
-    ) -> &mut Tar {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(kind);
-        h.set_mode(mode);
-        h.set_uid(owner.0);
-        h.set_gid(owner.1);
-        h.set_mtime(1_700_000_000);
-        h.set_size(data.len() as u64);
-        h.set_path(name).unwrap();
-        h.set_cksum();
-        self.0.append(&h, data).unwrap();
-        self
-    }
-
-    fn dir(&mut self, name: &str) -> &mut Tar {
-        self.add(tar::EntryType::Directory, name, 0o755, (0, 0), b"")
-    }
-
-    fn file(&mut self, name: &str, data: &[u8]) -> &mut Tar {
-        self.add(tar::EntryType::Regular, name, 0o644, (0, 0), data)
-    }
-
-    fn link(&mut self, kind: tar::EntryType, name: &str, target: &str) -> &mut Tar {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(kind);
-        h.set_mode(0o777);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        h.set_size(0);
-        h.set_path(name).unwrap();
-        h.set_link_name(target).unwrap();
-        h.set_cksum();
-        self.0.append(&h, &b""[..]).unwrap();
-        self
-    }
-
-    fn dev(&mut self, name: &str, major: u32, minor: u32) -> &mut Tar {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(tar::EntryType::Char);
-        h.set_mode(0o666);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        h.set_size(0);
-        h.set_device_major(major).unwrap();
-        h.set_device_minor(minor).unwrap();
-        h.set_path(name).unwrap();
-        h.set_cksum();
-        self.0.append(&h, &b""[..]).unwrap();
-        self
-    }
-
-    fn done(&mut self) -> Vec<u8> {
-        std::mem::replace(&mut self.0, tar::Builder::new(Vec::new()))
-            .into_inner()
-            .unwrap()
-    }
-}
 
 /// The test image's three layers: gzip, zstd, and plain tar with whiteouts and an opaque dir.
 fn app_layers() -> Vec<Layer> {
@@ -426,22 +132,7 @@ fn config_json(layers: &[Layer], arch: &str) -> Vec<u8> {
 
 /// Pushes layers, config and an OCI manifest (untagged); returns (manifest digest, size).
 fn push_image(reg: &Registry, repo: &str, layers: &[Layer], config: &[u8]) -> (String, usize) {
-    for l in layers {
-        reg.push_blob(repo, &l.blob);
-    }
-    let config_digest = reg.push_blob(repo, config);
-    let manifest = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": config.len()},
-        "layers": layers.iter().map(|l| json!({
-            "mediaType": l.media_type, "digest": l.digest(), "size": l.blob.len()
-        })).collect::<Vec<_>>()
-    }))
-    .unwrap();
-    let digest = sha256(&manifest);
-    reg.push_manifest(repo, &digest, OCI_MANIFEST, &manifest);
-    (digest, manifest.len())
+    reg.push_image(repo, None, layers, config).unwrap()
 }
 
 /// Pushes the app image for amd64 and a different one for arm64 under an index tagged `tag`.
@@ -455,18 +146,26 @@ fn push_app(reg: &Registry, repo: &str, tag: &str) -> (String, String, Vec<Layer
     )];
     let (arm64, arm64_size) =
         push_image(reg, repo, &arm_layers, &config_json(&arm_layers, "arm64"));
-    let index = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_INDEX,
-        "manifests": [
-            {"mediaType": OCI_MANIFEST, "digest": arm64, "size": arm64_size,
-             "platform": {"architecture": "arm64", "os": "linux", "variant": "v8"}},
-            {"mediaType": OCI_MANIFEST, "digest": amd64, "size": amd64_size,
-             "platform": {"architecture": "amd64", "os": "linux"}}
-        ]
-    }))
-    .unwrap();
-    let index_digest = reg.push_manifest(repo, tag, OCI_INDEX, &index);
+    let index_digest = reg
+        .push_index(
+            repo,
+            tag,
+            &[
+                IndexEntry {
+                    digest: &arm64,
+                    size: arm64_size,
+                    architecture: "arm64",
+                    variant: Some("v8"),
+                },
+                IndexEntry {
+                    digest: &amd64,
+                    size: amd64_size,
+                    architecture: "amd64",
+                    variant: None,
+                },
+            ],
+        )
+        .unwrap();
     (index_digest, amd64, layers)
 }
 
@@ -509,11 +208,11 @@ fn temps(root: &Path) -> Vec<String> {
 
 #[tokio::test]
 async fn pull_by_tag_and_digest() {
-    let reg = Registry::start(None);
+    let reg = Registry::start(None).unwrap();
     let (index_digest, amd64, layers) = push_app(&reg, "team/app", "1.0");
     let store_dir = tempfile::tempdir().unwrap();
     let root = store_dir.path();
-    let store = reg.store(root);
+    let store = store_of(&reg, root);
     let by_tag = format!("{}/team/app:1.0", reg.host());
 
     let (seen, progress) = recorder();
@@ -681,7 +380,7 @@ async fn pull_by_tag_and_digest() {
     // A fresh store pulls by digest straight away; layers shared with another image are not
     // fetched again.
     let other_dir = tempfile::tempdir().unwrap();
-    let other = reg.store(other_dir.path());
+    let other = store_of(&reg, other_dir.path());
     let by_digest = format!("{}/team/app@{amd64}", reg.host());
     let img = other.pull(&by_digest, None, &no_progress).await.unwrap();
     assert_eq!(img.digest, amd64);
@@ -724,7 +423,7 @@ async fn pull_by_tag_and_digest() {
 
 #[tokio::test]
 async fn blobs_that_do_not_match_their_digest_are_refused() {
-    let reg = Registry::start(None);
+    let reg = Registry::start(None).unwrap();
     let layers = app_layers();
     let (digest, _) = push_image(&reg, "corrupt", &layers, &config_json(&layers, "amd64"));
     reg.push_manifest(
@@ -732,7 +431,8 @@ async fn blobs_that_do_not_match_their_digest_are_refused() {
         "1",
         OCI_MANIFEST,
         &fs::read(reg.blob_data(&digest)).unwrap(),
-    );
+    )
+    .unwrap();
     // The registry now serves other bytes (of the same size) for the second layer.
     let data = reg.blob_data(&layers[1].digest());
     let mut body = fs::read(&data).unwrap();
@@ -742,7 +442,7 @@ async fn blobs_that_do_not_match_their_digest_are_refused() {
 
     let store_dir = tempfile::tempdir().unwrap();
     let root = store_dir.path();
-    let store = reg.store(root);
+    let store = store_of(&reg, root);
     let r = store
         .pull(&format!("{}/corrupt:1", reg.host()), None, &no_progress)
         .await;
@@ -763,7 +463,7 @@ async fn blobs_that_do_not_match_their_digest_are_refused() {
 
     // A config naming a wrong diff_id: the layer's blob is right, its tar is not what the
     // image says it is.
-    let reg2 = Registry::start(None);
+    let reg2 = Registry::start(None).unwrap();
     let good = app_layers();
     let mut lying = config_json(&good, "amd64");
     let s = String::from_utf8(lying.clone()).unwrap();
@@ -772,7 +472,7 @@ async fn blobs_that_do_not_match_their_digest_are_refused() {
         .into_bytes();
     let (digest, _) = push_image(&reg2, "lies", &good, &lying);
     let dir2 = tempfile::tempdir().unwrap();
-    let store2 = reg2.store(dir2.path());
+    let store2 = store_of(&reg2, dir2.path());
     let r = store2
         .pull(
             &format!("{}/lies@{digest}", reg2.host()),
@@ -790,10 +490,10 @@ async fn blobs_that_do_not_match_their_digest_are_refused() {
 #[tokio::test]
 async fn private_registry_needs_credentials() {
     let password = "s3cret-Pa55word";
-    let reg = Registry::start(Some(("sbx", password)));
+    let reg = Registry::start(Some(("sbx", password))).unwrap();
     let (_, amd64, _) = push_app(&reg, "private/app", "v1");
     let store_dir = tempfile::tempdir().unwrap();
-    let store = reg.store(store_dir.path());
+    let store = store_of(&reg, store_dir.path());
     let reference = format!("{}/private/app:v1", reg.host());
 
     let r = store.pull(&reference, None, &no_progress).await;
@@ -822,11 +522,34 @@ async fn private_registry_needs_credentials() {
         .unwrap();
     assert_eq!(image.digest, amd64);
     assert_eq!(image.layers.len(), 3);
+
+    // The store has it now: `pull` by digest answers from the store; `pull_from_registry`
+    // asks the registry (its manifest only), which refuses without the login.
+    let by_digest = format!("{}/private/app@{amd64}", reg.host());
+    let blobs = reg.gets("blobs");
+    assert_eq!(
+        store.pull(&by_digest, None, &no_progress).await.unwrap(),
+        store.get(&by_digest).unwrap()
+    );
+    for creds in [None, Some(&wrong)] {
+        let r = store
+            .pull_from_registry(&by_digest, creds, &no_progress)
+            .await;
+        assert!(matches!(r, Err(ImageError::Unauthorized { .. })), "{r:?}");
+    }
+    let manifests = reg.gets("manifests");
+    let again = store
+        .pull_from_registry(&by_digest, Some(&right), &no_progress)
+        .await
+        .unwrap();
+    assert_eq!(again.digest, amd64);
+    assert_eq!(reg.gets("manifests"), manifests + 1);
+    assert_eq!(reg.gets("blobs"), blobs, "no blob fetched again");
 }
 
 #[tokio::test]
 async fn a_dropped_pull_leaves_nothing_and_the_next_one_completes() {
-    let reg = Registry::start(None);
+    let reg = Registry::start(None).unwrap();
     // A first layer big enough to be seen midway: 8 MiB that gzip cannot shrink.
     let mut noise = vec![0u8; 8 << 20];
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -847,11 +570,12 @@ async fn a_dropped_pull_leaves_nothing_and_the_next_one_completes() {
         "1",
         OCI_MANIFEST,
         &fs::read(reg.blob_data(&digest)).unwrap(),
-    );
+    )
+    .unwrap();
 
     let store_dir = tempfile::tempdir().unwrap();
     let root = store_dir.path();
-    let store = reg.store(root);
+    let store = store_of(&reg, root);
     let reference = format!("{}/big:1", reg.host());
     let started = Arc::new(tokio::sync::Notify::new());
     let first = layers[0].digest();
@@ -885,7 +609,7 @@ async fn a_dropped_pull_leaves_nothing_and_the_next_one_completes() {
 
 #[tokio::test]
 async fn gc_removes_what_no_image_uses() {
-    let reg = Registry::start(None);
+    let reg = Registry::start(None).unwrap();
     let (_, amd64, layers) = push_app(&reg, "gc/app", "1");
     let mut other_layers = app_layers();
     other_layers.truncate(1);
@@ -902,7 +626,7 @@ async fn gc_removes_what_no_image_uses() {
 
     let store_dir = tempfile::tempdir().unwrap();
     let root = store_dir.path();
-    let store = reg.store(root);
+    let store = store_of(&reg, root);
     assert_eq!(store.gc().unwrap(), Default::default());
     let a_ref = format!("{}/gc/app:1", reg.host());
     let a = store.pull(&a_ref, None, &no_progress).await.unwrap();
@@ -960,10 +684,41 @@ async fn gc_removes_what_no_image_uses() {
 }
 
 #[tokio::test]
+async fn gc_stops_at_a_record_it_cannot_read() {
+    let reg = Registry::start(None).unwrap();
+    let (_, _, layers) = push_app(&reg, "gc/keep", "1");
+    let store_dir = tempfile::tempdir().unwrap();
+    let root = store_dir.path();
+    let store = store_of(&reg, root);
+    let reference = format!("{}/gc/keep:1", reg.host());
+    let image = store.pull(&reference, None, &no_progress).await.unwrap();
+    let stray = root.join("layers").join("2".repeat(64));
+    fs::create_dir(&stray).unwrap();
+    // A record whose read fails (a directory where a file should be): nothing is removed,
+    // neither the garbage nor, above all, anything of an image gc could not see.
+    let unreadable = root.join("images").join(format!("{}.json", "3".repeat(64)));
+    fs::create_dir(&unreadable).unwrap();
+    let r = store.gc();
+    assert!(matches!(r, Err(ImageError::Io { .. })), "{r:?}");
+    assert!(stray.is_dir());
+    assert!(unreadable.is_dir());
+    for l in &layers {
+        assert!(root.join("layers").join(hex_of(&l.diff_id)).is_dir());
+    }
+    assert_eq!(store.get(&reference).unwrap(), image);
+    // Once it can be read again (here: gone), gc goes on.
+    fs::remove_dir(&unreadable).unwrap();
+    let report = store.gc().unwrap();
+    assert_eq!(report.layers_removed, 1, "{report:?}");
+    assert!(!stray.exists());
+    assert_eq!(store.get(&reference).unwrap(), image);
+}
+
+#[tokio::test]
 async fn docker_v2_manifests_and_concurrent_pulls() {
     const LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
     const MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
-    let reg = Registry::start(None);
+    let reg = Registry::start(None).unwrap();
     let layers = vec![
         Layer::new(
             Tar::new().file("etc/hostname", b"docker\n").done(),
@@ -975,10 +730,10 @@ async fn docker_v2_manifests_and_concurrent_pulls() {
         ),
     ];
     for l in &layers {
-        reg.push_blob("legacy", &l.blob);
+        reg.push_blob("legacy", &l.blob).unwrap();
     }
     let config = config_json(&layers, "amd64");
-    let config_digest = reg.push_blob("legacy", &config);
+    let config_digest = reg.push_blob("legacy", &config).unwrap();
     let manifest = serde_json::to_vec(&json!({
         "schemaVersion": 2,
         "mediaType": MANIFEST,
@@ -990,7 +745,9 @@ async fn docker_v2_manifests_and_concurrent_pulls() {
         })).collect::<Vec<_>>()
     }))
     .unwrap();
-    let digest = reg.push_manifest("legacy", &sha256(&manifest), MANIFEST, &manifest);
+    let digest = reg
+        .push_manifest("legacy", &sha256(&manifest), MANIFEST, &manifest)
+        .unwrap();
     let list = serde_json::to_vec(&json!({
         "schemaVersion": 2,
         "mediaType": LIST,
@@ -998,12 +755,12 @@ async fn docker_v2_manifests_and_concurrent_pulls() {
                        "platform": {"architecture": "amd64", "os": "linux"}}]
     }))
     .unwrap();
-    reg.push_manifest("legacy", "latest", LIST, &list);
+    reg.push_manifest("legacy", "latest", LIST, &list).unwrap();
 
     // Two pulls of the same image into one store at once: both complete, one copy of each
     // layer, no temp file left.
     let dir = tempfile::tempdir().unwrap();
-    let store = reg.store(dir.path());
+    let store = store_of(&reg, dir.path());
     let reference = format!("{}/legacy", reg.host());
     let (a, b) = tokio::join!(
         store.pull(&reference, None, &no_progress),
@@ -1021,11 +778,11 @@ async fn docker_v2_manifests_and_concurrent_pulls() {
 
 #[tokio::test]
 async fn plain_http_only_for_listed_registries() {
-    let reg = Registry::start(None);
+    let reg = Registry::start(None).unwrap();
     push_app(&reg, "app", "1");
     let dir = tempfile::tempdir().unwrap();
     let reference = format!("{}/app:1", reg.host());
-    for insecure in [vec![], vec![format!("127.0.0.1:{}", reg.port + 1)]] {
+    for insecure in [vec![], vec![format!("127.0.0.1:{}", reg.port() + 1)]] {
         let store = Store::new(dir.path().to_path_buf(), BASE, insecure);
         let r = store.pull(&reference, None, &no_progress).await;
         assert!(
@@ -1038,7 +795,7 @@ async fn plain_http_only_for_listed_registries() {
         0,
         "nothing was asked over plain HTTP"
     );
-    let store = reg.store(dir.path());
+    let store = store_of(&reg, dir.path());
     store.pull(&reference, None, &no_progress).await.unwrap();
     // The same store root with another uid base is refused, not mixed.
     let other = Store::new(dir.path().to_path_buf(), BASE + 1, vec![reg.host()]);

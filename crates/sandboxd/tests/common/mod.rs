@@ -358,9 +358,19 @@ impl TestNode {
 
     /// A node with more arguments (`--api-keys FILE`, `--docs-url URL`, ...).
     pub fn start_with(args: &[&str]) -> TestNode {
+        TestNode::start_opts(args, false)
+    }
+
+    /// A node with an images directory of its own (`<root>/images`, removed with the node):
+    /// the machine's base image (a symlink to it) and an OCI store no other node uses.
+    pub fn start_private_images(args: &[&str]) -> TestNode {
+        TestNode::start_opts(args, true)
+    }
+
+    fn start_opts(args: &[&str], private_images: bool) -> TestNode {
         let agent = agent_bin();
-        let images = images_dir();
-        ensure_base_image(&images);
+        let shared = images_dir();
+        ensure_base_image(&shared);
         let n = NEXT_NODE.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
         let cgroup_name = format!("sbx-test-{pid}-{n}");
@@ -368,6 +378,15 @@ impl TestNode {
         let _ = fs::remove_dir_all(&root);
         let data_dir = root.join("data");
         fs::create_dir_all(&data_dir).expect("make the node's data directory");
+        let images = if private_images {
+            let own = root.join("images");
+            fs::create_dir_all(&own).expect("make the node's images directory");
+            std::os::unix::fs::symlink(shared.join("base"), own.join("base"))
+                .expect("link the base image");
+            own
+        } else {
+            shared
+        };
         let log = root.join("node.log");
         let http = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(5))
