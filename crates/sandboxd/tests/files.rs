@@ -812,22 +812,12 @@ fn escapes_never_touch_a_host_file() {
     node.assert_clean(CLEAN);
 }
 
-fn sbx_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_sandboxd")).with_file_name("sbx");
-    assert!(
-        p.is_file(),
-        "{} is missing: build the CLI first (cargo build -p sbx-cli)",
-        p.display()
-    );
-    p
-}
-
 #[test]
 fn sbx_cp_and_fs() {
     let node = TestNode::start_with(&["--warm-pool", "0"]);
     let sb = Sb::new(&node);
     let sbx = |args: &[&str]| {
-        let out = Command::new(sbx_bin())
+        let out = Command::new(common::sbx_bin())
             .args(args)
             .env("SBX_URL", format!("http://{}", node.addr))
             .env_remove("SBX_API_KEY")

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -607,19 +606,9 @@ fn config_caps_and_idle_reaper() {
     ok(&node, "sandbox::stop", json!({"sandbox_id": sb}));
 }
 
-fn sbx_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_sandboxd")).with_file_name("sbx");
-    assert!(
-        p.is_file(),
-        "{} is missing: run `cargo build --workspace` first",
-        p.display()
-    );
-    p
-}
-
 /// `sbx call F args…`: (exit code, stdout as JSON).
 fn sbx_call(node: &TestNode, args: &[&str]) -> (i32, Value) {
-    let out = Command::new(sbx_bin())
+    let out = Command::new(common::sbx_bin())
         .arg("call")
         .args(args)
         .env("SBX_URL", node.url(""))

@@ -301,3 +301,41 @@ fn the_first_sandbox_of_settings_builds_their_template_and_later_ones_start_from
     }
     node.assert_clean(Duration::from_secs(10));
 }
+
+#[test]
+fn sbx_create_waits_for_the_check_and_takes_a_template() {
+    let node = TestNode::start();
+    let (code, out, err) = common::sbx(
+        &node,
+        &[
+            "create",
+            "--start",
+            "sleep 0.5; exec python3 -m http.server 8080 --bind 0.0.0.0",
+            "--ready",
+            "http:8080/",
+        ],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let id = out.trim().to_string();
+    assert!(common::is_id("sbx", &id), "{out}");
+    // It waited: the sandbox is running as sbx answers.
+    let v = node.get(&format!("/v1/sandboxes/{id}"), &[]).json();
+    assert_eq!(v["status"], "running", "{v}");
+    let key = v["template"].as_str().unwrap().to_string();
+    // From its template, by key, as JSON.
+    let (code, out, err) = common::sbx(&node, &["create", "--template", &key, "--json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let made: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (made["status"].as_str(), made["template"].as_str()),
+        (Some("running"), Some(key.as_str())),
+        "{made}"
+    );
+    // A check sbx cannot read is refused before any request.
+    let (code, _, err) = common::sbx(&node, &["create", "--ready", "udp:53"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("tcp:PORT"), "{err}");
+    node.delete_sandbox(&id);
+    node.delete_sandbox(made["id"].as_str().unwrap());
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -29,11 +29,53 @@ pub struct CreateArgs {
     #[arg(long)]
     cpus: Option<u32>,
     /// A start command (a line for sh -c), kept running as exe-start.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["image_start", "no_start"])]
     start: Option<String>,
+    /// Start the image's own start command (its ENTRYPOINT and CMD).
+    #[arg(long, conflicts_with = "no_start")]
+    image_start: bool,
+    /// Start nothing, whatever the image's labels ask for.
+    #[arg(long)]
+    no_start: bool,
+    /// When the sandbox counts as up: tcp:PORT, http:PORT[/PATH] (tried from the host) or
+    /// cmd:LINE (run in the sandbox by sh).
+    #[arg(long, value_name = "CHECK")]
+    ready: Option<String>,
+    /// Make it from a template of the node (a key of `GET /internal/node`: base, img-…).
+    #[arg(long)]
+    template: Option<String>,
+    /// The secret holding the image registry's login (`sbx` secrets: PUT /v1/secrets/NAME).
+    #[arg(long, value_name = "SECRET")]
+    pull_secret: Option<String>,
+    /// Answer at once, while the sandbox may still be starting (its image pulled, its check
+    /// waited for); by default sbx waits until it is running or failed.
+    #[arg(long)]
+    no_wait: bool,
     /// Print the sandbox object as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// `--ready`: `tcp:PORT`, `http:PORT[/PATH]`, `cmd:LINE`.
+fn ready_check(s: &str) -> anyhow::Result<Value> {
+    let port = |p: &str| -> anyhow::Result<u16> {
+        p.parse::<u16>()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| anyhow!("--ready: {p:?} is not a port (1-65535)"))
+    };
+    match s.split_once(':') {
+        Some(("tcp", p)) => Ok(json!({ "tcp": { "port": port(p)? } })),
+        Some(("http", rest)) => {
+            let (p, path) = match rest.find('/') {
+                Some(i) => (&rest[..i], &rest[i..]),
+                None => (rest, "/"),
+            };
+            Ok(json!({ "http": { "port": port(p)?, "path": path } }))
+        }
+        Some(("cmd", line)) if !line.is_empty() => Ok(json!({ "command": line })),
+        _ => bail!("--ready takes tcp:PORT, http:PORT[/PATH] or cmd:LINE"),
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -190,10 +232,28 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
     if let Some(s) = &a.start {
         body.insert("start_command".into(), json!(s));
     }
-    let obj: Value = req(cli, "POST", "/v1/sandboxes")
+    if a.image_start {
+        body.insert("start".into(), json!(true));
+    }
+    if a.no_start {
+        body.insert("start".into(), json!(false));
+    }
+    if let Some(r) = &a.ready {
+        body.insert("ready".into(), ready_check(r)?);
+    }
+    if let Some(t) = &a.template {
+        body.insert("template".into(), json!(t));
+    }
+    if let Some(p) = &a.pull_secret {
+        body.insert("image_pull_secret".into(), json!(p));
+    }
+    let mut obj: Value = req(cli, "POST", "/v1/sandboxes")
         .send_json(Value::Object(body))
         .map_err(api_error)?
         .into_json()?;
+    if !a.no_wait && obj["status"] == "starting" {
+        obj = wait_started(cli, &obj)?;
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {
@@ -208,6 +268,35 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(0)
+}
+
+/// Polls a `starting` sandbox until it is running or failed, saying on stderr that it waits.
+fn wait_started(cli: &Cli, obj: &Value) -> anyhow::Result<Value> {
+    let id = obj["id"].as_str().unwrap_or_default();
+    let started = std::time::Instant::now();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut said = false;
+    loop {
+        let v: Value = req(cli, "GET", &format!("/v1/sandboxes/{id}"))
+            .call()
+            .map_err(api_error)?
+            .into_json()?;
+        if v["status"] != "starting" {
+            if said && tty {
+                eprintln!();
+            }
+            return Ok(v);
+        }
+        let secs = started.elapsed().as_secs();
+        if tty {
+            eprint!("\r{id}: starting (its image pulled, its template built, its check) {secs} s");
+            said = true;
+        } else if !said {
+            eprintln!("{id}: starting (its image pulled, its template built, its check)");
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 pub fn ls(cli: &Cli, a: &LsArgs) -> anyhow::Result<u8> {
@@ -462,4 +551,32 @@ pub fn restart(cli: &Cli, a: &RestartArgs) -> anyhow::Result<u8> {
         obj["status"].as_str().unwrap_or("")
     );
     Ok(if obj["status"] == "running" { 0 } else { 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_checks_read_as_the_api_takes_them() {
+        assert_eq!(
+            ready_check("tcp:8080").ok(),
+            Some(json!({"tcp": {"port": 8080}}))
+        );
+        assert_eq!(
+            ready_check("http:80/health?x=1").ok(),
+            Some(json!({"http": {"port": 80, "path": "/health?x=1"}}))
+        );
+        assert_eq!(
+            ready_check("http:80").ok(),
+            Some(json!({"http": {"port": 80, "path": "/"}}))
+        );
+        assert_eq!(
+            ready_check("cmd:test -f /tmp/up").ok(),
+            Some(json!({"command": "test -f /tmp/up"}))
+        );
+        for bad in ["tcp:0", "tcp:70000", "http:x/", "cmd:", "udp:53", "8080"] {
+            assert!(ready_check(bad).is_err(), "{bad}");
+        }
+    }
 }

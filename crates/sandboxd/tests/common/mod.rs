@@ -1224,3 +1224,31 @@ pub fn rfc3339_in(from_now: Duration) -> String {
         d.subsec_millis()
     )
 }
+
+/// The `sbx` CLI built beside sandboxd (`cargo build --workspace`).
+#[allow(dead_code)]
+pub fn sbx_bin() -> PathBuf {
+    let p = sandboxd_bin().with_file_name("sbx");
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build --workspace` first",
+        p.display()
+    );
+    p
+}
+
+/// Runs `sbx ARGS…` against `node`: (exit code, stdout, stderr).
+#[allow(dead_code)]
+pub fn sbx(node: &TestNode, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(sbx_bin())
+        .args(args)
+        .env("SBX_URL", node.url(""))
+        .env_remove("SBX_API_KEY")
+        .output()
+        .expect("run sbx");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
