@@ -490,22 +490,37 @@ mod tests {
         );
     }
 
+    /// The first create of `s` (it builds) and a second one (it waits).
+    fn build_and_wait(
+        t: &Templates,
+        store: &Store,
+        key: &str,
+        s: &Settings,
+    ) -> (Builder, watch::Receiver<Option<BuildResult>>) {
+        let Ok(Plan::Build(builder)) = t.plan(store, key, s, "sbx-a") else {
+            panic!("the first create builds");
+        };
+        let Ok(Plan::Wait(rx)) = t.plan(store, key, s, "sbx-b") else {
+            panic!("the second waits");
+        };
+        (builder, rx)
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("rt")
+    }
+
     #[test]
     fn one_build_the_others_wait_and_a_ready_template_is_found() {
         let (store, dir) = store();
         let t = Templates::open(&store).expect("open");
         let s = settings("127.0.0.1:5000/app:1");
         let key = s.key(1, 512 << 20);
-        let Ok(Plan::Build(builder)) = t.plan(&store, &key, &s, "sbx-a") else {
-            panic!("the first create builds");
-        };
-        let Ok(Plan::Wait(rx)) = t.plan(&store, &key, &s, "sbx-b") else {
-            panic!("the second waits");
-        };
+        let (builder, rx) = build_and_wait(&t, &store, &key, &s);
         t.ready(&store, builder, Some("sha256:ab".into()));
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("rt");
+        let rt = rt();
         assert_eq!(rt.block_on(wait(rx)), Ok(()));
         let Ok(Plan::Ready) = t.plan(&store, &key, &s, "sbx-c") else {
             panic!("later creates find it ready");
@@ -524,16 +539,9 @@ mod tests {
         let t = Templates::open(&store).expect("open");
         let s = settings("127.0.0.1:5000/app:2");
         let key = s.key(1, 512 << 20);
-        let Ok(Plan::Build(builder)) = t.plan(&store, &key, &s, "sbx-a") else {
-            panic!("build");
-        };
-        let Ok(Plan::Wait(rx)) = t.plan(&store, &key, &s, "sbx-b") else {
-            panic!("wait");
-        };
+        let (builder, rx) = build_and_wait(&t, &store, &key, &s);
         t.failed(&store, builder, "registry_auth_failed", "401");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("rt");
+        let rt = rt();
         assert_eq!(
             rt.block_on(wait(rx)),
             Err(("registry_auth_failed".to_string(), "401".to_string()))

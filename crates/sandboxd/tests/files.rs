@@ -816,19 +816,7 @@ fn escapes_never_touch_a_host_file() {
 fn sbx_cp_and_fs() {
     let node = TestNode::start_with(&["--warm-pool", "0"]);
     let sb = Sb::new(&node);
-    let sbx = |args: &[&str]| {
-        let out = Command::new(common::sbx_bin())
-            .args(args)
-            .env("SBX_URL", format!("http://{}", node.addr))
-            .env_remove("SBX_API_KEY")
-            .output()
-            .expect("run sbx");
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let sbx = |args: &[&str]| common::sbx(&node, args);
     let dir = node.root.join(unique("cp"));
     std::fs::create_dir_all(dir.join("proj/sub")).unwrap();
     let mut blob = Vec::new();
