@@ -1,6 +1,9 @@
 //! The node's side of a connection to a sandbox's agent.
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 use sbx_proto::{read_frame, AgentMsg, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION};
@@ -25,7 +28,17 @@ pub enum AgentError {
 pub struct AgentConn {
     rd: BufReader<OwnedReadHalf>,
     wr: OwnedWriteHalf,
+    socket: PathBuf,
 }
+
+/// Connections whose exchanges are all over, by agent socket: the next operation on the same
+/// agent takes one instead of connecting and reading a hello again.
+static IDLE: LazyLock<Mutex<HashMap<PathBuf, Vec<AgentConn>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+/// Idle connections kept per agent, and in all.
+const IDLE_PER_AGENT: usize = 4;
+const IDLE_MAX: usize = 256;
+static RELEASES: AtomicUsize = AtomicUsize::new(0);
 
 impl AgentConn {
     /// Connects and reads the agent's hello.
@@ -37,6 +50,7 @@ impl AgentConn {
         let mut conn = AgentConn {
             rd: BufReader::with_capacity(256 << 10, rd),
             wr,
+            socket: socket.to_path_buf(),
         };
         let hello = tokio::time::timeout(timeout, conn.recv())
             .await
@@ -48,6 +62,48 @@ impl AgentConn {
                 "no hello from the agent".into(),
             ))),
         }
+    }
+
+    /// An idle connection to the agent at `socket` if there is one (see [`AgentConn::release`]),
+    /// else a new one.
+    pub async fn open(socket: &Path, timeout: Duration) -> Result<AgentConn, AgentError> {
+        match take_idle(socket) {
+            Some(c) => Ok(c),
+            None => AgentConn::connect(socket, timeout).await,
+        }
+    }
+
+    /// Gives back a connection on which every answer was read and nothing is streaming, for
+    /// the next operation on the same agent.
+    pub fn release(self) {
+        if !self.clean() {
+            return;
+        }
+        let Ok(mut idle) = IDLE.lock() else {
+            return;
+        };
+        // Connections to agents that are gone (their sandbox ended) are dropped now and then
+        // (each costs a poll), and whenever the idle set is full.
+        let sweep = RELEASES.fetch_add(1, Ordering::Relaxed).is_multiple_of(64);
+        if sweep || idle.values().map(Vec::len).sum::<usize>() >= IDLE_MAX {
+            idle.retain(|_, conns| {
+                conns.retain(AgentConn::clean);
+                !conns.is_empty()
+            });
+            if idle.values().map(Vec::len).sum::<usize>() >= IDLE_MAX {
+                return;
+            }
+        }
+        let conns = idle.entry(self.socket.clone()).or_default();
+        if conns.len() < IDLE_PER_AGENT {
+            conns.push(self);
+        }
+    }
+
+    /// Nothing to read: no frame left over, and the agent has not closed its end.
+    fn clean(&self) -> bool {
+        self.rd.buffer().is_empty()
+            && !sbx_runtime::process::readable_now(self.rd.get_ref().as_ref())
     }
 
     pub async fn send(&mut self, msg: &HostMsg) -> Result<(), AgentError> {
@@ -81,16 +137,32 @@ impl AgentConn {
     }
 }
 
-/// One request on a connection of its own; its answer within 10 s (`Wait` excepted: its
-/// answer comes when the command ends, and the caller bounds it).
-pub async fn one_shot(socket: &Path, msg: &HostMsg) -> Result<AgentMsg, AgentError> {
-    let mut c = AgentConn::connect(socket, Duration::from_secs(5)).await?;
-    if matches!(msg, HostMsg::Wait { .. }) {
-        return c.request(msg).await;
+fn take_idle(socket: &Path) -> Option<AgentConn> {
+    let mut idle = IDLE.lock().ok()?;
+    let conns = idle.get_mut(socket)?;
+    while let Some(c) = conns.pop() {
+        if c.clean() {
+            return Some(c);
+        }
     }
-    tokio::time::timeout(Duration::from_secs(10), c.request(msg))
-        .await
-        .map_err(|_| AgentError::Timeout)?
+    idle.remove(socket);
+    None
+}
+
+/// One request and its answer, on an idle connection or a new one (given back after the
+/// answer); the answer within 10 s (`Wait` excepted: its answer comes when the command ends,
+/// and the caller bounds it).
+pub async fn one_shot(socket: &Path, msg: &HostMsg) -> Result<AgentMsg, AgentError> {
+    let mut c = AgentConn::open(socket, Duration::from_secs(5)).await?;
+    let answer = if matches!(msg, HostMsg::Wait { .. }) {
+        c.request(msg).await?
+    } else {
+        tokio::time::timeout(Duration::from_secs(10), c.request(msg))
+            .await
+            .map_err(|_| AgentError::Timeout)??
+    };
+    c.release();
+    Ok(answer)
 }
 
 /// Sends a signal to a command's process group (and waits until the agent has sent it).

@@ -194,32 +194,53 @@ pub(crate) struct Started {
     pub started_at_ns: i64,
 }
 
-/// The last bytes of one stream.
+/// The last bytes of one stream: the latest chunks, shared with whoever else holds them (no
+/// copy per chunk), made contiguous only when asked for.
 pub(crate) struct Tail {
-    buf: VecDeque<u8>,
+    chunks: VecDeque<Bytes>,
+    /// Bytes in `chunks`.
+    len: usize,
+    flat: Vec<u8>,
 }
 
 impl Tail {
     pub(crate) fn new() -> Tail {
         Tail {
-            buf: VecDeque::new(),
+            chunks: VecDeque::new(),
+            len: 0,
+            flat: Vec::new(),
         }
     }
     pub(crate) fn push(&mut self, data: &[u8]) {
-        let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES;
-        if data.len() >= cap {
-            self.buf.clear();
-            self.buf.extend(&data[data.len() - cap..]);
+        self.push_bytes(Bytes::copy_from_slice(data));
+    }
+    pub(crate) fn push_bytes(&mut self, data: Bytes) {
+        if data.is_empty() {
             return;
         }
-        self.buf.extend(data);
-        if self.buf.len() > cap {
-            let over = self.buf.len() - cap;
-            self.buf.drain(..over);
+        let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES;
+        self.len += data.len();
+        self.chunks.push_back(data);
+        // Chunks wholly before the last `cap` bytes are dropped.
+        while let Some(front) = self.chunks.front() {
+            if self.len - front.len() < cap {
+                break;
+            }
+            self.len -= front.len();
+            self.chunks.pop_front();
         }
     }
     fn bytes(&mut self, encoding: Encoding) -> &[u8] {
-        let s = self.buf.make_contiguous();
+        let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES;
+        let mut skip = self.len.saturating_sub(cap);
+        self.flat.clear();
+        self.flat.reserve(self.len - skip);
+        for c in &self.chunks {
+            let from = skip.min(c.len());
+            skip -= from;
+            self.flat.extend_from_slice(&c[from..]);
+        }
+        let s = &self.flat[..];
         if encoding == Encoding::Base64 {
             // Bytes, not text: the tail is the last bytes, whatever they are.
             return s;
@@ -427,7 +448,7 @@ fn take_text<'a>(
         // The common case: no copy of the bytes before they are escaped.
         let emit = data.len() - incomplete_suffix(data);
         carry.extend_from_slice(&data[emit..]);
-        return (String::from_utf8_lossy(&data[..emit]), emit);
+        return (utf8_lossy(&data[..emit]), emit);
     }
     let mut all = std::mem::take(carry);
     all.extend_from_slice(data);
@@ -439,12 +460,91 @@ fn take_text<'a>(
     )
 }
 
+/// `String::from_utf8_lossy`, with the validation of valid text (the usual case) done by the
+/// fast `str::from_utf8` first.
+fn utf8_lossy(b: &[u8]) -> std::borrow::Cow<'_, str> {
+    match std::str::from_utf8(b) {
+        Ok(s) => s.into(),
+        Err(_) => String::from_utf8_lossy(b),
+    }
+}
+
+const LOW_BITS: u64 = 0x0101_0101_0101_0101;
+const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+
+/// The bytes of `w` (8 bytes, little-endian) that JSON strings must escape: control characters,
+/// `"` and `\`. The lowest set high bit marks the first such byte exactly (bits above it may be
+/// false positives).
+fn escapes_in(w: u64) -> u64 {
+    let zero_byte = |v: u64| v.wrapping_sub(LOW_BITS) & !v & HIGH_BITS;
+    let control = w.wrapping_sub(LOW_BITS * 0x20) & !w & HIGH_BITS;
+    control | zero_byte(w ^ (LOW_BITS * b'"' as u64)) | zero_byte(w ^ (LOW_BITS * b'\\' as u64))
+}
+
+/// Appends `s` as a JSON string, escaped as serde_json does (`\"`, `\\`, `\b \f \n \r \t`,
+/// other control characters as `\u00XX`; everything else as it is). Runs that need no escape are
+/// found 8 bytes at a time and copied whole.
+fn push_json_str(out: &mut Vec<u8>, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let b = s.as_bytes();
+    out.reserve(b.len() + b.len() / 8 + 2);
+    out.push(b'"');
+    let (mut run, mut i) = (0, 0);
+    while i < b.len() {
+        // The next byte to escape, from i on.
+        let at = match b.get(i..i + 8) {
+            Some(word) => {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(word);
+                let m = escapes_in(u64::from_le_bytes(w));
+                if m == 0 {
+                    i += 8;
+                    continue;
+                }
+                i + (m.trailing_zeros() / 8) as usize
+            }
+            None => {
+                match b[i..]
+                    .iter()
+                    .position(|&c| c < 0x20 || c == b'"' || c == b'\\')
+                {
+                    Some(p) => i + p,
+                    None => break,
+                }
+            }
+        };
+        out.extend_from_slice(&b[run..at]);
+        let c = b[at];
+        match c {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            0x08 => out.extend_from_slice(b"\\b"),
+            0x0c => out.extend_from_slice(b"\\f"),
+            _ => out.extend_from_slice(&[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[(c >> 4) as usize],
+                HEX[(c & 0xf) as usize],
+            ]),
+        }
+        i = at + 1;
+        run = i;
+    }
+    out.extend_from_slice(&b[run..]);
+    out.push(b'"');
+}
+
 /// An output event, written by hand: the text is escaped once, straight into the event.
 fn output_event(kind: EventKind, id: u64, from: u64, text: &str) -> Bytes {
     use std::io::Write;
     let mut out = Vec::with_capacity(text.len() + text.len() / 16 + 96);
     let _ = write!(out, "event: {}\nid: {id}\ndata: {{\"data\":", kind.as_str());
-    let _ = serde_json::to_writer(&mut out, text);
+    push_json_str(&mut out, text);
     let _ = write!(out, ",\"position\":{from}}}\n\n");
     Bytes::from(out)
 }
@@ -546,7 +646,8 @@ async fn next_sse(s: &mut SseState) -> Bytes {
                     Stream::Stderr => (EventKind::Stderr, &mut s.err, &mut s.carry_err),
                     _ => (EventKind::Stdout, &mut s.out, &mut s.carry_out),
                 };
-                tail.push(&data);
+                let data = Bytes::from(data);
+                tail.push_bytes(data.clone());
                 let carried = carry.len() as u64;
                 let (text, emitted) = take_text(carry, &data, s.meta.encoding);
                 if emitted == 0 {
@@ -626,6 +727,28 @@ mod tests {
         assert!(carry.is_empty());
         let (t, _) = take_text(&mut carry, b"x\xffy", Encoding::Utf8);
         assert_eq!(t, "x\u{fffd}y");
+    }
+
+    #[test]
+    fn json_strings_are_escaped_as_serde_json_does() {
+        let mut all: Vec<u8> = (0u8..0x80).collect();
+        all.extend_from_slice("é€😀 plain text of some length\n\"q\" \\ end".as_bytes());
+        let text = String::from_utf8(all).unwrap();
+        // Every start and length, so that each byte is met in every place of a word.
+        for start in 0..text.len() {
+            for end in start..=text.len() {
+                let Some(s) = text.get(start..end) else {
+                    continue;
+                };
+                let mut ours = Vec::new();
+                push_json_str(&mut ours, s);
+                assert_eq!(
+                    String::from_utf8(ours).unwrap(),
+                    serde_json::to_string(s).unwrap(),
+                    "{s:?}"
+                );
+            }
+        }
     }
 
     #[test]

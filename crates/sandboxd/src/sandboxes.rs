@@ -1125,7 +1125,7 @@ impl Node {
         let exec_id = spec.exec_id.clone();
         let attach = spec.attach;
         let tty = spec.tty;
-        let mut conn = AgentConn::connect(&sb.socket, Duration::from_secs(5))
+        let mut conn = AgentConn::open(&sb.socket, Duration::from_secs(5))
             .await
             .map_err(agent_lost)?;
         let state = match conn
@@ -1317,18 +1317,26 @@ impl Node {
                     pid: state.pid,
                     started_at_ns: state.started_at_ns,
                 };
-                // The end is known here: record it and free the slot, as the watcher would.
+                // The end is known here: record it and free the slot, as the watcher would. The
+                // row is written after the answer (its insert is already committed): a node
+                // killed before it lands finds the command running at start and asks the agent.
                 let ended = ExecState {
                     exit: Some(exit.clone()),
                     output,
                     ..state.clone()
                 };
                 if let Ok(json) = serde_json::to_string(&final_object(&m, &row, Some(&ended))) {
-                    let _ = self.store.set_exec_final(&m.id, &row.exec_id, &json);
+                    let node = self.clone();
+                    let (sandbox_id, exec_id) = (m.id.clone(), row.exec_id.clone());
+                    tokio::task::spawn_blocking(move || {
+                        let _ = node.store.set_exec_final(&sandbox_id, &exec_id, &json);
+                    });
                 }
                 if let Ok(mut r) = m.running.lock() {
                     r.remove(&row.exec_id);
                 }
+                // Every frame of the command was read: the connection serves the next call.
+                conn.release();
                 return Ok(exec_object(
                     &meta,
                     &started,
@@ -1340,9 +1348,12 @@ impl Node {
                 ));
             }
         }
-        drop(conn);
         if req.wait_seconds > 0.0 && !req.tty {
+            // Its output may still be streaming on the connection.
+            drop(conn);
             self.watch_exec(m.clone(), sb.clone(), row);
+        } else {
+            conn.release();
         }
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }

@@ -1,11 +1,12 @@
 //! Processes: spawning a sandbox's commands (inside the agent), reaping them, signals, pidfds.
 
+use std::ffi::CString;
 use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 /// A command to start, fully resolved.
@@ -32,70 +33,244 @@ pub struct Spawned {
     pub stderr: OwnedFd,
 }
 
-/// The command of `spec`, to run as its user; with `on_terminal` it starts a session whose
-/// controlling terminal is its stdin (which the caller sets to a PTY's slave).
-fn command(spec: &SpawnSpec<'_>, on_terminal: bool) -> Command {
-    let mut cmd = Command::new(spec.program);
-    if let Some((first, rest)) = spec.argv.split_first() {
-        cmd.arg0(first);
-        cmd.args(rest);
+/// What the child of [`spawn_child`] needs, prepared before the clone: the child only reads it
+/// and makes syscalls (no allocation, no lock, no libc wrapper that keeps process-wide state).
+struct ChildPlan {
+    program: CString,
+    /// `argv` and `envp`: null-terminated arrays of pointers into `_strings`.
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    _strings: Vec<CString>,
+    cwd: CString,
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    groups: Vec<libc::gid_t>,
+    /// Descriptors that become the child's 0, 1 and 2 (all above 2).
+    stdio: [RawFd; 3],
+    /// A session of its own with stdin as its controlling terminal; else a process group of
+    /// its own.
+    on_terminal: bool,
+    /// The errno of the step that failed in the child (0: it executed the program). Written by
+    /// the child, read by the parent after the child has executed or exited.
+    err: AtomicI32,
+}
+
+fn cstring(s: &[u8]) -> io::Result<CString> {
+    CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte"))
+}
+
+impl ChildPlan {
+    fn new(spec: &SpawnSpec<'_>, stdio: [RawFd; 3], on_terminal: bool) -> io::Result<ChildPlan> {
+        let mut strings = Vec::with_capacity(spec.argv.len() + spec.env.len());
+        for a in spec.argv {
+            strings.push(cstring(a.as_bytes())?);
+        }
+        let argc = strings.len();
+        for (k, v) in spec.env {
+            strings.push(cstring(format!("{k}={v}").as_bytes())?);
+        }
+        // The CStrings' buffers do not move when the Vec holding them does.
+        let ptrs = |s: &[CString]| -> Vec<*const libc::c_char> {
+            s.iter()
+                .map(|c| c.as_ptr())
+                .chain(std::iter::once(std::ptr::null()))
+                .collect()
+        };
+        Ok(ChildPlan {
+            program: cstring(spec.program.as_os_str().as_bytes())?,
+            argv: ptrs(&strings[..argc]),
+            envp: ptrs(&strings[argc..]),
+            _strings: strings,
+            cwd: cstring(spec.cwd.as_os_str().as_bytes())?,
+            uid: spec.uid,
+            gid: spec.gid,
+            groups: spec.groups.to_vec(),
+            stdio,
+            on_terminal,
+            err: AtomicI32::new(0),
+        })
     }
-    cmd.env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .current_dir(spec.cwd);
-    let (uid, gid) = (spec.uid, spec.gid);
-    let groups: Vec<libc::gid_t> = spec.groups.to_vec();
-    // SAFETY: the closure runs in the child between fork and exec. It only makes the
-    // async-signal-safe syscalls setsid, ioctl(TIOCSCTTY) on fd 0 (set up by std before the
-    // closure runs), setgroups, setresgid and setresuid, on memory prepared before the fork
-    // (`groups` is moved in, not allocated there).
+}
+
+/// The child of [`spawn_child`], on its own stack in the parent's memory (CLONE_VM) while the
+/// parent waits (CLONE_VFORK). Only raw syscalls: glibc's setuid family would act on the
+/// parent's threads (it shares their memory), and nothing here may allocate or lock.
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `ChildPlan` that `spawn_child` passed to clone; the parent keeps it
+    // alive and does not touch it until this child has executed or exited.
+    let plan = unsafe { &*(arg as *const ChildPlan) };
+    let fail = |plan: &ChildPlan| -> libc::c_int {
+        let e = io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL);
+        plan.err.store(e.max(1), Ordering::SeqCst);
+        // SAFETY: _exit ends this process at once, without running anything of the parent's
+        // (no atexit handlers, no stdio flushing).
+        unsafe { libc::_exit(127) }
+    };
+    // SAFETY: every call below is a raw syscall (or libc's thin async-signal-safe wrapper of
+    // one) on memory the plan owns or on locals of this stack: sigaction and sigprocmask with
+    // valid pointers, dup2/fcntl on descriptors the parent opened for the child, chdir and
+    // execve on the plan's NUL-terminated strings and null-terminated pointer arrays,
+    // setsid/setpgid/ioctl(TIOCSCTTY) on this process, setgroups/setresgid/setresuid through
+    // syscall(2) so that they change this process only.
     unsafe {
-        cmd.pre_exec(move || {
-            if on_terminal {
-                if libc::setsid() < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
+        // Handlers of the parent must not run here (they would run on the parent's memory):
+        // every caught signal goes back to its default; SIGPIPE too (Rust ignores it). Ignored
+        // ones stay ignored, as with fork and exec. The mask the parent set (all blocked) is
+        // cleared last, just before the exec.
+        for sig in 1..=libc::SIGRTMAX() {
+            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+                continue;
             }
-            if libc::setgroups(groups.len(), groups.as_ptr()) != 0 {
-                return Err(io::Error::last_os_error());
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+                continue;
             }
-            if libc::setresgid(gid, gid, gid) != 0 {
-                return Err(io::Error::last_os_error());
+            if old.sa_sigaction != libc::SIG_DFL
+                && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE)
+            {
+                let mut dfl: libc::sigaction = std::mem::zeroed();
+                dfl.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(sig, &dfl, std::ptr::null_mut());
             }
-            if libc::setresuid(uid, uid, uid) != 0 {
-                return Err(io::Error::last_os_error());
+        }
+        for (fd, target) in plan.stdio.iter().zip(0..) {
+            if libc::dup2(*fd, target) < 0 {
+                return fail(plan);
             }
-            Ok(())
-        });
+        }
+        if libc::chdir(plan.cwd.as_ptr()) != 0 {
+            return fail(plan);
+        }
+        if plan.on_terminal {
+            if libc::setsid() < 0 {
+                return fail(plan);
+            }
+            if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return fail(plan);
+            }
+        } else if libc::setpgid(0, 0) != 0 {
+            return fail(plan);
+        }
+        if libc::syscall(libc::SYS_setgroups, plan.groups.len(), plan.groups.as_ptr()) != 0 {
+            return fail(plan);
+        }
+        if libc::syscall(libc::SYS_setresgid, plan.gid, plan.gid, plan.gid) != 0 {
+            return fail(plan);
+        }
+        if libc::syscall(libc::SYS_setresuid, plan.uid, plan.uid, plan.uid) != 0 {
+            return fail(plan);
+        }
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        libc::execve(
+            plan.program.as_ptr(),
+            plan.argv.as_ptr(),
+            plan.envp.as_ptr(),
+        );
+        fail(plan)
     }
-    cmd
+}
+
+/// The child's stack: its frames are small (no allocation, a few locals).
+const CHILD_STACK: usize = 64 << 10;
+
+/// Starts `plan`'s program in a child made with clone(CLONE_VM | CLONE_VFORK): no copy of the
+/// parent's memory (as posix_spawn does), and this call returns once the child has executed
+/// the program, or with the error of the step that failed.
+fn spawn_child(plan: &ChildPlan) -> io::Result<u32> {
+    let mut stack = vec![0u8; CHILD_STACK];
+    // The top of the stack (it grows down), 16-byte aligned.
+    let top = {
+        let end = stack.as_mut_ptr_range().end as usize;
+        (end & !15) as *mut libc::c_void
+    };
+    // SAFETY: an all-zero sigset_t is a valid value of this plain C struct; sigfillset and
+    // pthread_sigmask only write into the sets we pass. Blocking every signal around the clone
+    // keeps this process's handlers from running in the child before it resets them.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+    }
+    // SAFETY: child_main only reads `plan` and makes raw syscalls (see it) on its own stack,
+    // `stack`, which outlives the child's use of it: with CLONE_VFORK this thread is suspended
+    // until the child has executed a program (its memory is then its own) or exited.
+    let pid = unsafe {
+        libc::clone(
+            child_main,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            plan as *const ChildPlan as *mut libc::c_void,
+        )
+    };
+    let clone_err = io::Error::last_os_error();
+    // SAFETY: restores the mask saved above; pthread_sigmask only reads it.
+    unsafe {
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+    }
+    drop(stack);
+    if pid < 0 {
+        return Err(clone_err);
+    }
+    let err = plan.err.load(Ordering::SeqCst);
+    if err != 0 {
+        // The child has exited: reap it here, so that no one waits for it.
+        let mut status = 0;
+        // SAFETY: waitpid writes only into `status`, a live local.
+        unsafe {
+            libc::waitpid(pid, &mut status, 0);
+        }
+        return Err(io::Error::from_raw_os_error(err));
+    }
+    Ok(pid as u32)
+}
+
+/// A descriptor above 2 (the child's stdio slots), close-on-exec.
+fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    use nix::fcntl::{fcntl, FcntlArg};
+    let raw = fcntl(&fd, FcntlArg::F_DUPFD_CLOEXEC(3)).map_err(io::Error::from)?;
+    // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// A pipe, both ends close-on-exec and above 2: `(read end, write end)`.
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(io::Error::from)?;
+    Ok((above_stdio(r)?, above_stdio(w)?))
 }
 
 /// Starts a command in a process group of its own, with fresh pipes for its stdio.
 /// The error is the `exec` failure (ENOENT, EACCES, ...), which the caller maps to 127/126.
 pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
-    let mut cmd = command(spec, false);
-    cmd.stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let mut child = cmd.spawn()?;
-    let pid = child.id();
-    let take = |o: Option<OwnedFd>| o.ok_or_else(|| io::Error::other("missing pipe"));
-    let stdin = take(child.stdin.take().map(OwnedFd::from))?;
-    let stdout = take(child.stdout.take().map(OwnedFd::from))?;
-    let stderr = take(child.stderr.take().map(OwnedFd::from))?;
+    let (stdin_r, stdin) = pipe()?;
+    let (stdout, stdout_w) = pipe()?;
+    let (stderr, stderr_w) = pipe()?;
+    let plan = ChildPlan::new(
+        spec,
+        [
+            stdin_r.as_raw_fd(),
+            stdout_w.as_raw_fd(),
+            stderr_w.as_raw_fd(),
+        ],
+        false,
+    )?;
+    let pid = spawn_child(&plan)?;
+    // The child's ends are closed here: the command holds its own copies.
+    drop((stdin_r, stdout_w, stderr_w));
     // Larger pipes: a command that writes a lot wakes its reader less often. The size is
     // capped by the system (fs.pipe-max-size); a refusal keeps the default.
     for p in [&stdout, &stderr] {
         let _ = nix::fcntl::fcntl(p, nix::fcntl::FcntlArg::F_SETPIPE_SZ(1 << 20));
     }
-    // The child is reaped by `reap_any`, not by std: forgetting the handle only drops its
-    // (already taken) pipes.
-    drop(child);
+    // The child is reaped by `reap_any`.
     Ok(Spawned {
         pid,
         stdin,
@@ -272,19 +447,36 @@ pub fn spawn_pty(spec: &SpawnSpec<'_>, rows: u16, cols: u16) -> io::Result<Spawn
         ws_ypixel: 0,
     };
     let pty = nix::pty::openpty(Some(&size), None).map_err(io::Error::from)?;
-    let slave = pty.slave;
-    let mut cmd = command(spec, true);
-    cmd.stdin(Stdio::from(slave.try_clone()?))
-        .stdout(Stdio::from(slave.try_clone()?))
-        .stderr(Stdio::from(slave));
-    let child = cmd.spawn()?;
-    let pid = child.id();
-    drop(child);
+    // openpty's descriptors are not close-on-exec: these must not leak into other commands.
+    for fd in [&pty.master, &pty.slave] {
+        nix::fcntl::fcntl(
+            fd,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(io::Error::from)?;
+    }
+    let slave = above_stdio(pty.slave)?;
+    let fd = slave.as_raw_fd();
+    let plan = ChildPlan::new(spec, [fd, fd, fd], true)?;
+    let pid = spawn_child(&plan)?;
+    drop(slave);
     set_nonblocking(&pty.master)?;
     Ok(SpawnedPty {
         pid,
         master: pty.master,
     })
+}
+
+/// Whether a descriptor has something to read (data or its end) right now, without waiting.
+pub fn readable_now(fd: &impl AsRawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll reads and writes the one pollfd we pass, which lives on the stack.
+    let r = unsafe { libc::poll(&mut pfd, 1, 0) };
+    r != 0
 }
 
 /// Makes a descriptor non-blocking (for a reactor).
@@ -326,4 +518,93 @@ pub fn async_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
     // SAFETY: an OwnedFd always answers the same descriptor from as_raw_fd and closes it only
     // when dropped, which happens after the AsyncFd (its owner) has deregistered it.
     unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    fn wait(pid: u32) -> i32 {
+        let mut status = 0;
+        // SAFETY: waitpid writes only into `status`, a live local.
+        unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) };
+        status
+    }
+
+    fn spec<'a>(
+        program: &'a Path,
+        argv: &'a [String],
+        env: &'a [(String, String)],
+        cwd: &'a Path,
+        uid: u32,
+    ) -> SpawnSpec<'a> {
+        SpawnSpec {
+            program,
+            argv,
+            env,
+            cwd,
+            uid,
+            gid: uid,
+            groups: &[],
+        }
+    }
+
+    #[test]
+    fn a_command_gets_its_arguments_environment_directory_user_and_group() {
+        // SAFETY: geteuid has no memory effects.
+        let root = unsafe { libc::geteuid() } == 0;
+        let uid = if root { 65534 } else { 0 };
+        let argv = [
+            "sh".to_string(),
+            "-c".into(),
+            r#"echo "$0 $X $(pwd) $(id -u) $(ps -o pgid= -p $$ | tr -d ' ')=$$""#.into(),
+        ];
+        let env = [
+            ("X".to_string(), "x y".to_string()),
+            ("PATH".into(), "/usr/bin:/bin".into()),
+        ];
+        let s = spec(Path::new("/bin/sh"), &argv, &env, Path::new("/tmp"), uid);
+        let s = if root {
+            s
+        } else {
+            // Without root the user cannot change: run as who we are.
+            SpawnSpec {
+                // SAFETY: getuid and getgid have no memory effects.
+                uid: unsafe { libc::getuid() },
+                // SAFETY: as above.
+                gid: unsafe { libc::getgid() },
+                ..s
+            }
+        };
+        let mut child = spawn(&s).unwrap();
+        drop(child.stdin);
+        let mut out = String::new();
+        fs::File::from(std::mem::replace(&mut child.stdout, pipe().unwrap().0))
+            .read_to_string(&mut out)
+            .unwrap();
+        assert_eq!(wait(child.pid), 0);
+        let pid = child.pid;
+        let want_uid = if root {
+            "65534".to_string()
+        } else {
+            s.uid.to_string()
+        };
+        assert_eq!(out, format!("sh x y /tmp {want_uid} {pid}={pid}\n"));
+    }
+
+    #[test]
+    fn exec_failures_are_errors_of_the_spawn() {
+        let argv = ["x".to_string()];
+        // SAFETY: getuid and getgid have no memory effects.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let mut s = spec(Path::new("/nonexistent/x"), &argv, &[], Path::new("/"), uid);
+        s.gid = gid;
+        assert_eq!(spawn(&s).unwrap_err().kind(), io::ErrorKind::NotFound);
+        s.program = Path::new("/tmp");
+        assert_eq!(spawn(&s).unwrap_err().raw_os_error(), Some(libc::EACCES));
+        s.program = Path::new("/bin/true");
+        s.cwd = Path::new("/nonexistent");
+        assert_eq!(spawn(&s).unwrap_err().kind(), io::ErrorKind::NotFound);
+    }
 }
