@@ -931,5 +931,7 @@ impl Node {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        // Kept sandboxes run on (the next node adopts them): their groups keep the folder.
+        self.driver.release();
     }
 }

@@ -101,6 +101,12 @@ fn a_stopping_node_ends_its_sandboxes() {
     assert!(status.success(), "the node exited with {status}");
     let left = node.leftovers();
     assert!(left.is_empty(), "left after the node stopped: {left:?}");
+    // Not even its own cgroup folder.
+    for c in ["memory", "pids"] {
+        if let Some(dir) = node.cgroup_dir(c) {
+            assert!(!dir.exists(), "{} is left", dir.display());
+        }
+    }
     // The caller is told why its command ended.
     let rest = s.rest();
     let last = rest.last().expect("an event after the start");

@@ -116,6 +116,18 @@ impl Cgroups {
         &self.layout
     }
 
+    /// Removes the node's folders if no sandbox group is left in them (a node that stops with
+    /// no sandbox leaves no cgroup behind); a folder still in use stays.
+    pub fn remove_if_empty(&self) {
+        let dirs: Vec<PathBuf> = match &self.layout {
+            Layout::V1(dirs) => dirs.iter().map(|(_, d)| d.clone()).collect(),
+            Layout::V2(base) => vec![base.clone()],
+        };
+        for d in dirs {
+            let _ = fs::remove_dir(d);
+        }
+    }
+
     /// Prepares the parent folders once (and, on v2, enables the controllers in them).
     pub fn prepare(&self) -> Result<(), CgroupError> {
         match &self.layout {

@@ -81,6 +81,9 @@ pub trait Driver: Send + Sync {
     fn remove_leftovers(&self, id: &str) -> Result<(), RuntimeError>;
     /// Ids of the sandboxes whose cgroups exist.
     fn list_groups(&self) -> Vec<String>;
+    /// At the node's stop: gives back what the driver holds for the node itself (its cgroup
+    /// folders, once no sandbox is in them).
+    fn release(&self) {}
 }
 
 /// Sandboxes as Linux namespaces + cgroups + seccomp + an overlay root, with `sbx-agent` as PID 1.
@@ -244,6 +247,10 @@ impl Driver for NamespaceDriver {
 
     fn list_groups(&self) -> Vec<String> {
         self.cgroups.list()
+    }
+
+    fn release(&self) {
+        self.cgroups.remove_if_empty();
     }
 }
 
