@@ -29,6 +29,8 @@ pub struct AgentConn {
     rd: BufReader<OwnedReadHalf>,
     wr: OwnedWriteHalf,
     socket: PathBuf,
+    /// The agent takes [`sbx_proto::ExecSpec::stdin_null`] (its hello says so).
+    stdin_null: bool,
 }
 
 /// Connections whose exchanges are all over, by agent socket: the next operation on the same
@@ -51,17 +53,29 @@ impl AgentConn {
             rd: BufReader::with_capacity(256 << 10, rd),
             wr,
             socket: socket.to_path_buf(),
+            stdin_null: false,
         };
         let hello = tokio::time::timeout(timeout, conn.recv())
             .await
             .map_err(|_| AgentError::Timeout)??;
         match hello {
-            Frame::Msg(AgentMsg::Hello { version, .. }) if version == PROTO_VERSION => Ok(conn),
+            Frame::Msg(AgentMsg::Hello {
+                version, features, ..
+            }) if version == PROTO_VERSION => {
+                conn.stdin_null = features.iter().any(|f| f == sbx_proto::FEATURE_STDIN_NULL);
+                Ok(conn)
+            }
             Frame::Msg(AgentMsg::Hello { version, .. }) => Err(AgentError::Version(version)),
             _ => Err(AgentError::Proto(ProtoError::Malformed(
                 "no hello from the agent".into(),
             ))),
         }
+    }
+
+    /// Whether a command given no input can be started with no stdin at all
+    /// ([`sbx_proto::ExecSpec::stdin_null`]), so that no `CloseStdin` has to follow.
+    pub fn takes_stdin_null(&self) -> bool {
+        self.stdin_null
     }
 
     /// An idle connection to the agent at `socket` if there is one (see [`AgentConn::release`]),

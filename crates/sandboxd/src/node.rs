@@ -490,6 +490,7 @@ impl Node {
             user: req.user.clone(),
             timeout_ms: Some(deadline_ms.max(1)),
             stdin_open: false,
+            stdin_null: false,
             attach: true,
             tty: false,
             wait_for_reader: req.wait_for_reader,
@@ -639,19 +640,23 @@ impl Node {
                 )
             }
         };
-        conn.send(&HostMsg::Exec(plan.exec.clone()))
-            .await
-            .map_err(failed)?;
+        // A run given no input reads /dev/null: no stdin pipe, no CloseStdin after it.
+        let no_stdin = conn.takes_stdin_null() && plan.stdin.is_none();
+        let mut exec = plan.exec.clone();
+        exec.stdin_null = no_stdin;
+        conn.send(&HostMsg::Exec(exec)).await.map_err(failed)?;
         if let Some(input) = &plan.stdin {
             conn.send_stdin(&plan.exec_id, input)
                 .await
                 .map_err(failed)?;
         }
-        conn.send(&HostMsg::CloseStdin {
-            exec_id: plan.exec_id.clone(),
-        })
-        .await
-        .map_err(failed)?;
+        if !no_stdin {
+            conn.send(&HostMsg::CloseStdin {
+                exec_id: plan.exec_id.clone(),
+            })
+            .await
+            .map_err(failed)?;
+        }
         // The agent enforces the deadline; this one only guards against an agent that hangs.
         let guard =
             Duration::from_millis(plan.exec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);

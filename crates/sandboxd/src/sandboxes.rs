@@ -509,6 +509,7 @@ impl Node {
                 user: m.spec.user.clone(),
                 timeout_ms: None,
                 stdin_open: false,
+                stdin_null: false,
                 attach: false,
                 tty: false,
                 wait_for_reader: false,
@@ -694,6 +695,7 @@ impl Node {
             user: None,
             timeout_ms: Some(10_000),
             stdin_open: false,
+            stdin_null: false,
             attach: true,
             tty: false,
             wait_for_reader: false,
@@ -1122,12 +1124,16 @@ impl Node {
         stdin: Option<&[u8]>,
         stdin_open: bool,
     ) -> Result<(ExecState, AgentConn, ExecRow), ApiError> {
+        let mut spec = spec;
         let exec_id = spec.exec_id.clone();
         let attach = spec.attach;
         let tty = spec.tty;
         let mut conn = AgentConn::open(&sb.socket, Duration::from_secs(5))
             .await
             .map_err(agent_lost)?;
+        // A command given no input reads /dev/null: no stdin pipe, no CloseStdin after it.
+        let no_stdin = conn.takes_stdin_null() && stdin.is_none() && !stdin_open && !tty;
+        spec.stdin_null = no_stdin;
         let state = match conn
             .request(&HostMsg::Exec(spec))
             .await
@@ -1162,7 +1168,7 @@ impl Node {
         if let Some(data) = stdin {
             conn.send_stdin(&exec_id, data).await.map_err(agent_lost)?;
         }
-        if !stdin_open {
+        if !stdin_open && !no_stdin {
             conn.send(&HostMsg::CloseStdin {
                 exec_id: exec_id.clone(),
             })
@@ -1263,6 +1269,7 @@ impl Node {
             user: req.user.clone().or_else(|| m.spec.user.clone()),
             timeout_ms: req.timeout_seconds.map(|t| (t * 1000.0).ceil() as u64),
             stdin_open: req.stdin_open || req.tty,
+            stdin_null: false,
             // A call that waits reads the output on the connection that starts the command.
             attach: req.wait_seconds > 0.0 && !req.tty,
             tty: req.tty,

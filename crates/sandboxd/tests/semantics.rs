@@ -469,3 +469,38 @@ fn kill_hard(pid: u32) {
         .expect("kill");
     assert!(status.success());
 }
+
+#[test]
+fn a_command_given_no_input_reads_dev_null_and_one_given_input_a_pipe() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "readlink /proc/self/fd/0; cat; echo end" }));
+    assert_eq!(v["stdout"], "/dev/null\nend\n", "{v}");
+    let v = node.run_ok(&json!({ "command": "readlink /proc/self/fd/0; cat", "stdin": "in\n" }));
+    let out = v["stdout"].as_str().unwrap();
+    assert!(out.starts_with("pipe:[") && out.ends_with("]\nin\n"), "{v}");
+    // The same in a kept sandbox: an exec without stdin, and one that keeps it open.
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().unwrap();
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/run"),
+        &json!({ "command": "readlink /proc/self/fd/0" }),
+    );
+    assert_eq!(r.json()["stdout"], "/dev/null\n", "{}", r.text());
+    let e = node.exec(
+        id,
+        &json!({ "command": "readlink /proc/self/fd/0; cat", "stdin_open": true }),
+    );
+    let eid = e["id"].as_str().unwrap();
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec/{eid}/stdin"),
+        &json!({ "data": "late\n", "close": true }),
+    );
+    assert!(r.status < 300, "{}", r.text());
+    let fin = node.exec_wait(id, eid, std::time::Duration::from_secs(10));
+    let out = fin["stdout"].as_str().unwrap_or_default();
+    assert!(
+        out.starts_with("pipe:[") && out.ends_with("]\nlate\n"),
+        "{fin}"
+    );
+    node.delete_sandbox(id);
+}

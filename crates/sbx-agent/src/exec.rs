@@ -402,6 +402,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
         uid: user.uid,
         gid: user.gid,
         groups: &user.groups,
+        stdin_null: spec.stdin_null && !spec.stdin_open,
     };
     if spec.tty {
         let on_pty = process::spawn_pty(&how, spec.rows, spec.cols)
@@ -452,7 +453,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
     let r1 = reader(exec.clone(), spawned.stdout, Stream::Stdout);
     let r2 = reader(exec.clone(), spawned.stderr, Stream::Stderr);
     exec.state.borrow_mut().readers = vec![r1, r2];
-    *exec.stdin.borrow_mut() = Some(stdin_writer(spawned.stdin));
+    *exec.stdin.borrow_mut() = spawned.stdin.map(stdin_writer);
     deadline(&exec, spec.timeout_ms);
     Ok(exec)
 }

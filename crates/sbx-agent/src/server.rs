@@ -97,7 +97,10 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
     let hello = AgentMsg::Hello {
         version: PROTO_VERSION,
         agent: format!("sbx-agent {}", env!("CARGO_PKG_VERSION")),
-        features: vec![sbx_proto::FEATURE_FS.into()],
+        features: vec![
+            sbx_proto::FEATURE_FS.into(),
+            sbx_proto::FEATURE_STDIN_NULL.into(),
+        ],
     };
     if !send(&out, &hello).await {
         return;

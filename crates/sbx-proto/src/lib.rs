@@ -22,6 +22,9 @@ pub use fs::{
     FEATURE_FS,
 };
 
+/// The feature (in the agent's hello) of [`ExecSpec::stdin_null`].
+pub const FEATURE_STDIN_NULL: &str = "stdin_null";
+
 /// The generation of this protocol.
 pub const PROTO_VERSION: u32 = 1;
 /// The largest frame either side accepts (a data frame carries at most [`MAX_DATA`] bytes).
@@ -97,6 +100,10 @@ pub struct ExecSpec {
     /// Keep stdin open for later [`HostMsg::Stdin`] data; false closes it after `stdin`.
     #[serde(default)]
     pub stdin_open: bool,
+    /// No stdin at all: the command reads /dev/null, and no `CloseStdin` follows. Only to an
+    /// agent that announces [`FEATURE_STDIN_NULL`] (an older one ignores the field).
+    #[serde(default)]
+    pub stdin_null: bool,
     /// Send output to this connection as it comes.
     #[serde(default)]
     pub attach: bool,
@@ -390,6 +397,7 @@ mod tests {
             user: None,
             timeout_ms: Some(5),
             stdin_open: false,
+            stdin_null: false,
             attach: true,
             tty: false,
             wait_for_reader: false,
@@ -478,6 +486,7 @@ mod tests {
             user: None,
             timeout_ms: None,
             stdin_open: false,
+            stdin_null: false,
             attach: false,
             tty: false,
             wait_for_reader: false,
@@ -487,7 +496,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             exec,
-            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"attach":false,"tty":false,"wait_for_reader":false,"rows":24,"cols":80}"#
+            r#"{"type":"exec","exec_id":"exe-x","program":{"shell":"true"},"env":[],"cwd":null,"user":null,"timeout_ms":null,"stdin_open":false,"stdin_null":false,"attach":false,"tty":false,"wait_for_reader":false,"rows":24,"cols":80}"#
         );
         // An older host that sends no optional fields is still understood.
         let old: HostMsg =

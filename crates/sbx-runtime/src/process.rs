@@ -22,13 +22,16 @@ pub struct SpawnSpec<'a> {
     pub uid: u32,
     pub gid: u32,
     pub groups: &'a [u32],
+    /// Stdin is /dev/null instead of a pipe (a command given no input).
+    pub stdin_null: bool,
 }
 
 /// A started command: its pid (also its process group) and its ends of the pipes.
 #[derive(Debug)]
 pub struct Spawned {
     pub pid: u32,
-    pub stdin: OwnedFd,
+    /// `None` when its stdin is /dev/null.
+    pub stdin: Option<OwnedFd>,
     pub stdout: OwnedFd,
     pub stderr: OwnedFd,
 }
@@ -250,7 +253,13 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Starts a command in a process group of its own, with fresh pipes for its stdio.
 /// The error is the `exec` failure (ENOENT, EACCES, ...), which the caller maps to 127/126.
 pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
-    let (stdin_r, stdin) = pipe()?;
+    let (stdin_r, stdin) = if spec.stdin_null {
+        let null = std::fs::File::open("/dev/null")?;
+        (above_stdio(OwnedFd::from(null))?, None)
+    } else {
+        let (r, w) = pipe()?;
+        (r, Some(w))
+    };
     let (stdout, stdout_w) = pipe()?;
     let (stderr, stderr_w) = pipe()?;
     let plan = ChildPlan::new(
@@ -547,7 +556,34 @@ mod tests {
             uid,
             gid: uid,
             groups: &[],
+            stdin_null: false,
         }
+    }
+
+    #[test]
+    fn a_command_given_no_stdin_reads_dev_null() {
+        let argv = [
+            "sh".to_string(),
+            "-c".into(),
+            "cat; readlink /proc/self/fd/0; echo done".into(),
+        ];
+        let env = [("PATH".to_string(), "/usr/bin:/bin".to_string())];
+        // SAFETY: getuid has no memory effects.
+        let me = unsafe { libc::getuid() };
+        let s = SpawnSpec {
+            stdin_null: true,
+            // SAFETY: getgid has no memory effects.
+            gid: unsafe { libc::getgid() },
+            ..spec(Path::new("/bin/sh"), &argv, &env, Path::new("/"), me)
+        };
+        let mut child = spawn(&s).unwrap();
+        assert!(child.stdin.is_none(), "no pipe to write to");
+        let mut out = String::new();
+        fs::File::from(std::mem::replace(&mut child.stdout, pipe().unwrap().0))
+            .read_to_string(&mut out)
+            .unwrap();
+        assert_eq!(wait(child.pid), 0);
+        assert_eq!(out, "/dev/null\ndone\n");
     }
 
     #[test]
