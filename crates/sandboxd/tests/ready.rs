@@ -322,6 +322,17 @@ fn sbx_create_waits_for_the_check_and_takes_a_template() {
     let v = node.get(&format!("/v1/sandboxes/{id}"), &[]).json();
     assert_eq!(v["status"], "running", "{v}");
     let key = v["template"].as_str().unwrap().to_string();
+    // `sbx templates` lists it, built.
+    let (code, out, err) = common::sbx(&node, &["templates"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&key))
+        .unwrap_or_default();
+    assert!(
+        line.contains("ready") && line.contains("exec python3"),
+        "{out}"
+    );
     // From its template, by key, as JSON.
     let (code, out, err) = common::sbx(&node, &["create", "--template", &key, "--json"]);
     assert_eq!(code, 0, "{out}{err}");

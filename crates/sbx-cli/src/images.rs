@@ -1,5 +1,6 @@
 //! `sbx pull IMAGE` (the node pulls an OCI image; a progress bar per layer from the node's
-//! event stream) and `sbx images` (the node's images: base and pulled ones).
+//! event stream), `sbx images` (the node's images: base and pulled ones) and `sbx templates`
+//! (the node's templates, from GET /internal/node).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -126,6 +127,59 @@ pub fn images(cli: &Cli, a: &ImagesArgs) -> anyhow::Result<u8> {
             .map(|s| format!("{:.1} MB", s as f64 / 1e6))
             .unwrap_or_else(|| "-".into());
         println!("{:<50} {:<20} {:>10}", refs.join(", "), digest, size);
+    }
+    Ok(0)
+}
+
+/// `sbx templates`: key, status, image, what starts, shape, build time.
+pub fn templates(cli: &Cli, a: &ImagesArgs) -> anyhow::Result<u8> {
+    let v: Value = req(cli, "GET", "/internal/node")
+        .call()
+        .map_err(api_error)?
+        .into_json()?;
+    let all = v["templates"].as_array().cloned().unwrap_or_default();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<20} {:<9} {:<40} {:<30} {:>5} {:>7} {:>9}",
+        "KEY", "STATUS", "IMAGE", "START", "CPUS", "MEMORY", "BUILT"
+    );
+    for t in all {
+        let text = |k: &str| t[k].as_str().unwrap_or("-").to_string();
+        let start = match (t["start_command"].as_str(), t["start"].as_bool()) {
+            (Some(c), _) => c.to_string(),
+            (None, Some(true)) => "(the image's)".into(),
+            (None, Some(false)) => "(nothing)".into(),
+            (None, None) => "(labels)".into(),
+        };
+        let start: String = start.chars().take(30).collect();
+        let memory = t["memory_bytes"]
+            .as_u64()
+            .map(|b| format!("{}M", b >> 20))
+            .unwrap_or_else(|| "-".into());
+        let built = t["built_ms"]
+            .as_u64()
+            .map(|ms| format!("{ms} ms"))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{:<20} {:<9} {:<40} {:<30} {:>5} {:>7} {:>9}",
+            text("key"),
+            text("status"),
+            text("image"),
+            if t["key"] == "base" {
+                "-".into()
+            } else {
+                start
+            },
+            t["vcpus"]
+                .as_u64()
+                .map(|c| c.to_string())
+                .unwrap_or_default(),
+            memory,
+            built
+        );
     }
     Ok(0)
 }

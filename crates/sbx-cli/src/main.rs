@@ -52,6 +52,8 @@ enum Cmd {
     Pull(images::PullArgs),
     /// List the node's images: the base image and the pulled ones.
     Images(images::ImagesArgs),
+    /// List the node's templates (keys for `sbx create --template`).
+    Templates(images::ImagesArgs),
     /// Make a sandbox that lives until it is removed; prints its id.
     Create(sandboxes::CreateArgs),
     /// List sandboxes.
@@ -136,6 +138,7 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         }
         Cmd::Pull(a) => images::pull(&cli, a),
         Cmd::Images(a) => images::images(&cli, a),
+        Cmd::Templates(a) => images::templates(&cli, a),
         Cmd::Create(a) => sandboxes::create(&cli, a),
         Cmd::Ls(a) => sandboxes::ls(&cli, a),
         Cmd::Exec(a) => sandboxes::exec(&cli, a),
