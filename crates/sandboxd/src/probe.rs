@@ -26,13 +26,14 @@ pub enum Probe {
 }
 
 impl Probe {
-    /// Tries the check once against the sandbox whose agent is `pid`. `Err` says what it got.
-    pub async fn try_once(&self, pid: i32) -> Result<(), String> {
+    /// Tries the check once in the network namespace `ns` names (a handle on the sandbox's
+    /// agent: [`sbx_runtime::Sandbox::netns_handle`]). `Err` says what it got.
+    pub async fn try_once(&self, ns: std::os::fd::OwnedFd) -> Result<(), String> {
         let port = match self {
             Probe::Tcp { port } | Probe::Http { port, .. } => *port,
         };
         let socket = tokio::task::spawn_blocking(move || {
-            sbx_runtime::netns::in_netns_of(pid, tokio::net::TcpSocket::new_v4)
+            sbx_runtime::netns::in_netns_of_handle(ns, tokio::net::TcpSocket::new_v4)
         })
         .await
         .map_err(|e| format!("the probe's thread: {e}"))?
@@ -89,15 +90,19 @@ mod tests {
         if !nix_root() {
             return;
         }
-        let me = std::process::id() as i32;
+        let me = || {
+            sbx_runtime::process::PidFd::open(std::process::id())
+                .and_then(|p| p.try_clone_fd())
+                .expect("pidfd")
+        };
         let rt = rt();
         let every = std::net::TcpListener::bind("0.0.0.0:0").expect("bind");
         let port = every.local_addr().expect("addr").port();
-        assert_eq!(rt.block_on(Probe::Tcp { port }.try_once(me)), Ok(()));
+        assert_eq!(rt.block_on(Probe::Tcp { port }.try_once(me())), Ok(()));
         drop(every);
         let local = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = local.local_addr().expect("addr").port();
-        let got = rt.block_on(Probe::Tcp { port }.try_once(me));
+        let got = rt.block_on(Probe::Tcp { port }.try_once(me()));
         assert!(
             got.as_ref()
                 .is_err_and(|e| e.contains(&format!("port {port}"))),
@@ -110,7 +115,11 @@ mod tests {
         if !nix_root() {
             return;
         }
-        let me = std::process::id() as i32;
+        let me = || {
+            sbx_runtime::process::PidFd::open(std::process::id())
+                .and_then(|p| p.try_clone_fd())
+                .expect("pidfd")
+        };
         let rt = rt();
         let listener = std::net::TcpListener::bind("0.0.0.0:0").expect("bind");
         let port = listener.local_addr().expect("addr").port();
@@ -129,8 +138,8 @@ mod tests {
             port,
             path: "/health".into(),
         };
-        assert_eq!(rt.block_on(check.try_once(me)), Ok(()));
-        let got = rt.block_on(check.try_once(me));
+        assert_eq!(rt.block_on(check.try_once(me())), Ok(()));
+        let got = rt.block_on(check.try_once(me()));
         assert!(
             got.as_ref().is_err_and(|e| e.contains("HTTP 503")),
             "{got:?}"

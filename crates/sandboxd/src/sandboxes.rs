@@ -636,7 +636,10 @@ impl Node {
             }
             let got = match check {
                 Check::Command(line) => self.ready_command_once(m, sb, line, n).await?,
-                Check::Probe(p) => p.try_once(sb.pid as i32).await,
+                Check::Probe(p) => match sb.netns_handle() {
+                    Ok(ns) => p.try_once(ns).await,
+                    Err(e) => Err(format!("no handle on the sandbox: {e}")),
+                },
             };
             match got {
                 Ok(()) => return Ok(()),

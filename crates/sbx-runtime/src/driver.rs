@@ -42,6 +42,18 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
+    /// A handle on the sandbox's agent (a pidfd) for [`crate::netns::in_netns_of_handle`]:
+    /// it names this agent's namespaces even if its pid is reused later.
+    pub fn netns_handle(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        match &self.pidfd {
+            Some(p) => p.try_clone_fd(),
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no handle on the sandbox's agent",
+            )),
+        }
+    }
+
     /// Whether the sandbox's agent still runs.
     pub fn is_alive(&self) -> bool {
         match &self.pidfd {

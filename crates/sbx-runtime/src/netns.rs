@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::OwnedFd;
 
 use nix::sched::CloneFlags;
 
@@ -16,6 +17,16 @@ where
     F: FnOnce() -> io::Result<T> + Send + 'static,
 {
     let ns = File::open(format!("/proc/{pid}/ns/net"))?;
+    in_netns_of_handle(OwnedFd::from(ns), f)
+}
+
+/// [`in_netns_of`] with a handle instead of a pid: a pidfd (setns takes one since Linux 5.8;
+/// a reused pid cannot redirect it) or a namespace file.
+pub fn in_netns_of_handle<T, F>(ns: OwnedFd, f: F) -> io::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+{
     std::thread::Builder::new()
         .name("sbx-netns".into())
         .spawn(move || {
@@ -41,6 +52,20 @@ mod tests {
         let ours = std::fs::read_link("/proc/self/ns/net").map_err(|e| e.to_string());
         let theirs = in_netns_of(me, || std::fs::read_link("/proc/thread-self/ns/net"))
             .map_err(|e| e.to_string());
+        assert_eq!(ours, theirs);
+    }
+
+    #[test]
+    fn a_pidfd_names_the_namespace_too() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let me = crate::process::PidFd::open(std::process::id()).expect("pidfd");
+        let ours = std::fs::read_link("/proc/self/ns/net").map_err(|e| e.to_string());
+        let theirs = in_netns_of_handle(me.try_clone_fd().expect("dup"), || {
+            std::fs::read_link("/proc/thread-self/ns/net")
+        })
+        .map_err(|e| e.to_string());
         assert_eq!(ours, theirs);
     }
 

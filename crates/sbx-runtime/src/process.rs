@@ -380,6 +380,11 @@ impl PidFd {
         self.pid
     }
 
+    /// Another descriptor of the same process handle (for work on another thread).
+    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+
     /// Sends a signal to the process, if it still runs.
     pub fn signal(&self, sig: i32) -> io::Result<()> {
         // SAFETY: pidfd_send_signal with a null siginfo touches no memory of ours.
