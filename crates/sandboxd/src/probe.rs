@@ -90,19 +90,17 @@ mod tests {
         if !nix_root() {
             return;
         }
-        let me = || {
-            sbx_runtime::process::PidFd::open(std::process::id())
-                .and_then(|p| p.try_clone_fd())
-                .expect("pidfd")
-        };
         let rt = rt();
         let every = std::net::TcpListener::bind("0.0.0.0:0").expect("bind");
         let port = every.local_addr().expect("addr").port();
-        assert_eq!(rt.block_on(Probe::Tcp { port }.try_once(me())), Ok(()));
+        assert_eq!(
+            rt.block_on(Probe::Tcp { port }.try_once(own_netns())),
+            Ok(())
+        );
         drop(every);
         let local = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = local.local_addr().expect("addr").port();
-        let got = rt.block_on(Probe::Tcp { port }.try_once(me()));
+        let got = rt.block_on(Probe::Tcp { port }.try_once(own_netns()));
         assert!(
             got.as_ref()
                 .is_err_and(|e| e.contains(&format!("port {port}"))),
@@ -115,11 +113,6 @@ mod tests {
         if !nix_root() {
             return;
         }
-        let me = || {
-            sbx_runtime::process::PidFd::open(std::process::id())
-                .and_then(|p| p.try_clone_fd())
-                .expect("pidfd")
-        };
         let rt = rt();
         let listener = std::net::TcpListener::bind("0.0.0.0:0").expect("bind");
         let port = listener.local_addr().expect("addr").port();
@@ -138,13 +131,20 @@ mod tests {
             port,
             path: "/health".into(),
         };
-        assert_eq!(rt.block_on(check.try_once(me())), Ok(()));
-        let got = rt.block_on(check.try_once(me()));
+        assert_eq!(rt.block_on(check.try_once(own_netns())), Ok(()));
+        let got = rt.block_on(check.try_once(own_netns()));
         assert!(
             got.as_ref().is_err_and(|e| e.contains("HTTP 503")),
             "{got:?}"
         );
         let _ = server.join();
+    }
+
+    /// A handle on this process, whose namespace stands in for a sandbox's.
+    fn own_netns() -> std::os::fd::OwnedFd {
+        sbx_runtime::process::PidFd::open(std::process::id())
+            .and_then(|p| p.try_clone_fd())
+            .expect("pidfd")
     }
 
     fn nix_root() -> bool {

@@ -490,6 +490,15 @@ mod tests {
         );
     }
 
+    /// A store in a directory of its own, its templates, settings of `image` and their key.
+    fn fixture(image: &str) -> (Store, std::path::PathBuf, Templates, Settings, String) {
+        let (store, dir) = store();
+        let t = Templates::open(&store).expect("open");
+        let s = settings(image);
+        let key = s.key(1, 512 << 20);
+        (store, dir, t, s, key)
+    }
+
     /// The first create of `s` (it builds) and a second one (it waits).
     fn build_and_wait(
         t: &Templates,
@@ -514,10 +523,7 @@ mod tests {
 
     #[test]
     fn one_build_the_others_wait_and_a_ready_template_is_found() {
-        let (store, dir) = store();
-        let t = Templates::open(&store).expect("open");
-        let s = settings("127.0.0.1:5000/app:1");
-        let key = s.key(1, 512 << 20);
+        let (store, dir, t, s, key) = fixture("127.0.0.1:5000/app:1");
         let (builder, rx) = build_and_wait(&t, &store, &key, &s);
         t.ready(&store, builder, Some("sha256:ab".into()));
         let rt = rt();
@@ -535,10 +541,7 @@ mod tests {
 
     #[test]
     fn a_failed_build_tells_its_waiters_and_is_built_again_next_time() {
-        let (store, dir) = store();
-        let t = Templates::open(&store).expect("open");
-        let s = settings("127.0.0.1:5000/app:2");
-        let key = s.key(1, 512 << 20);
+        let (store, dir, t, s, key) = fixture("127.0.0.1:5000/app:2");
         let (builder, rx) = build_and_wait(&t, &store, &key, &s);
         t.failed(&store, builder, "registry_auth_failed", "401");
         let rt = rt();
@@ -568,10 +571,7 @@ mod tests {
 
     #[test]
     fn a_build_the_node_did_not_finish_is_failed_at_the_next_start() {
-        let (store, dir) = store();
-        let t = Templates::open(&store).expect("open");
-        let s = settings("127.0.0.1:5000/app:3");
-        let key = s.key(1, 512 << 20);
+        let (store, dir, t, s, key) = fixture("127.0.0.1:5000/app:3");
         let b = t.plan(&store, &key, &s, "sbx-a");
         assert!(matches!(b, Ok(Plan::Build(_))));
         std::mem::forget(b);
