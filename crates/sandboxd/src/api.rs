@@ -24,6 +24,10 @@ type Rid = Extension<RequestId>;
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/sandboxes", post(create).get(list))
+        .route(
+            "/internal/templates",
+            post(build_template).get(list_templates),
+        )
         .route("/v1/sandboxes/{id}", get(get_one).delete(delete))
         .route("/v1/sandboxes/{id}/restart", post(restart))
         .route("/v1/sandboxes/{id}/exec", post(exec).get(exec_list))
@@ -233,6 +237,30 @@ async fn create(State(st): St, Extension(rid): Rid, headers: HeaderMap, body: Bo
         },
     )
     .await
+}
+
+/// `POST /internal/templates`: a template built ahead (200 when it is built or failed, 202
+/// while it builds).
+async fn build_template(State(st): St, Extension(rid): Rid, body: Body) -> Response {
+    let bytes = match read_body(body).await {
+        Ok(b) => b,
+        Err(e) => return fail(&st, &rid, e),
+    };
+    let c = match sbx_api::parse_sandbox_create(&bytes) {
+        Ok(c) => c,
+        Err(e) => return fail(&st, &rid, e),
+    };
+    match st.node.build_template(c).await {
+        Ok((true, v)) => (StatusCode::OK, axum::Json(v)).into_response(),
+        Ok((false, v)) => (StatusCode::ACCEPTED, axum::Json(v)).into_response(),
+        Err(e) => fail(&st, &rid, e),
+    }
+}
+
+/// `GET /internal/templates`: the node's templates, `base` first.
+async fn list_templates(State(st): St) -> Response {
+    axum::Json(serde_json::json!({ "object": "list", "data": st.node.template_objects() }))
+        .into_response()
 }
 
 async fn list(

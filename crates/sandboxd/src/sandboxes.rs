@@ -755,50 +755,9 @@ impl Node {
             limits,
             expires_in_ms,
         } = self.check_machine(&req, true)?;
-        let (stop_signal, stop_grace_ms) = match &req.stop {
-            Some(s) => (s.signal_number(), s.grace_ms_or_default()),
-            None => (None, sbx_api::run::DEFAULT_GRACE_MS),
-        };
-        let mut spec = StoredSpec {
-            image: req.image.clone().unwrap_or_else(|| "base".into()),
-            vcpus: limits.vcpus,
-            memory_bytes: limits.memory_bytes,
-            hostname: req.hostname.clone(),
-            tmp_memory: req.tmp == sbx_api::Tmp::Memory,
-            env: req.env.clone(),
-            secret_env: req.secret_env.0.clone(),
-            metadata: req.metadata.clone(),
-            cwd: req.cwd.clone(),
-            user: req.user.clone(),
-            start_command: req.start_command.clone(),
-            ready_command: match &req.ready {
-                Some(sbx_api::Ready::Command(c)) => Some(c.clone()),
-                _ => None,
-            },
-            ready_probe: match &req.ready {
-                Some(sbx_api::Ready::Tcp { port }) => Some(Probe::Tcp { port: *port }),
-                Some(sbx_api::Ready::Http { port, path }) => Some(Probe::Http {
-                    port: *port,
-                    path: path.clone(),
-                }),
-                _ => None,
-            },
-            start: req.start,
-            stop_signal,
-            stop_grace_ms,
-            expires_at: req.expires_at.clone(),
-            image_pull_secret: req.image_pull_secret.clone(),
-            template: None,
-        };
-        if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
-            self.apply_template(&mut spec, key, &req.limits)?;
-        }
+        let spec = self.stored_spec(&req, &limits)?;
         let settings = spec.template_settings();
-        let key = match req.template.as_deref() {
-            Some(k) => k.to_string(),
-            None => settings.key(self.cfg.default_vcpus, self.cfg.default_memory_bytes),
-        };
-        spec.template = Some(key.clone());
+        let key = spec.template.clone().unwrap_or_else(|| BASE.into());
         // The first sandbox of a template that pulls, or waits for a check, is answered
         // `starting`; so is one that waits for another's build.
         let checks = spec.ready_command.is_some()
@@ -885,6 +844,120 @@ impl Node {
         // A failed boot leaves the sandbox `failed`, to be seen and deleted.
         let _ = self.boot_planned(&m, warm, plan).await;
         Ok(self.sandbox_object(&m))
+    }
+
+    /// `POST /internal/templates`: builds the template of a create's settings ahead, keeping
+    /// no sandbox. A build sandbox is made (metadata `sbx.template_build`, so a listing says
+    /// what it is) and deleted once the template is built or failed. Answers whether the
+    /// template is done (built already, or failed at once) and its object.
+    pub async fn build_template(
+        self: &Arc<Self>,
+        c: SandboxCreate,
+    ) -> Result<(bool, serde_json::Value), ApiError> {
+        let req = &c.spec;
+        let not_for_a_template = [
+            ("name", req.name.is_some()),
+            ("metadata", !req.metadata.is_empty()),
+            ("expires_at", req.expires_at.is_some()),
+            ("template", req.template.is_some()),
+        ];
+        if let Some((param, _)) = not_for_a_template.iter().find(|(_, given)| *given) {
+            return Err(ApiError::invalid_field(
+                *param,
+                format!("a template is built from an image and its settings, without {param}"),
+            ));
+        }
+        let Machine { limits, .. } = self.check_machine(req, true)?;
+        let key = self
+            .stored_spec(req, &limits)?
+            .template
+            .unwrap_or_else(|| BASE.into());
+        let row = |node: &Node| {
+            templates::get(&node.store, &key).map_err(|e| {
+                tracing::error!(error = %e, "templates");
+                ApiError::internal()
+            })
+        };
+        if key == BASE {
+            return Ok((true, self.base_template_object()));
+        }
+        if let Some(t) = row(self)?.filter(|t| t.status == "ready") {
+            return Ok((true, templates::object_of(&t)));
+        }
+        let mut c = c;
+        c.spec
+            .metadata
+            .insert("sbx.template_build".into(), key.clone());
+        let sb = self.create_sandbox(c).await?;
+        let node = self.clone();
+        tokio::spawn(async move {
+            // The build holds the sandbox's op lock until it is running or failed.
+            if let Ok(m) = node.managed(&sb.id) {
+                drop(m.op.lock().await);
+            }
+            if let Err(e) = node.delete_sandbox(&sb.id).await {
+                tracing::warn!(sandbox = %sb.id, error = %e.message, "the template build's sandbox");
+            }
+        });
+        match row(self)? {
+            Some(t) => Ok((t.status != "building", templates::object_of(&t))),
+            None => Err(ApiError::internal()),
+        }
+    }
+
+    /// What the node keeps of a create (after `check_machine`): its settings, those of the
+    /// template it names, and its template's key.
+    fn stored_spec(
+        &self,
+        req: &sbx_api::RunRequest,
+        limits: &Limits,
+    ) -> Result<StoredSpec, ApiError> {
+        let (stop_signal, stop_grace_ms) = match &req.stop {
+            Some(s) => (s.signal_number(), s.grace_ms_or_default()),
+            None => (None, sbx_api::run::DEFAULT_GRACE_MS),
+        };
+        let mut spec = StoredSpec {
+            image: req.image.clone().unwrap_or_else(|| "base".into()),
+            vcpus: limits.vcpus,
+            memory_bytes: limits.memory_bytes,
+            hostname: req.hostname.clone(),
+            tmp_memory: req.tmp == sbx_api::Tmp::Memory,
+            env: req.env.clone(),
+            secret_env: req.secret_env.0.clone(),
+            metadata: req.metadata.clone(),
+            cwd: req.cwd.clone(),
+            user: req.user.clone(),
+            start_command: req.start_command.clone(),
+            ready_command: match &req.ready {
+                Some(sbx_api::Ready::Command(c)) => Some(c.clone()),
+                _ => None,
+            },
+            ready_probe: match &req.ready {
+                Some(sbx_api::Ready::Tcp { port }) => Some(Probe::Tcp { port: *port }),
+                Some(sbx_api::Ready::Http { port, path }) => Some(Probe::Http {
+                    port: *port,
+                    path: path.clone(),
+                }),
+                _ => None,
+            },
+            start: req.start,
+            stop_signal,
+            stop_grace_ms,
+            expires_at: req.expires_at.clone(),
+            image_pull_secret: req.image_pull_secret.clone(),
+            template: None,
+        };
+        if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
+            self.apply_template(&mut spec, key, &req.limits)?;
+        }
+        let key = match req.template.as_deref() {
+            Some(k) => k.to_string(),
+            None => spec
+                .template_settings()
+                .key(self.cfg.default_vcpus, self.cfg.default_memory_bytes),
+        };
+        spec.template = Some(key);
+        Ok(spec)
     }
 
     /// A create that names a template (`template: "img-…"`): its image and the settings that

@@ -287,41 +287,49 @@ impl crate::node::Node {
     /// The node's templates as GET /internal/node lists them: `base` first, then every one
     /// built or being built (env by names only).
     pub fn template_objects(&self) -> Vec<serde_json::Value> {
-        let mut out = vec![serde_json::json!({
+        let mut out = vec![self.base_template_object()];
+        let rows = list(&self.store).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "templates");
+            Vec::new()
+        });
+        out.extend(rows.iter().map(object_of));
+        out
+    }
+
+    /// The base template as GET /internal/node lists it.
+    pub fn base_template_object(&self) -> serde_json::Value {
+        serde_json::json!({
             "key": BASE,
             "status": "ready",
             "image": "base",
             "vcpus": self.cfg.default_vcpus,
             "memory_bytes": self.cfg.default_memory_bytes,
-        })];
-        let rows = list(&self.store).unwrap_or_else(|e| {
-            tracing::error!(error = %e, "templates");
-            Vec::new()
-        });
-        for t in rows {
-            let s = &t.settings;
-            out.push(serde_json::json!({
-                "key": t.key,
-                "status": t.status,
-                "image": s.image,
-                "digest": t.digest,
-                "image_pull_secret": s.image_pull_secret,
-                "start": s.start,
-                "start_command": s.start_command.as_ref().map(|c| c.display()),
-                "ready": s.ready_command.as_ref().map(|c| serde_json::json!({"command": c.display()}))
-                    .or_else(|| s.ready_probe.as_ref().map(|p| serde_json::json!(p))),
-                "env": s.env.keys().collect::<Vec<_>>(),
-                "vcpus": s.vcpus,
-                "memory_bytes": s.memory_bytes,
-                "built_ms": t.built_ms,
-                "built_by": t.built_by,
-                "failure_code": t.failure_code,
-                "failure": t.failure,
-                "created_at": sbx_api::format_rfc3339_millis(i128::from(t.created_at_ns)),
-            }));
-        }
-        out
+        })
     }
+}
+
+/// A template as the API shows it (env by names only).
+pub fn object_of(t: &TemplateRow) -> serde_json::Value {
+    let s = &t.settings;
+    serde_json::json!({
+        "key": t.key,
+        "status": t.status,
+        "image": s.image,
+        "digest": t.digest,
+        "image_pull_secret": s.image_pull_secret,
+        "start": s.start,
+        "start_command": s.start_command.as_ref().map(|c| c.display()),
+        "ready": s.ready_command.as_ref().map(|c| serde_json::json!({"command": c.display()}))
+            .or_else(|| s.ready_probe.as_ref().map(|p| serde_json::json!(p))),
+        "env": s.env.keys().collect::<Vec<_>>(),
+        "vcpus": s.vcpus,
+        "memory_bytes": s.memory_bytes,
+        "built_ms": t.built_ms,
+        "built_by": t.built_by,
+        "failure_code": t.failure_code,
+        "failure": t.failure,
+        "created_at": sbx_api::format_rfc3339_millis(i128::from(t.created_at_ns)),
+    })
 }
 
 impl crate::node::Node {

@@ -350,3 +350,77 @@ fn sbx_create_waits_for_the_check_and_takes_a_template() {
     node.delete_sandbox(made["id"].as_str().unwrap());
     node.assert_clean(Duration::from_secs(10));
 }
+
+#[test]
+fn a_template_built_ahead_serves_the_first_sandbox_at_once_and_keeps_no_sandbox() {
+    let node = TestNode::start();
+    let settings = json!({
+        "start_command": "sleep 0.5; touch /tmp/up; exec sleep 1000",
+        "ready": { "command": "test -f /tmp/up" },
+    });
+    let r = node.post_json("/internal/templates", &settings);
+    assert_eq!(r.status, 202, "{}", r.text());
+    let t = r.json();
+    assert_eq!(t["status"], "building", "{t}");
+    let key = t["key"].as_str().unwrap().to_string();
+    // Built once its check passes; its build sandbox goes.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let all = node.get("/internal/templates", &[]).json();
+        let ready = all["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["key"] == key.as_str() && t["status"] == "ready");
+        let sandboxes = node.get("/v1/sandboxes", &[]).json();
+        if ready && sandboxes["data"].as_array().is_some_and(|d| d.is_empty()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{all}\n{sandboxes}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Asked again: built already.
+    let r = node.post_json("/internal/templates", &settings);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["status"], "ready");
+    // The first sandbox of these settings starts from it: running as it is answered.
+    let v = node.create_sandbox(&settings);
+    assert_eq!(
+        (v["status"].as_str(), v["template"].as_str()),
+        (Some("running"), Some(key.as_str())),
+        "{v}"
+    );
+    node.delete_sandbox(v["id"].as_str().unwrap());
+    // What a template has no use for is refused.
+    for (field, value) in [("name", json!("t")), ("metadata", json!({"a": "b"}))] {
+        let mut body = settings.clone();
+        body[field] = value;
+        let r = node.post_json("/internal/templates", &body);
+        assert_error(r.status, &r.json(), 400, "invalid_field", Some(field));
+    }
+    // The CLI: `sbx create --template-only` waits for the build and prints the key.
+    let (code, out, err) = common::sbx(
+        &node,
+        &[
+            "create",
+            "--template-only",
+            "--start",
+            "exec sleep 1000",
+            "--ready",
+            "cmd:true",
+        ],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let cli_key = out.trim();
+    assert!(cli_key.starts_with("img-") && cli_key != key, "{out}");
+    let all = node.get("/internal/templates", &[]).json();
+    assert!(
+        all["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["key"] == cli_key && t["status"] == "ready"),
+        "{all}"
+    );
+    node.assert_clean(Duration::from_secs(10));
+}

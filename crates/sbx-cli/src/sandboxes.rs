@@ -47,6 +47,10 @@ pub struct CreateArgs {
     /// The secret holding the image registry's login (`sbx` secrets: PUT /v1/secrets/NAME).
     #[arg(long, value_name = "SECRET")]
     pull_secret: Option<String>,
+    /// Build the template of these settings ahead and keep no sandbox (POST
+    /// /internal/templates); prints the template's key once it is built.
+    #[arg(long, conflicts_with_all = ["name", "metadata", "template"])]
+    template_only: bool,
     /// Answer at once, while the sandbox may still be starting (its image pulled, its check
     /// waited for); by default sbx waits until it is running or failed.
     #[arg(long)]
@@ -247,6 +251,9 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
     if let Some(p) = &a.pull_secret {
         body.insert("image_pull_secret".into(), json!(p));
     }
+    if a.template_only {
+        return build_template(cli, a, Value::Object(body));
+    }
     let mut obj: Value = req(cli, "POST", "/v1/sandboxes")
         .send_json(Value::Object(body))
         .map_err(api_error)?
@@ -266,6 +273,52 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
             );
             return Ok(1);
         }
+    }
+    Ok(0)
+}
+
+/// `sbx create --template-only`: the template of these settings, built ahead.
+fn build_template(cli: &Cli, a: &CreateArgs, body: Value) -> anyhow::Result<u8> {
+    let mut t: Value = req(cli, "POST", "/internal/templates")
+        .send_json(body)
+        .map_err(api_error)?
+        .into_json()?;
+    let key = t["key"].as_str().unwrap_or_default().to_string();
+    let started = std::time::Instant::now();
+    while t["status"] == "building" && !a.no_wait {
+        if started.elapsed() > Duration::from_secs(1) {
+            eprint!(
+                "\r{key}: building (its image pulled, its check) {} s",
+                started.elapsed().as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let all: Value = req(cli, "GET", "/internal/templates")
+            .call()
+            .map_err(api_error)?
+            .into_json()?;
+        if let Some(now) = all["data"]
+            .as_array()
+            .and_then(|d| d.iter().find(|x| x["key"] == key.as_str()))
+        {
+            t = now.clone();
+        }
+    }
+    if started.elapsed() > Duration::from_secs(1) {
+        eprintln!();
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&t)?);
+    } else {
+        println!("{key}");
+    }
+    if t["status"] == "failed" {
+        eprintln!(
+            "sbx: the template failed: {} ({})",
+            t["failure"].as_str().unwrap_or(""),
+            t["failure_code"].as_str().unwrap_or("")
+        );
+        return Ok(1);
     }
     Ok(0)
 }
