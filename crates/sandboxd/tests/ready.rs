@@ -346,8 +346,33 @@ fn sbx_create_waits_for_the_check_and_takes_a_template() {
     let (code, _, err) = common::sbx(&node, &["create", "--ready", "udp:53"]);
     assert_ne!(code, 0);
     assert!(err.contains("tcp:PORT"), "{err}");
-    node.delete_sandbox(&id);
-    node.delete_sandbox(made["id"].as_str().unwrap());
+    // restart and rm, as JSON for scripts: the restart waits for the check again.
+    let (code, out, err) = common::sbx(&node, &["restart", "--json", &id]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["status"].as_str(), v["restarts"].as_i64()),
+        (Some("running"), Some(1)),
+        "{v}"
+    );
+    let made_id = made["id"].as_str().unwrap();
+    let (code, out, err) = common::sbx(&node, &["rm", "--json", &id, made_id]);
+    assert_eq!(code, 0, "{out}{err}");
+    let gone: Value = serde_json::from_str(&out).unwrap();
+    let ids: Vec<&str> = gone
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["id"].as_str())
+        .collect();
+    assert_eq!(ids, [id.as_str(), made_id], "{gone}");
+    assert!(
+        gone.as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["status"] == "deleted"),
+        "{gone}"
+    );
     node.assert_clean(Duration::from_secs(10));
 }
 

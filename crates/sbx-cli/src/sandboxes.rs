@@ -167,11 +167,18 @@ pub struct RmArgs {
     /// Sandboxes (ids or names).
     #[arg(required = true)]
     sandboxes: Vec<String>,
+    /// Print the deleted sandboxes' objects as a JSON list.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct RestartArgs {
+    /// The sandbox (id or name).
     sandbox: String,
+    /// Print the sandbox object as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 fn url(cli: &Cli, path: &str) -> String {
@@ -581,14 +588,19 @@ pub fn logs(cli: &Cli, a: &LogsArgs) -> anyhow::Result<u8> {
 
 pub fn rm(cli: &Cli, a: &RmArgs) -> anyhow::Result<u8> {
     let mut code = 0;
+    let mut gone = Vec::new();
     for s in &a.sandboxes {
         match req(cli, "DELETE", &format!("/v1/sandboxes/{s}")).call() {
+            Ok(r) if a.json => gone.push(r.into_json::<Value>()?),
             Ok(_) => println!("{s}"),
             Err(e) => {
                 eprintln!("sbx: {s}: {:#}", api_error(e));
                 code = 1;
             }
         }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&gone)?);
     }
     Ok(code)
 }
@@ -598,11 +610,15 @@ pub fn restart(cli: &Cli, a: &RestartArgs) -> anyhow::Result<u8> {
         .call()
         .map_err(api_error)?
         .into_json()?;
-    println!(
-        "{} {}",
-        obj["id"].as_str().unwrap_or(""),
-        obj["status"].as_str().unwrap_or("")
-    );
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&obj)?);
+    } else {
+        println!(
+            "{} {}",
+            obj["id"].as_str().unwrap_or(""),
+            obj["status"].as_str().unwrap_or("")
+        );
+    }
     Ok(if obj["status"] == "running" { 0 } else { 1 })
 }
 
