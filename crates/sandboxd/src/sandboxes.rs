@@ -598,22 +598,33 @@ impl Node {
                         // The first sandbox went away midway: this one builds.
                         let key = m.spec.template.clone().unwrap_or_default();
                         let settings = m.spec.template_settings();
-                        let plan = self
-                            .templates
-                            .plan(&self.store, &key, &settings, &m.id)
-                            .map_err(|e| {
+                        match self.templates.plan(&self.store, &key, &settings, &m.id) {
+                            Ok(plan) => Box::pin(self.boot_planned(m, warm, plan)).await,
+                            Err(e) => {
                                 tracing::error!(error = %e, "templates");
-                                ApiError::internal()
-                            })?;
-                        Box::pin(self.boot_planned(m, warm, plan)).await
+                                self.give_back_warm(warm);
+                                self.set_failed(m, "boot_failed", "the node failed");
+                                Err(ApiError::internal())
+                            }
+                        }
                     }
                     Err((code, why)) => {
+                        // A warm machine taken for it goes back to be ended.
+                        self.give_back_warm(warm);
                         let why = format!("its template did not build: {why}");
                         self.set_failed(m, &code, &why);
                         Err(ApiError::new(ErrorCode::SandboxFailed, why))
                     }
                 }
             }
+        }
+    }
+
+    /// Ends a warm machine taken for a sandbox that will not use it.
+    fn give_back_warm(self: &Arc<Self>, warm: Option<Arc<Sandbox>>) {
+        if let Some(sb) = warm {
+            self.live_insert(&sb);
+            self.end_run_sandbox(&sb.id);
         }
     }
 
@@ -793,12 +804,7 @@ impl Node {
             failure: None,
             restarts: 0,
         };
-        let give_back = |node: &Arc<Self>, warm: Option<Arc<Sandbox>>| {
-            if let Some(sb) = warm {
-                node.live_insert(&sb);
-                node.end_run_sandbox(&sb.id);
-            }
-        };
+        let give_back = |node: &Arc<Self>, warm: Option<Arc<Sandbox>>| node.give_back_warm(warm);
         if let Err(e) = self.reserve_name(req.name.as_deref(), &id) {
             give_back(self, warm);
             return Err(e);

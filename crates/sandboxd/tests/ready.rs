@@ -449,3 +449,41 @@ fn a_template_built_ahead_serves_the_first_sandbox_at_once_and_keeps_no_sandbox(
     );
     node.assert_clean(Duration::from_secs(10));
 }
+
+#[test]
+fn sandboxes_that_waited_for_a_failed_build_fail_with_it_and_leave_nothing() {
+    let node = TestNode::start();
+    let body = json!({
+        "start_command": "echo broken; exit 3",
+        "ready": { "command": "false" },
+    });
+    // Both take a warm machine; one builds, the other waits for its build.
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| create_starting(&node, &body));
+        let b = s.spawn(|| create_starting(&node, &body));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let mut whys = Vec::new();
+    for v in [&a, &b] {
+        let id = v["id"].as_str().unwrap();
+        let v = wait_status(&node, id, "starting");
+        assert_eq!(v["status"], "failed", "{v}");
+        assert_eq!(v["failure_code"], "boot_failed", "{v}");
+        whys.push(v["failure"].as_str().unwrap().to_string());
+    }
+    assert!(whys.iter().any(|w| w.contains("exit code 3")), "{whys:?}");
+    let info = node.get("/internal/node", &[]).json();
+    let t = info["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["key"] == a["template"])
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(t["status"], "failed", "{info}");
+    for v in [&a, &b] {
+        node.delete_sandbox(v["id"].as_str().unwrap());
+    }
+    // No machine of either is left, the warm ones they took included.
+    node.assert_clean(Duration::from_secs(10));
+}
