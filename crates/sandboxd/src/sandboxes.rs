@@ -1447,6 +1447,19 @@ impl Node {
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }
 
+    /// The final object of a command whose machine is gone. It was recorded before the machine
+    /// went, maybe after the caller read the row (a delete or a restart ending it meanwhile):
+    /// read again.
+    fn recorded_final(&self, m: &Managed, exec_id: &str) -> Result<ExecObject, ApiError> {
+        let row = self.exec_row(m, exec_id)?;
+        final_from_row(&row).ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::CommandLost,
+                format!("the machine of {exec_id} ended and its end was not recorded"),
+            )
+        })
+    }
+
     pub(crate) fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
         self.store
             .exec(&m.id, exec_id)
@@ -1467,7 +1480,7 @@ impl Node {
         let row = self.exec_row(&m, exec_id)?;
         let sb = m.machine().filter(|_| row.boot == m.boot());
         let Some(sb) = sb else {
-            return final_from_row(&row).ok_or_else(ApiError::internal);
+            return self.recorded_final(&m, exec_id);
         };
         if wait_seconds > 0.0 {
             let wait = HostMsg::Wait {
@@ -1623,7 +1636,7 @@ impl Node {
         let sb = m.machine().filter(|_| row.boot == m.boot());
         let Some(sb) = sb else {
             // The machine it ran in is gone: its output with it.
-            let obj = final_from_row(&row).ok_or_else(ApiError::internal)?;
+            let obj = self.recorded_final(&m, exec_id)?;
             let exit = exit_of(&obj);
             let output = sbx_proto::OutputCounts {
                 stdout_bytes: obj.output.stdout_bytes,
@@ -1700,7 +1713,7 @@ impl Node {
         let row = self.exec_row(&m, exec_id)?;
         let sb = m.machine().filter(|_| row.boot == m.boot());
         let Some(sb) = sb else {
-            let obj = final_from_row(&row).ok_or_else(ApiError::internal)?;
+            let obj = self.recorded_final(&m, exec_id)?;
             let end = obj.output.end;
             let state = ExecState {
                 exec_id: exec_id.into(),
