@@ -780,6 +780,51 @@ async fn post_params(q: Q, body: Body, known: &[&str]) -> Result<Params, ApiErro
     Params::new(q, body, known)
 }
 
+/// The fields of each POST file operation (query or JSON body); the functions interface
+/// takes the same (`sandbox::fs::*`).
+pub(crate) const MKDIR_FIELDS: &[&str] = &["path", "parents", "mode", "owner"];
+pub(crate) const RM_FIELDS: &[&str] = &["path", "recursive"];
+pub(crate) const CHMOD_FIELDS: &[&str] = &["path", "mode", "uid", "gid", "recursive"];
+pub(crate) const GREP_FIELDS: &[&str] = &[
+    "path",
+    "pattern",
+    "literal",
+    "recursive",
+    "ignore_case",
+    "include",
+    "exclude",
+    "max_matches",
+    "max_line_bytes",
+];
+pub(crate) const SED_FIELDS: &[&str] = &[
+    "path",
+    "pattern",
+    "replacement",
+    "literal",
+    "first_only",
+    "ignore_case",
+    "recursive",
+    "include",
+    "exclude",
+];
+
+/// A POST file operation: the op its parameters (`known` names) make, run by the agent, and
+/// the answer its result makes (`Err` gives back a result of another kind: unexpected).
+async fn post_op(
+    st: &AppState,
+    id: &str,
+    q: Q,
+    body: Body,
+    known: &[&str],
+    make: impl FnOnce(&Params) -> Result<FsOp, ApiError>,
+    answer: impl FnOnce(FsResult, &Params) -> Result<Response, FsResult>,
+) -> Result<Response, ApiError> {
+    let p = post_params(q, body, known).await?;
+    let op = make(&p)?;
+    let result = open(st, id).await?.call(op).await?;
+    answer(result, &p).map_err(|other| unexpected(&other))
+}
+
 async fn mkdir(
     State(st): St,
     Extension(rid): Rid,
@@ -787,28 +832,27 @@ async fn mkdir(
     q: Q,
     body: Body,
 ) -> Response {
-    let r = async {
-        let p = post_params(q, body, &["path", "parents", "mode", "owner"]).await?;
-        let op = FsOp::Mkdir {
+    let make = |p: &Params| {
+        Ok(FsOp::Mkdir {
             path: p.path()?,
             parents: p.bool("parents", false)?,
             mode: p.mode("mode")?,
             owner: p.str("owner")?,
-        };
-        match open(&st, &id).await?.call(op).await? {
-            FsResult::Entry { entry, created } => {
-                let mut v = entry_json(&entry);
-                v.insert("created".into(), json!(created));
-                let status = if created {
-                    StatusCode::CREATED
-                } else {
-                    StatusCode::OK
-                };
-                Ok((status, Json(Value::Object(v))).into_response())
-            }
-            other => Err(unexpected(&other)),
+        })
+    };
+    let r = post_op(&st, &id, q, body, MKDIR_FIELDS, make, |res, _| match res {
+        FsResult::Entry { entry, created } => {
+            let mut v = entry_json(&entry);
+            v.insert("created".into(), json!(created));
+            let status = if created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok((status, Json(Value::Object(v))).into_response())
         }
-    }
+        other => Err(other),
+    })
     .await;
     respond(&st, &rid, r)
 }
@@ -820,21 +864,20 @@ async fn rm(
     q: Q,
     body: Body,
 ) -> Response {
-    let r = async {
-        let p = post_params(q, body, &["path", "recursive"]).await?;
-        let op = FsOp::Remove {
+    let make = |p: &Params| {
+        Ok(FsOp::Remove {
             path: p.path()?,
             recursive: p.bool("recursive", false)?,
-        };
-        match open(&st, &id).await?.call(op).await? {
-            FsResult::Removed { entry } => {
-                let mut v = entry_json(&entry);
-                v.insert("removed".into(), json!(true));
-                Ok(Json(Value::Object(v)).into_response())
-            }
-            other => Err(unexpected(&other)),
+        })
+    };
+    let r = post_op(&st, &id, q, body, RM_FIELDS, make, |res, _| match res {
+        FsResult::Removed { entry } => {
+            let mut v = entry_json(&entry);
+            v.insert("removed".into(), json!(true));
+            Ok(Json(Value::Object(v)).into_response())
         }
-    }
+        other => Err(other),
+    })
     .await;
     respond(&st, &rid, r)
 }
@@ -846,23 +889,22 @@ async fn mv(
     q: Q,
     body: Body,
 ) -> Response {
-    let r = async {
-        let p = post_params(q, body, &["path", "dst", "overwrite"]).await?;
-        let src = p.path()?;
-        let op = FsOp::Move {
-            src: src.clone(),
+    let make = |p: &Params| {
+        Ok(FsOp::Move {
+            src: p.path()?,
             dst: p.required("dst")?,
             overwrite: p.bool("overwrite", false)?,
-        };
-        match open(&st, &id).await?.call(op).await? {
-            FsResult::Entry { entry, .. } => {
-                let mut v = entry_json(&entry);
-                v.insert("src".into(), json!(src));
-                Ok(Json(Value::Object(v)).into_response())
-            }
-            other => Err(unexpected(&other)),
+        })
+    };
+    let known = &["path", "dst", "overwrite"];
+    let r = post_op(&st, &id, q, body, known, make, |res, p| match res {
+        FsResult::Entry { entry, .. } => {
+            let mut v = entry_json(&entry);
+            v.insert("src".into(), json!(p.path().ok()));
+            Ok(Json(Value::Object(v)).into_response())
         }
-    }
+        other => Err(other),
+    })
     .await;
     respond(&st, &rid, r)
 }
@@ -874,27 +916,25 @@ async fn chmod(
     q: Q,
     body: Body,
 ) -> Response {
-    let r = async {
-        let p = post_params(q, body, &["path", "mode", "uid", "gid", "recursive"]).await?;
-        let path = p.path()?;
+    let make = |p: &Params| {
         let id_max = u64::from(u32::MAX - 1);
-        let op = FsOp::Chmod {
-            path: path.clone(),
+        Ok(FsOp::Chmod {
+            path: p.path()?,
             mode: p.mode("mode")?,
             uid: p.u64("uid", id_max)?.map(|v| v as u32),
             gid: p.u64("gid", id_max)?.map(|v| v as u32),
             recursive: p.bool("recursive", false)?,
-        };
-        match open(&st, &id).await?.call(op).await? {
-            FsResult::Changed { count } => Ok(Json(json!({
-                "object": "chmod",
-                "path": path,
-                "changed": count,
-            }))
-            .into_response()),
-            other => Err(unexpected(&other)),
-        }
-    }
+        })
+    };
+    let r = post_op(&st, &id, q, body, CHMOD_FIELDS, make, |res, p| match res {
+        FsResult::Changed { count } => Ok(Json(json!({
+            "object": "chmod",
+            "path": p.path().ok(),
+            "changed": count,
+        }))
+        .into_response()),
+        other => Err(other),
+    })
     .await;
     respond(&st, &rid, r)
 }
@@ -906,24 +946,8 @@ async fn grep(
     q: Q,
     body: Body,
 ) -> Response {
-    let r = async {
-        let p = post_params(
-            q,
-            body,
-            &[
-                "path",
-                "pattern",
-                "literal",
-                "recursive",
-                "ignore_case",
-                "include",
-                "exclude",
-                "max_matches",
-                "max_line_bytes",
-            ],
-        )
-        .await?;
-        let spec = GrepSpec {
+    let make = |p: &Params| {
+        Ok(FsOp::Grep(GrepSpec {
             path: p.path()?,
             pattern: p.required("pattern")?,
             literal: p.bool("literal", false)?,
@@ -933,22 +957,22 @@ async fn grep(
             exclude: p.list("exclude")?,
             max_matches: Some(p.u64("max_matches", 100_000)?.unwrap_or(1000).max(1)),
             max_line_bytes: Some(p.u64("max_line_bytes", 1 << 20)?.unwrap_or(4096).max(1) as u32),
-        };
-        match open(&st, &id).await?.call(FsOp::Grep(spec)).await? {
-            FsResult::Grep {
-                matches,
-                truncated,
-                files_scanned,
-            } => Ok(Json(json!({
-                "object": "grep",
-                "matches": matches,
-                "truncated": truncated,
-                "files_scanned": files_scanned,
-            }))
-            .into_response()),
-            other => Err(unexpected(&other)),
-        }
-    }
+        }))
+    };
+    let r = post_op(&st, &id, q, body, GREP_FIELDS, make, |res, _| match res {
+        FsResult::Grep {
+            matches,
+            truncated,
+            files_scanned,
+        } => Ok(Json(json!({
+            "object": "grep",
+            "matches": matches,
+            "truncated": truncated,
+            "files_scanned": files_scanned,
+        }))
+        .into_response()),
+        other => Err(other),
+    })
     .await;
     respond(&st, &rid, r)
 }
@@ -960,24 +984,8 @@ async fn sed(
     q: Q,
     body: Body,
 ) -> Response {
-    let r = async {
-        let p = post_params(
-            q,
-            body,
-            &[
-                "path",
-                "pattern",
-                "replacement",
-                "literal",
-                "first_only",
-                "ignore_case",
-                "recursive",
-                "include",
-                "exclude",
-            ],
-        )
-        .await?;
-        let spec = SedSpec {
+    let make = |p: &Params| {
+        Ok(FsOp::Sed(SedSpec {
             path: p.path()?,
             pattern: p.required("pattern")?,
             replacement: p
@@ -989,25 +997,25 @@ async fn sed(
             recursive: p.bool("recursive", true)?,
             include: p.list("include")?,
             exclude: p.list("exclude")?,
-        };
-        match open(&st, &id).await?.call(FsOp::Sed(spec)).await? {
-            FsResult::Sed {
-                files,
-                replacements,
-                files_scanned,
-                truncated,
-            } => Ok(Json(json!({
-                "object": "sed",
-                "files_changed": files.len(),
-                "files": files,
-                "replacements": replacements,
-                "files_scanned": files_scanned,
-                "truncated": truncated,
-            }))
-            .into_response()),
-            other => Err(unexpected(&other)),
-        }
-    }
+        }))
+    };
+    let r = post_op(&st, &id, q, body, SED_FIELDS, make, |res, _| match res {
+        FsResult::Sed {
+            files,
+            replacements,
+            files_scanned,
+            truncated,
+        } => Ok(Json(json!({
+            "object": "sed",
+            "files_changed": files.len(),
+            "files": files,
+            "replacements": replacements,
+            "files_scanned": files_scanned,
+            "truncated": truncated,
+        }))
+        .into_response()),
+        other => Err(other),
+    })
     .await;
     respond(&st, &rid, r)
 }

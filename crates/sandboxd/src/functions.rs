@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use tower::ServiceExt;
 
 use crate::config::Config;
+use crate::files;
 use crate::http::{read_body, AppState, RequestId};
 use crate::node::{Node, RunEvent};
 use crate::sandboxes::ListQuery;
@@ -990,45 +991,11 @@ async fn fs_call(
         }
     };
     match op {
-        "mkdir" => post("/mkdir", &["path", "parents", "mode", "owner"], rest).await,
-        "rm" => post("/rm", &["path", "recursive"], rest).await,
-        "chmod" => post("/chmod", &["path", "mode", "uid", "gid", "recursive"], rest).await,
-        "grep" => {
-            post(
-                "/grep",
-                &[
-                    "path",
-                    "pattern",
-                    "literal",
-                    "recursive",
-                    "ignore_case",
-                    "include",
-                    "exclude",
-                    "max_matches",
-                    "max_line_bytes",
-                ],
-                rest,
-            )
-            .await
-        }
-        "sed" => {
-            post(
-                "/sed",
-                &[
-                    "path",
-                    "pattern",
-                    "replacement",
-                    "literal",
-                    "first_only",
-                    "ignore_case",
-                    "recursive",
-                    "include",
-                    "exclude",
-                ],
-                rest,
-            )
-            .await
-        }
+        "mkdir" => post("/mkdir", files::MKDIR_FIELDS, rest).await,
+        "rm" => post("/rm", files::RM_FIELDS, rest).await,
+        "chmod" => post("/chmod", files::CHMOD_FIELDS, rest).await,
+        "grep" => post("/grep", files::GREP_FIELDS, rest).await,
+        "sed" => post("/sed", files::SED_FIELDS, rest).await,
         "mv" => {
             let q = Payload(rest);
             q.known(&["src", "dst", "overwrite"])?;
