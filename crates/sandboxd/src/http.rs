@@ -604,7 +604,12 @@ pub(crate) fn event_stream(
         let chunk = next_sse(&mut s).await;
         Some((Ok::<_, Infallible>(chunk), s))
     });
-    let mut resp = Response::new(Body::from_stream(stream));
+    event_stream_answer(Body::from_stream(stream))
+}
+
+/// An event-stream answer of `body`: its content type, not cached, not buffered by a proxy.
+pub(crate) fn event_stream_answer(body: Body) -> Response {
+    let mut resp = Response::new(body);
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,

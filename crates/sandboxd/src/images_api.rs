@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -176,12 +175,5 @@ async fn pull(
         let chunk = sbx_api::sse_event(kind, id, &data);
         Some((Ok::<_, Infallible>(Bytes::from(chunk)), (rx, id + 1, end)))
     });
-    let mut resp = Response::new(Body::from_stream(stream));
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    resp
+    crate::http::event_stream_answer(Body::from_stream(stream))
 }

@@ -356,65 +356,48 @@ impl crate::node::Node {
     }
 }
 
-fn row_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TemplateRow, String)> {
-    let settings: String = r.get(1)?;
-    Ok((
-        TemplateRow {
-            key: r.get(0)?,
-            settings: Settings {
-                image: String::new(),
-                image_pull_secret: None,
-                start: None,
-                start_command: None,
-                ready_command: None,
-                ready_probe: None,
-                env: BTreeMap::new(),
-                vcpus: 0,
-                memory_bytes: 0,
-            },
-            status: r.get(2)?,
-            digest: r.get(3)?,
-            failure_code: r.get(4)?,
-            failure: r.get(5)?,
-            created_at_ns: r.get(6)?,
-            built_ms: r.get::<_, Option<i64>>(7)?.map(|v| v as u64),
-            built_by: r.get(8)?,
-        },
+fn row_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRow> {
+    let text: String = r.get(1)?;
+    let settings = serde_json::from_str(&text).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, Box::new(e))
+    })?;
+    Ok(TemplateRow {
+        key: r.get(0)?,
         settings,
-    ))
+        status: r.get(2)?,
+        digest: r.get(3)?,
+        failure_code: r.get(4)?,
+        failure: r.get(5)?,
+        created_at_ns: r.get(6)?,
+        built_ms: r.get::<_, Option<i64>>(7)?.map(|v| v as u64),
+        built_by: r.get(8)?,
+    })
 }
 
 const COLS: &str =
     "key, settings, status, digest, failure_code, failure, created_at_ns, built_ms, built_by";
 
-fn finish_row((mut row, settings): (TemplateRow, String)) -> Result<TemplateRow, TemplateError> {
-    row.settings = serde_json::from_str(&settings)?;
-    Ok(row)
-}
-
 /// The template `key`, if the node has it.
 pub fn get(store: &Store, key: &str) -> Result<Option<TemplateRow>, TemplateError> {
-    let found = store.with_conn(|c| {
+    Ok(store.with_conn(|c| {
         c.query_row(
             &format!("SELECT {COLS} FROM templates WHERE key=?1"),
             params![key],
             row_of,
         )
         .optional()
-    })?;
-    found.map(finish_row).transpose()
+    })?)
 }
 
 /// Every template, oldest first.
 pub fn list(store: &Store) -> Result<Vec<TemplateRow>, TemplateError> {
-    let rows = store.with_conn(|c| {
+    Ok(store.with_conn(|c| {
         let mut st = c.prepare(&format!(
             "SELECT {COLS} FROM templates ORDER BY created_at_ns, key"
         ))?;
         let rows = st.query_map([], row_of)?;
         rows.collect::<rusqlite::Result<Vec<_>>>()
-    })?;
-    rows.into_iter().map(finish_row).collect()
+    })?)
 }
 
 fn put(store: &Store, row: &TemplateRow) -> Result<(), TemplateError> {

@@ -409,18 +409,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             .and_then(|p| Ok((p.pid, process::async_fd(p.master)?)));
         let (pid, master) = match on_pty {
             Ok(p) => p,
-            Err(e) => {
-                let code = if e.kind() == std::io::ErrorKind::NotFound {
-                    127
-                } else {
-                    126
-                };
-                return Ok(Exec::failed(
-                    spec.exec_id,
-                    code,
-                    format!("sbx: {first}: {e}\n"),
-                ));
-            }
+            Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e)),
         };
         let master = Rc::new(master);
         let exec = Exec::new(spec.exec_id, pid, 1);
@@ -432,21 +421,9 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
         deadline(&exec, spec.timeout_ms);
         return Ok(exec);
     }
-    let spawned = process::spawn(&how);
-    let spawned = match spawned {
+    let spawned = match process::spawn(&how) {
         Ok(s) => s,
-        Err(e) => {
-            let code = if e.kind() == std::io::ErrorKind::NotFound {
-                127
-            } else {
-                126
-            };
-            return Ok(Exec::failed(
-                spec.exec_id,
-                code,
-                format!("sbx: {first}: {e}\n"),
-            ));
-        }
+        Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e)),
     };
     let exec = Exec::new(spec.exec_id, spawned.pid, 2);
     exec.wait_for_reader.set(spec.wait_for_reader);
@@ -456,6 +433,17 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
     *exec.stdin.borrow_mut() = spawned.stdin.map(stdin_writer);
     deadline(&exec, spec.timeout_ms);
     Ok(exec)
+}
+
+/// A command whose program could not be executed, as a shell says it: 127 when it is not
+/// found, 126 otherwise.
+fn spawn_failed(exec_id: String, program: &str, e: &std::io::Error) -> Rc<Exec> {
+    let code = if e.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    };
+    Exec::failed(exec_id, code, format!("sbx: {program}: {e}\n"))
 }
 
 /// Kills the command's process group when its time is up.
