@@ -604,32 +604,8 @@ impl TestNode {
         for (k, v) in headers {
             req = req.set(k, v);
         }
-        let resp = match req.send_bytes(&serde_json::to_vec(body).unwrap()) {
-            Ok(r) => r,
-            Err(ureq::Error::Status(code, r)) => panic!(
-                "run {body} answered {code} instead of a stream: {}",
-                r.into_string().unwrap_or_default()
-            ),
-            Err(e) => panic!("request to the node failed: {e}\n{}", self.log_tail(30)),
-        };
-        let status = resp.status();
-        let headers: Vec<(String, String)> = resp
-            .headers_names()
-            .into_iter()
-            .filter_map(|n| resp.header(&n).map(|v| (n.clone(), v.to_string())))
-            .collect();
-        let ct = resp.content_type().to_string();
-        assert_eq!(
-            ct,
-            "text/event-stream",
-            "run {body}: not an event stream: {}",
-            resp.into_string().unwrap_or_default()
-        );
-        SseStream {
-            status,
-            headers,
-            reader: BufReader::new(resp.into_reader()),
-        }
+        let sent = req.send_bytes(&serde_json::to_vec(body).unwrap());
+        self.event_stream(&format!("run {body}"), sent)
     }
 
     pub fn open_sse(&self, body: &Value) -> SseStream {
@@ -1069,32 +1045,7 @@ impl TestNode {
         for (k, v) in headers {
             req = req.set(k, v);
         }
-        let resp = match req.call() {
-            Ok(r) => r,
-            Err(ureq::Error::Status(code, r)) => panic!(
-                "GET {path} answered {code} instead of a stream: {}",
-                r.into_string().unwrap_or_default()
-            ),
-            Err(e) => panic!("request to the node failed: {e}\n{}", self.log_tail(30)),
-        };
-        let status = resp.status();
-        let headers: Vec<(String, String)> = resp
-            .headers_names()
-            .into_iter()
-            .filter_map(|n| resp.header(&n).map(|v| (n.clone(), v.to_string())))
-            .collect();
-        let ct = resp.content_type().to_string();
-        assert_eq!(
-            ct,
-            "text/event-stream",
-            "GET {path}: not an event stream: {}",
-            resp.into_string().unwrap_or_default()
-        );
-        SseStream {
-            status,
-            headers,
-            reader: BufReader::new(resp.into_reader()),
-        }
+        self.event_stream(&format!("GET {path}"), req.call())
     }
 
     /// A command's whole output through the JSON output endpoint, from position 0, paging with
@@ -1171,16 +1122,21 @@ impl TestNode {
 impl TestNode {
     /// POSTs `body` to `path` asking for an event stream, to read event by event.
     pub fn open_sse_post(&self, path: &str, body: &Value) -> SseStream {
-        let resp = match self
+        let sent = self
             .http
             .post(&self.url(path))
             .set("Content-Type", "application/json")
             .set("Accept", "text/event-stream")
-            .send_bytes(&serde_json::to_vec(body).unwrap())
-        {
+            .send_bytes(&serde_json::to_vec(body).unwrap());
+        self.event_stream(&format!("POST {path} {body}"), sent)
+    }
+
+    /// The event stream `what` answered; a panic that says what came instead.
+    fn event_stream(&self, what: &str, sent: Result<ureq::Response, ureq::Error>) -> SseStream {
+        let resp = match sent {
             Ok(r) => r,
             Err(ureq::Error::Status(code, r)) => panic!(
-                "POST {path} {body} answered {code} instead of a stream: {}",
+                "{what} answered {code} instead of a stream: {}",
                 r.into_string().unwrap_or_default()
             ),
             Err(e) => panic!("request to the node failed: {e}\n{}", self.log_tail(30)),
@@ -1191,7 +1147,13 @@ impl TestNode {
             .into_iter()
             .filter_map(|n| resp.header(&n).map(|v| (n.clone(), v.to_string())))
             .collect();
-        assert_eq!(resp.content_type(), "text/event-stream", "POST {path}");
+        let ct = resp.content_type().to_string();
+        assert_eq!(
+            ct,
+            "text/event-stream",
+            "{what}: not an event stream: {}",
+            resp.into_string().unwrap_or_default()
+        );
         SseStream {
             status,
             headers,
