@@ -291,14 +291,10 @@ impl Node {
             )
             .with_param("snapshot"));
         }
-        if let Some(t) = &req.template {
-            let known = t == crate::templates::BASE
-                || (long_lived
-                    && crate::templates::get(&self.store, t)
-                        .ok()
-                        .flatten()
-                        .is_some());
-            if !known {
+        // A kept sandbox's template is looked up when its settings are taken
+        // (`Node::apply_template`); a run is made from the base template alone.
+        if let Some(t) = req.template.as_ref().filter(|_| !long_lived) {
+            if t != crate::templates::BASE {
                 return Err(ApiError::new(
                     ErrorCode::TemplateNotFound,
                     format!("no template {t} on this node"),

@@ -42,17 +42,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_thread_of_our_own_namespace_sees_the_same_namespace() {
-        // Joining the namespace we are in already works without privileges beyond
-        // CAP_SYS_ADMIN; skip where the tests do not run as root.
+    fn the_closure_runs_in_the_namespace_named_and_the_caller_stays_in_its_own() {
+        // Making a network namespace needs root; skip where the tests do not run as root.
         if !nix::unistd::geteuid().is_root() {
             return;
         }
-        let me = std::process::id() as i32;
-        let ours = std::fs::read_link("/proc/self/ns/net").map_err(|e| e.to_string());
-        let theirs = in_netns_of(me, || std::fs::read_link("/proc/thread-self/ns/net"))
-            .map_err(|e| e.to_string());
-        assert_eq!(ours, theirs);
+        let ours = std::fs::read_link("/proc/thread-self/ns/net").map_err(|e| e.to_string());
+        // A thread of its own unshares a new network namespace and hands out a handle on it.
+        let made = std::thread::spawn(|| -> io::Result<(File, std::path::PathBuf)> {
+            nix::sched::unshare(CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+            let link = std::fs::read_link("/proc/thread-self/ns/net")?;
+            Ok((File::open("/proc/thread-self/ns/net")?, link))
+        })
+        .join()
+        .expect("thread");
+        let (ns, theirs) = made.expect("a new network namespace");
+        assert_ne!(Ok(theirs.clone()), ours.clone(), "a namespace of its own");
+        let seen = in_netns_of_handle(OwnedFd::from(ns), || {
+            std::fs::read_link("/proc/thread-self/ns/net")
+        })
+        .expect("joined");
+        assert_eq!(seen, theirs, "the closure ran in the namespace named");
+        let after = std::fs::read_link("/proc/thread-self/ns/net").map_err(|e| e.to_string());
+        assert_eq!(after, ours, "the caller did not move");
     }
 
     #[test]
