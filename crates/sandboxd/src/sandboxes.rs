@@ -1216,11 +1216,25 @@ impl Node {
         // A command given no input reads /dev/null: no stdin pipe, no CloseStdin after it.
         let no_stdin = conn.takes_stdin_null() && stdin.is_none() && !stdin_open && !tty;
         spec.stdin_null = no_stdin;
-        let state = match conn
-            .request(&HostMsg::Exec(spec))
+        conn.send(&HostMsg::Exec(spec)).await.map_err(agent_lost)?;
+        // Its input follows at once, not after the agent's answer: an attached command's start
+        // is told with its first output or its end, which may need that input.
+        if let Some(data) = stdin {
+            conn.send_stdin(&exec_id, data).await.map_err(agent_lost)?;
+        }
+        if !stdin_open && !no_stdin {
+            conn.send(&HostMsg::CloseStdin {
+                exec_id: exec_id.clone(),
+            })
             .await
-            .map_err(agent_lost)?
-        {
+            .map_err(agent_lost)?;
+        }
+        let answer = loop {
+            if let Frame::Msg(m) = conn.recv().await.map_err(agent_lost)? {
+                break m;
+            }
+        };
+        let state = match answer {
             AgentMsg::Started {
                 pid, started_at_ns, ..
             } => ExecState {
@@ -1247,16 +1261,6 @@ impl Node {
                 return Err(ApiError::internal());
             }
         };
-        if let Some(data) = stdin {
-            conn.send_stdin(&exec_id, data).await.map_err(agent_lost)?;
-        }
-        if !stdin_open && !no_stdin {
-            conn.send(&HostMsg::CloseStdin {
-                exec_id: exec_id.clone(),
-            })
-            .await
-            .map_err(agent_lost)?;
-        }
         let row = ExecRow {
             sandbox_id: m.id.clone(),
             exec_id: exec_id.clone(),
@@ -1267,9 +1271,13 @@ impl Node {
             boot: m.boot(),
             final_json: None,
         };
-        self.store
-            .insert_exec(&row, !stdin_open)
-            .map_err(store_err)?;
+        // An attached command's row is the caller's to write (see `exec`): a short one is
+        // written once, with its end.
+        if !attach {
+            self.store
+                .insert_exec(&row, !stdin_open)
+                .map_err(store_err)?;
+        }
         if let Ok(mut r) = m.running.lock() {
             r.insert(exec_id.clone());
         }
@@ -1380,9 +1388,14 @@ impl Node {
                 return Err(e);
             }
         };
-        if req.wait_seconds > 0.0 && !req.tty {
-            let meta = meta_of(&m, &row, req.encoding);
-            let (mut out, mut err, mut gap) = (Tail::new(), Tail::new(), false);
+        let attached = req.wait_seconds > 0.0 && !req.tty;
+        if !attached {
+            conn.release();
+            return self.exec_get(id, &exec_id, 0.0, req.encoding).await;
+        }
+        let meta = meta_of(&m, &row, req.encoding);
+        let (mut out, mut err, mut gap) = (Tail::new(), Tail::new(), false);
+        let (waited, row_written) = {
             let collect = async {
                 loop {
                     match conn.recv().await {
@@ -1399,51 +1412,76 @@ impl Node {
                     }
                 }
             };
-            let waited =
-                tokio::time::timeout(Duration::from_secs_f64(req.wait_seconds), collect).await;
-            if let Ok(Some((exit, output))) = waited {
-                let started = Started {
-                    pid: state.pid,
-                    started_at_ns: state.started_at_ns,
-                };
-                // The end is known here: record it and free the slot, as the watcher would. The
-                // row is written after the answer (its insert is already committed): a node
-                // killed before it lands finds the command running at start and asks the agent.
-                let ended = ExecState {
-                    exit: Some(exit.clone()),
-                    output,
-                    ..state.clone()
-                };
-                if let Ok(json) = serde_json::to_string(&final_object(&m, &row, Some(&ended))) {
-                    let node = self.clone();
-                    let (sandbox_id, exec_id) = (m.id.clone(), row.exec_id.clone());
-                    tokio::task::spawn_blocking(move || {
-                        let _ = node.store.set_exec_final(&sandbox_id, &exec_id, &json);
-                    });
-                }
-                if let Ok(mut r) = m.running.lock() {
-                    r.remove(&row.exec_id);
-                }
-                // Every frame of the command was read: the connection serves the next call.
-                conn.release();
-                return Ok(exec_object(
-                    &meta,
-                    &started,
-                    Some(&exit),
-                    output,
-                    &mut out,
-                    &mut err,
-                    gap,
-                ));
+            tokio::pin!(collect);
+            // The row is written once when the command ends within ROW_AFTER (with its end), else
+            // then, while it runs on (and its end later).
+            let wait = Duration::from_secs_f64(req.wait_seconds);
+            let mut waited = tokio::time::timeout(wait.min(ROW_AFTER), &mut collect).await;
+            let mut row_written = false;
+            if waited.is_err() {
+                self.store
+                    .insert_exec(&row, !stdin_open_of(&req))
+                    .map_err(store_err)?;
+                row_written = true;
+                waited = tokio::time::timeout(wait.saturating_sub(ROW_AFTER), &mut collect).await;
             }
-        }
-        if req.wait_seconds > 0.0 && !req.tty {
-            // Its output may still be streaming on the connection.
-            drop(conn);
-            self.watch_exec(m.clone(), sb.clone(), row);
-        } else {
+            (waited, row_written)
+        };
+        if let Ok(Some((exit, output))) = waited {
+            let started = Started {
+                pid: state.pid,
+                started_at_ns: state.started_at_ns,
+            };
+            // The end is known here: record it and free the slot, as the watcher would.
+            let ended = ExecState {
+                exit: Some(exit.clone()),
+                output,
+                ..state.clone()
+            };
+            let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)))
+                .map_err(|_| ApiError::internal())?;
+            if row_written {
+                // The row is committed; its end is written after the answer: a node killed
+                // before it lands finds the command running at start and asks the agent.
+                let node = self.clone();
+                let (sandbox_id, exec_id) = (m.id.clone(), row.exec_id.clone());
+                tokio::spawn(async move {
+                    let _ = node.store.set_exec_final(&sandbox_id, &exec_id, &json);
+                });
+            } else {
+                // One write, before the answer: whoever is told of the command finds it.
+                let row = ExecRow {
+                    final_json: Some(json),
+                    ..row.clone()
+                };
+                self.store
+                    .insert_exec(&row, !stdin_open_of(&req))
+                    .map_err(store_err)?;
+            }
+            if let Ok(mut r) = m.running.lock() {
+                r.remove(&row.exec_id);
+            }
+            // Every frame of the command was read: the connection serves the next call.
             conn.release();
+            return Ok(exec_object(
+                &meta,
+                &started,
+                Some(&exit),
+                output,
+                &mut out,
+                &mut err,
+                gap,
+            ));
         }
+        if !row_written {
+            // The agent was lost before the end: the command is recorded as it stands.
+            self.store
+                .insert_exec(&row, !stdin_open_of(&req))
+                .map_err(store_err)?;
+        }
+        // Its output may still be streaming on the connection.
+        drop(conn);
+        self.watch_exec(m.clone(), sb.clone(), row);
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }
 
@@ -1841,6 +1879,15 @@ impl Node {
             })
             .unwrap_or_default()
     }
+}
+
+/// How long a waited command may run before its row is written (a shorter one is written once,
+/// with its end).
+const ROW_AFTER: Duration = Duration::from_millis(5);
+
+/// Whether a command is started with its stdin left open for later input.
+fn stdin_open_of(req: &ExecRequest) -> bool {
+    req.stdin_open || req.tty
 }
 
 fn meta_of(m: &Managed, row: &ExecRow, encoding: Encoding) -> ExecMeta {

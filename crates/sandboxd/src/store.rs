@@ -59,6 +59,29 @@ pub enum IdemBegin {
     InProgress,
 }
 
+/// Statements run from the connection's cache of prepared statements.
+trait Cached {
+    fn run<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
+}
+
+impl Cached for Connection {
+    fn run<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    fn row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
 pub struct Store {
     conn: Mutex<Connection>,
 }
@@ -139,6 +162,9 @@ impl Store {
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // Every statement of the store is kept prepared: a command's rows are written without
+        // parsing SQL again.
+        conn.set_prepared_statement_cache_capacity(64);
         conn.execute_batch(SCHEMA)?;
         // Added after the first schema: whether a command's stdin is closed (a database of an
         // older node gets the column, its rows open).
@@ -162,7 +188,7 @@ impl Store {
 
     pub fn insert_sandbox(&self, s: &SandboxRow) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 &format!("INSERT INTO sandboxes ({SANDBOX_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"),
                 params![
                     s.id,
@@ -185,7 +211,7 @@ impl Store {
     /// Writes a sandbox's changing fields.
     pub fn update_sandbox(&self, s: &SandboxRow) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 "UPDATE sandboxes SET status=?2, pid=?3, start_time=?4, started_at_ns=?5, failure_code=?6, failure=?7, restarts=?8 WHERE id=?1",
                 params![
                     s.id,
@@ -205,15 +231,15 @@ impl Store {
     /// Removes a sandbox and its commands.
     pub fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute("DELETE FROM execs WHERE sandbox_id=?1", params![id])?;
-            c.execute("DELETE FROM sandboxes WHERE id=?1", params![id])
+            c.run("DELETE FROM execs WHERE sandbox_id=?1", params![id])?;
+            c.run("DELETE FROM sandboxes WHERE id=?1", params![id])
                 .map(|_| ())
         })
     }
 
     pub fn sandboxes(&self) -> Result<Vec<SandboxRow>, StoreError> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {SANDBOX_COLS} FROM sandboxes ORDER BY created_at_ns, id"
             ))?;
             let rows = st.query_map([], sandbox_row)?;
@@ -224,7 +250,7 @@ impl Store {
     /// Records a command (one statement: its stdin already closed or not).
     pub fn insert_exec(&self, e: &ExecRow, stdin_closed: bool) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 &format!(
                     "INSERT INTO execs ({EXEC_COLS}, stdin_closed) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9)"
                 ),
@@ -251,7 +277,7 @@ impl Store {
         json: &str,
     ) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 "UPDATE execs SET final_json=?3 WHERE sandbox_id=?1 AND exec_id=?2",
                 params![sandbox_id, exec_id, json],
             )
@@ -262,7 +288,7 @@ impl Store {
     /// Records that a command's stdin is closed: later input is refused, not lost.
     pub fn close_exec_stdin(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 "UPDATE execs SET stdin_closed=1 WHERE sandbox_id=?1 AND exec_id=?2",
                 params![sandbox_id, exec_id],
             )
@@ -273,7 +299,7 @@ impl Store {
     /// Whether a command's stdin is closed (false for a command the table does not have).
     pub fn exec_stdin_closed(&self, sandbox_id: &str, exec_id: &str) -> Result<bool, StoreError> {
         self.with(|c| {
-            c.query_row(
+            c.row(
                 "SELECT stdin_closed FROM execs WHERE sandbox_id=?1 AND exec_id=?2",
                 params![sandbox_id, exec_id],
                 |r| r.get::<_, bool>(0),
@@ -286,7 +312,7 @@ impl Store {
     /// Forgets a command (the start command of an earlier boot, which a restart starts again).
     pub fn delete_exec(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 "DELETE FROM execs WHERE sandbox_id=?1 AND exec_id=?2",
                 params![sandbox_id, exec_id],
             )
@@ -296,7 +322,7 @@ impl Store {
 
     pub fn exec(&self, sandbox_id: &str, exec_id: &str) -> Result<Option<ExecRow>, StoreError> {
         self.with(|c| {
-            c.query_row(
+            c.row(
                 &format!("SELECT {EXEC_COLS} FROM execs WHERE sandbox_id=?1 AND exec_id=?2"),
                 params![sandbox_id, exec_id],
                 exec_row,
@@ -307,7 +333,7 @@ impl Store {
 
     pub fn execs(&self, sandbox_id: &str) -> Result<Vec<ExecRow>, StoreError> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {EXEC_COLS} FROM execs WHERE sandbox_id=?1 ORDER BY created_at_ns, exec_id"
             ))?;
             let rows = st.query_map(params![sandbox_id], exec_row)?;
@@ -327,7 +353,7 @@ impl Store {
                 .optional()?;
             match found {
                 None => {
-                    c.execute(
+                    c.run(
                         "INSERT INTO idempotency (scope, key, body_hash, created_at_ns) VALUES (?1,?2,?3,?4)",
                         params![scope, key, hash, crate::image::now_ns() as i64],
                     )?;
@@ -349,7 +375,7 @@ impl Store {
         body: &str,
     ) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 "UPDATE idempotency SET status=?3, body=?4 WHERE scope=?1 AND key=?2",
                 params![scope, key, status, body],
             )
@@ -360,7 +386,7 @@ impl Store {
     /// Forgets a key whose request failed in a way worth trying again.
     pub fn idem_forget(&self, scope: &str, key: &str) -> Result<(), StoreError> {
         self.with(|c| {
-            c.execute(
+            c.run(
                 "DELETE FROM idempotency WHERE scope=?1 AND key=?2",
                 params![scope, key],
             )
@@ -373,8 +399,8 @@ impl Store {
     pub fn idem_tidy(&self) -> Result<(), StoreError> {
         let day_ago = crate::image::now_ns() as i64 - 86_400_000_000_000;
         self.with(|c| {
-            c.execute("DELETE FROM idempotency WHERE status IS NULL", [])?;
-            c.execute(
+            c.run("DELETE FROM idempotency WHERE status IS NULL", [])?;
+            c.run(
                 "DELETE FROM idempotency WHERE created_at_ns < ?1",
                 params![day_ago],
             )

@@ -1269,3 +1269,76 @@ fn a_sandbox_is_deleted_when_it_expires() {
     assert!(list_all(&node, "", 100).is_empty());
     node.assert_clean(CLEAN);
 }
+
+#[test]
+fn a_waited_command_is_listed_while_it_runs_and_new_users_are_known_at_once() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let list_path = format!("/v1/sandboxes/{id}/exec");
+    // A caller waits for a command; others see it running meanwhile, and its end after.
+    let cmd = "sleep 1.5; echo slept";
+    let seen_running = std::thread::scope(|s| {
+        let waiter = s.spawn(|| node.exec(&id, &json!({"command": cmd, "wait_seconds": 20})));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut seen = None;
+        while seen.is_none() && Instant::now() < deadline && !waiter.is_finished() {
+            let (status, v) = get(&node, &list_path);
+            assert_eq!(status, 200, "{v}");
+            seen = v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["command"] == cmd && e["status"] == "running")
+                .cloned();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let v = waiter.join().unwrap();
+        assert_eq!(
+            (v["status"].as_str(), v["stdout"].as_str()),
+            (Some("exited"), Some("slept\n")),
+            "{v}"
+        );
+        let (status, got) = get(&node, &format!("{list_path}/{}", v["id"].as_str().unwrap()));
+        assert_eq!(
+            (status, got["status"].as_str()),
+            (200, Some("exited")),
+            "{got}"
+        );
+        seen.map(|e| (e["id"].clone(), v["id"].clone()))
+    });
+    let (listed, answered) = seen_running.expect("the waited command was never listed as running");
+    assert_eq!(listed, answered);
+
+    // A user added by one command is known to the next at once, and a user changed later too
+    // (the agent reads /etc/passwd again when it changes).
+    let run_as = |user: &str| -> Value {
+        node.exec(
+            &id,
+            &json!({"command": ["id", "-u"], "user": user, "wait_seconds": 20}),
+        )
+    };
+    let v = node.exec(
+        &id,
+        &json!({"command": "echo 'alice:x:1234:1234::/home/alice:/bin/sh' >> /etc/passwd", "wait_seconds": 20}),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(run_as("alice")["stdout"], "1234\n");
+    // Settled (older than a second): now served from what the agent kept.
+    std::thread::sleep(Duration::from_millis(2100));
+    assert_eq!(run_as("alice")["stdout"], "1234\n");
+    let v = node.exec(
+        &id,
+        &json!({"command": "sed -i 's/^alice:x:1234:/alice:x:1235:/' /etc/passwd", "wait_seconds": 20}),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(run_as("alice")["stdout"], "1235\n");
+    let r = node.post_json(
+        &list_path,
+        &json!({"command": ["id", "-u"], "user": "bob", "wait_seconds": 20}),
+    );
+    let v = r.json();
+    assert_error(r.status, &v, 400, "no_such_user", Some("user"));
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use sbx_proto::{ExecFailKind, ExecSpec, ExecState, ExitInfo, OutputCounts, Program, Stream};
 use sbx_runtime::process::{self, Ended, Reaped, SpawnSpec};
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{spawn_local, AbortHandle};
 
@@ -258,15 +258,58 @@ impl Exec {
     }
 }
 
+/// What one read of a command's output did.
+enum Read {
+    /// This many bytes, now in the ring.
+    Some(usize),
+    /// Nothing yet (the readiness was stale).
+    Again,
+    /// The writers are gone (end of file) or the descriptor failed.
+    End,
+}
+
+thread_local! {
+    /// The buffer every output read of this (single-threaded) agent goes through: the bytes
+    /// are copied into the command's ring at once, so one buffer serves all commands, and a
+    /// command costs no buffer of its own to start.
+    static READ_BUF: RefCell<Vec<u8>> = RefCell::new(vec![0u8; 256 << 10]);
+}
+
+/// One read of `fd` through [`READ_BUF`] into the command's ring as `stream`.
+fn read_into(
+    exec: &Exec,
+    stream: Stream,
+    read: impl FnOnce(&mut [u8]) -> std::io::Result<usize>,
+) -> Read {
+    READ_BUF.with_borrow_mut(|buf| match read(buf) {
+        Ok(0) => Read::End,
+        Ok(n) => {
+            exec.push(stream, &buf[..n]);
+            Read::Some(n)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::Again,
+        Err(_) => Read::End,
+    })
+}
+
 fn reader(exec: Rc<Exec>, fd: OwnedFd, stream: Stream) -> AbortHandle {
     let task = spawn_local(async move {
-        if let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-            let mut buf = vec![0u8; 256 << 10];
+        if let Ok(rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+            let mut grown = false;
             loop {
                 exec.wait_for_room().await;
-                match rx.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => exec.push(stream, &buf[..n]),
+                if rx.readable().await.is_err() {
+                    break;
+                }
+                match read_into(&exec, stream, |buf| rx.try_read(buf)) {
+                    Read::End => break,
+                    // A command that filled half the default pipe writes a lot: a larger pipe
+                    // wakes this reader less often.
+                    Read::Some(n) if !grown && n >= 32 << 10 => {
+                        process::grow_pipe(&rx);
+                        grown = true;
+                    }
+                    Read::Some(_) | Read::Again => {}
                 }
             }
         }
@@ -278,16 +321,19 @@ fn reader(exec: Rc<Exec>, fd: OwnedFd, stream: Stream) -> AbortHandle {
 /// Reads a terminal's output until its last slave closes (EIO).
 fn pty_reader(exec: Rc<Exec>, pty: Rc<AsyncFd<OwnedFd>>) -> AbortHandle {
     let task = spawn_local(async move {
-        let mut buf = vec![0u8; 64 << 10];
         loop {
             exec.wait_for_room().await;
             let Ok(mut ready) = pty.readable().await else {
                 break;
             };
-            match ready.try_io(|fd| process::read_nb(fd.get_ref(), &mut buf)) {
-                Ok(Ok(0)) | Ok(Err(_)) => break,
-                Ok(Ok(n)) => exec.push(Stream::Stdout, &buf[..n]),
-                Err(_would_block) => continue,
+            // A stale readiness (would block) is cleared by try_io and read as Again.
+            let read = read_into(&exec, Stream::Stdout, |buf| {
+                ready
+                    .try_io(|fd| process::read_nb(fd.get_ref(), buf))
+                    .unwrap_or_else(|_would_block| Err(std::io::ErrorKind::WouldBlock.into()))
+            });
+            if let Read::End = read {
+                break;
             }
         }
         exec.pipe_closed();

@@ -6,6 +6,7 @@ use std::rc::Rc;
 
 use sbx_proto::{read_frame, AgentMsg, ExecFailKind, Frame, HostMsg, Stream, PROTO_VERSION};
 use sbx_runtime::process::reap_any;
+use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
@@ -77,6 +78,27 @@ async fn reaper(agent: Rc<Agent>) {
     }
 }
 
+/// Writes every buffer of `bufs`, in order, with as few writes as the socket takes.
+async fn write_all_of(
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    bufs: &[Vec<u8>],
+) -> std::io::Result<()> {
+    if let [one] = bufs {
+        return wr.write_all(one).await;
+    }
+    let mut slices: Vec<std::io::IoSlice<'_>> =
+        bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
 async fn send(out: &Out, msg: &AgentMsg) -> bool {
     match sbx_proto::encode_msg(msg) {
         Ok(buf) => out.send(buf).await.is_ok(),
@@ -85,13 +107,19 @@ async fn send(out: &Out, msg: &AgentMsg) -> bool {
 }
 
 async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
-    let (mut rd, mut wr) = stream.into_split();
+    let (rd, mut wr) = stream.into_split();
+    // Frames are read through a buffer: a small message costs one read, not three.
+    let mut rd = tokio::io::BufReader::with_capacity(64 << 10, rd);
     let (out, mut rx) = mpsc::channel::<Vec<u8>>(64);
     spawn_local(async move {
-        while let Some(buf) = rx.recv().await {
-            if wr.write_all(&buf).await.is_err() {
+        // What is queued when the writer wakes goes out in one write (a start and an end sent
+        // back to back wake the node once).
+        let mut batch: Vec<Vec<u8>> = Vec::new();
+        while rx.recv_many(&mut batch, 64).await > 0 {
+            if write_all_of(&mut wr, &batch).await.is_err() {
                 break;
             }
+            batch.clear();
         }
     });
     let hello = AgentMsg::Hello {
@@ -181,9 +209,12 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
                         pid: e.pid,
                         started_at_ns: e.started_at_ns,
                     };
-                    send(out, &started).await;
                     if attach {
-                        spawn_local(stream_output(out.clone(), e, 0));
+                        // The caller reads the whole command on this connection: its start
+                        // goes with its first output or its end (see `stream_output`).
+                        spawn_local(stream_output(out.clone(), e, 0, Some(started)));
+                    } else {
+                        send(out, &started).await;
                     }
                 }
                 Err((kind, message)) => {
@@ -209,7 +240,7 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
         },
         HostMsg::Attach { exec_id, from } => match find(agent, &exec_id) {
             Some(e) => {
-                spawn_local(stream_output(out.clone(), e, from));
+                spawn_local(stream_output(out.clone(), e, from, None));
             }
             None => no_such_exec(out, exec_id).await,
         },
@@ -260,9 +291,37 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
     }
 }
 
-/// Sends the command's output from `from` on, live, then its exit.
-async fn stream_output(out: Out, exec: Rc<Exec>, from: u64) {
+/// How long the start of an attached command is held back for its end (or much output): a
+/// short command's start, output and end then reach the node in one write, which wakes it once
+/// instead of once per message.
+const HOLD_STARTED: Duration = Duration::from_millis(2);
+/// Output that ends the hold at once: the caller should see it streaming.
+const HOLD_OUTPUT: u64 = 64 << 10;
+
+/// Sends `started` (if given; see [`HOLD_STARTED`]), then the command's output from `from` on,
+/// live, then its exit.
+async fn stream_output(out: Out, exec: Rc<Exec>, from: u64, started: Option<AgentMsg>) {
     let mut changed = exec.subscribe();
+    if let Some(started) = started {
+        let until = tokio::time::Instant::now() + HOLD_STARTED;
+        loop {
+            changed.borrow_and_update();
+            let held = {
+                let st = exec.state.borrow();
+                st.exit.is_none() && st.ring.end() < from + HOLD_OUTPUT
+            };
+            if !held {
+                break;
+            }
+            match tokio::time::timeout_at(until, changed.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        if !send(&out, &started).await {
+            return;
+        }
+    }
     let mut cursor = from;
     loop {
         changed.borrow_and_update();

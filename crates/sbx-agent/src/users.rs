@@ -1,6 +1,7 @@
 //! Users of the sandbox, from its own /etc/passwd and /etc/group.
 
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct User {
@@ -89,11 +90,61 @@ pub fn resolve(spec: &str, passwd_text: &str, group_text: &str) -> Option<User> 
     })
 }
 
-/// Resolves against the sandbox's own files.
+/// What identifies one version of a file: a file changed since has another stamp (its change
+/// time moves with any write, and a replaced file is another inode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+    mtime: (i64, i64),
+}
+
+/// A stamp to trust for caching: the file's, unless it changed within the last second (file
+/// times may be coarser than the writes they stamp, so a fresh one is not trusted yet).
+fn settled_stamp(path: &str) -> Option<Stamp> {
+    let m = fs::metadata(path).ok()?;
+    let stamp = Stamp {
+        dev: m.dev(),
+        ino: m.ino(),
+        size: m.len(),
+        ctime: (m.ctime(), m.ctime_nsec()),
+        mtime: (m.mtime(), m.mtime_nsec()),
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs() as i64;
+    (stamp.ctime.0 < now - 1 && stamp.mtime.0 < now - 1).then_some(stamp)
+}
+
+/// The last texts of /etc/passwd and /etc/group read, with their stamps.
+type Cached = ((Stamp, Stamp), (String, String));
+
+thread_local! {
+    static FILES: std::cell::RefCell<Option<Cached>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Resolves against the sandbox's own files. They are read again only when they changed (two
+/// stats instead of two reads per command).
 pub fn lookup(spec: &str) -> Option<User> {
-    let p = fs::read_to_string("/etc/passwd").unwrap_or_default();
-    let g = fs::read_to_string("/etc/group").unwrap_or_default();
-    resolve(spec, &p, &g)
+    let stamps = settled_stamp("/etc/passwd").zip(settled_stamp("/etc/group"));
+    FILES.with_borrow_mut(|cache| {
+        let hit = match (cache.as_ref(), stamps) {
+            (Some((have, _)), Some(now)) => *have == now,
+            _ => false,
+        };
+        if !hit {
+            let p = fs::read_to_string("/etc/passwd").unwrap_or_default();
+            let g = fs::read_to_string("/etc/group").unwrap_or_default();
+            // Kept only when both files are settled; else read again next time.
+            *cache = stamps.map(|st| (st, (p.clone(), g.clone())));
+            return resolve(spec, &p, &g);
+        }
+        let (_, (p, g)) = cache.as_ref()?;
+        resolve(spec, p, g)
+    })
 }
 
 #[cfg(test)]

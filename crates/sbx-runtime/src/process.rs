@@ -3,7 +3,7 @@
 use std::ffi::CString;
 use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -53,6 +53,9 @@ struct ChildPlan {
     /// A session of its own with stdin as its controlling terminal; else a process group of
     /// its own.
     on_terminal: bool,
+    /// The signals the child must reset to their default action (bit `n - 1` for signal `n`):
+    /// those this process catches, and SIGPIPE when ignored. `None`: not known, the child asks.
+    to_reset: Option<u64>,
     /// The errno of the step that failed in the child (0: it executed the program). Written by
     /// the child, read by the parent after the child has executed or exited.
     err: AtomicI32,
@@ -90,9 +93,36 @@ impl ChildPlan {
             groups: spec.groups.to_vec(),
             stdio,
             on_terminal,
+            to_reset: signals_to_reset(),
             err: AtomicI32::new(0),
         })
     }
+}
+
+/// The signals a child of this process must reset before it executes (see
+/// [`ChildPlan::to_reset`]), from the kernel's own account of this process's handlers: one read
+/// of /proc/self/status instead of a query per signal in every child.
+fn signals_to_reset() -> Option<u64> {
+    use std::io::Read;
+    let mut f = fs::File::open("/proc/self/status").ok()?;
+    let mut buf = [0u8; 4096];
+    let mut len = 0;
+    while len < buf.len() {
+        match f.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(_) => return None,
+        }
+    }
+    let text = std::str::from_utf8(&buf[..len]).ok()?;
+    let mask = |key: &str| -> Option<u64> {
+        let line = text.lines().find_map(|l| l.strip_prefix(key))?;
+        u64::from_str_radix(line.trim(), 16).ok()
+    };
+    let caught = mask("SigCgt:")?;
+    let ignored = mask("SigIgn:")?;
+    let pipe = 1u64 << (libc::SIGPIPE - 1);
+    Some(caught | (ignored & pipe))
 }
 
 /// The child of [`spawn_child`], on its own stack in the parent's memory (CLONE_VM) while the
@@ -121,18 +151,22 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         // Handlers of the parent must not run here (they would run on the parent's memory):
         // every caught signal goes back to its default; SIGPIPE too (Rust ignores it). Ignored
         // ones stay ignored, as with fork and exec. The mask the parent set (all blocked) is
-        // cleared last, just before the exec.
-        for sig in 1..=libc::SIGRTMAX() {
+        // cleared last, just before the exec. When the parent could tell which signals it
+        // catches, only those are reset; else each one is asked.
+        for sig in 1..=libc::SIGRTMAX().min(64) {
             if sig == libc::SIGKILL || sig == libc::SIGSTOP {
                 continue;
             }
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
-                continue;
-            }
-            if old.sa_sigaction != libc::SIG_DFL
-                && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE)
-            {
+            let reset = match plan.to_reset {
+                Some(set) => set & (1u64 << (sig - 1)) != 0,
+                None => {
+                    let mut old: libc::sigaction = std::mem::zeroed();
+                    libc::sigaction(sig, std::ptr::null(), &mut old) == 0
+                        && old.sa_sigaction != libc::SIG_DFL
+                        && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE)
+                }
+            };
+            if reset {
                 let mut dfl: libc::sigaction = std::mem::zeroed();
                 dfl.sa_sigaction = libc::SIG_DFL;
                 libc::sigaction(sig, &dfl, std::ptr::null_mut());
@@ -184,7 +218,16 @@ const CHILD_STACK: usize = 64 << 10;
 /// parent's memory (as posix_spawn does), and this call returns once the child has executed
 /// the program, or with the error of the step that failed.
 fn spawn_child(plan: &ChildPlan) -> io::Result<u32> {
-    let mut stack = vec![0u8; CHILD_STACK];
+    thread_local! {
+        /// The children's stack, made once per thread: a spawn borrows it while its child runs
+        /// on it (CLONE_VFORK: until the child executes or exits), so no spawn pays for
+        /// mapping and zeroing a fresh one.
+        static STACK: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0u8; CHILD_STACK]);
+    }
+    STACK.with_borrow_mut(|stack| spawn_child_on(plan, stack))
+}
+
+fn spawn_child_on(plan: &ChildPlan, stack: &mut [u8]) -> io::Result<u32> {
     // The top of the stack (it grows down), 16-byte aligned.
     let top = {
         let end = stack.as_mut_ptr_range().end as usize;
@@ -216,7 +259,6 @@ fn spawn_child(plan: &ChildPlan) -> io::Result<u32> {
     unsafe {
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
     }
-    drop(stack);
     if pid < 0 {
         return Err(clone_err);
     }
@@ -253,32 +295,44 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Starts a command in a process group of its own, with fresh pipes for its stdio.
 /// The error is the `exec` failure (ENOENT, EACCES, ...), which the caller maps to 127/126.
 pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
-    let (stdin_r, stdin) = if spec.stdin_null {
-        let null = std::fs::File::open("/dev/null")?;
-        (above_stdio(OwnedFd::from(null))?, None)
+    thread_local! {
+        /// /dev/null, opened once per thread (close-on-exec; children get it by dup2).
+        static DEV_NULL: std::cell::OnceCell<OwnedFd> = const { std::cell::OnceCell::new() };
+    }
+    let null_fd = if spec.stdin_null {
+        let fd = DEV_NULL.with(|n| -> io::Result<RawFd> {
+            if let Some(fd) = n.get() {
+                return Ok(fd.as_raw_fd());
+            }
+            let fd = above_stdio(OwnedFd::from(fs::File::open("/dev/null")?))?;
+            Ok(n.get_or_init(|| fd).as_raw_fd())
+        })?;
+        Some(fd)
     } else {
-        let (r, w) = pipe()?;
-        (r, Some(w))
+        None
+    };
+    let (stdin_r, stdin) = match null_fd {
+        Some(_) => (None, None),
+        None => {
+            let (r, w) = pipe()?;
+            (Some(r), Some(w))
+        }
+    };
+    let stdin_raw = match (&stdin_r, null_fd) {
+        (Some(r), _) => r.as_raw_fd(),
+        (None, Some(fd)) => fd,
+        (None, None) => return Err(io::Error::other("no stdin for the child")),
     };
     let (stdout, stdout_w) = pipe()?;
     let (stderr, stderr_w) = pipe()?;
     let plan = ChildPlan::new(
         spec,
-        [
-            stdin_r.as_raw_fd(),
-            stdout_w.as_raw_fd(),
-            stderr_w.as_raw_fd(),
-        ],
+        [stdin_raw, stdout_w.as_raw_fd(), stderr_w.as_raw_fd()],
         false,
     )?;
     let pid = spawn_child(&plan)?;
     // The child's ends are closed here: the command holds its own copies.
     drop((stdin_r, stdout_w, stderr_w));
-    // Larger pipes: a command that writes a lot wakes its reader less often. The size is
-    // capped by the system (fs.pipe-max-size); a refusal keeps the default.
-    for p in [&stdout, &stderr] {
-        let _ = nix::fcntl::fcntl(p, nix::fcntl::FcntlArg::F_SETPIPE_SZ(1 << 20));
-    }
     // The child is reaped by `reap_any`.
     Ok(Spawned {
         pid,
@@ -286,6 +340,13 @@ pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
         stdout,
         stderr,
     })
+}
+
+/// Makes a pipe hold 1 MiB: a command that writes a lot wakes its reader less often. Done by
+/// the reader once a command turns out to write that much (a short command pays nothing). The
+/// size is capped by the system (fs.pipe-max-size); a refusal keeps the default.
+pub fn grow_pipe(fd: &impl AsFd) {
+    let _ = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETPIPE_SZ(1 << 20));
 }
 
 /// How a reaped process ended.
