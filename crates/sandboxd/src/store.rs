@@ -12,6 +12,8 @@ pub enum StoreError {
     Sql(#[from] rusqlite::Error),
     #[error("state database lock poisoned")]
     Poisoned,
+    #[error("the state database is in use by another sandboxd (one node per data directory)")]
+    InUse,
 }
 
 /// A sandbox as the table keeps it.
@@ -158,10 +160,27 @@ const EXEC_COLS: &str =
 
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
+        Store::open_locked(path).map_err(|e| match e {
+            StoreError::Sql(ref s)
+                if s.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) =>
+            {
+                StoreError::InUse
+            }
+            e => e,
+        })
+    }
+
+    fn open_locked(path: &Path) -> Result<Store, StoreError> {
         let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(2))?;
+        // The node is the database's only user: it holds the lock for as long as it runs (no
+        // file lock taken and released per statement, the WAL index in memory), and a second
+        // node on the same data directory is refused instead of sharing it.
+        conn.pragma_update(None, "locking_mode", "EXCLUSIVE")?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // Taken now, not at the first write: a second node stops here.
+        conn.execute_batch("BEGIN EXCLUSIVE; COMMIT;")?;
         // Every statement of the store is kept prepared: a command's rows are written without
         // parsing SQL again.
         conn.set_prepared_statement_cache_capacity(64);
@@ -422,6 +441,43 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_node_per_database_and_the_next_after_it() {
+        let dir = std::env::temp_dir().join(format!("sbx-store-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("state.db");
+        let first = Store::open(&path).unwrap();
+        first
+            .insert_sandbox(&SandboxRow {
+                id: "sbx-kept".into(),
+                name: None,
+                status: "running".into(),
+                spec: "{}".into(),
+                pid: None,
+                start_time: None,
+                created_at_ns: 1,
+                started_at_ns: None,
+                failure_code: None,
+                failure: None,
+                restarts: 0,
+            })
+            .unwrap();
+        let second = Store::open(&path);
+        assert!(
+            matches!(second, Err(StoreError::InUse)),
+            "a second store opened a held database: {:?}",
+            second.err()
+        );
+        drop(first);
+        let next = Store::open(&path).unwrap();
+        assert_eq!(
+            next.sandboxes().unwrap().len(),
+            1,
+            "the first one's rows are there"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn sandboxes_execs_and_keys() {

@@ -342,3 +342,33 @@ fn an_expiry_outlives_a_node_restart() {
     }
     node.assert_clean(CLEAN);
 }
+
+#[test]
+fn a_second_node_on_the_same_data_directory_is_refused() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let out = std::process::Command::new(common::sandboxd_bin())
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .arg("--data-dir")
+        .arg(&node.data_dir)
+        .arg("--images-dir")
+        .arg(&node.images_dir)
+        .arg("--cgroup-name")
+        .arg(format!("{}-second", node.cgroup_name))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run a second sandboxd");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second node started: {stderr}");
+    assert!(
+        stderr.contains("in use by another sandboxd"),
+        "the refusal does not say why: {stderr}"
+    );
+    // The first node is untouched: its sandbox still runs commands.
+    let id = sb["id"].as_str().unwrap();
+    let v = node.exec(id, &json!({"command": "echo still", "wait_seconds": 20}));
+    assert_eq!(v["stdout"], "still\n", "{v}");
+    node.delete_sandbox(id);
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -46,7 +46,7 @@ pub fn images_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/lib/sbx/images"))
 }
 
-fn sandboxd_bin() -> PathBuf {
+pub fn sandboxd_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sandboxd"))
 }
 
