@@ -344,8 +344,7 @@ where
             r.read_exact(&mut id).await?;
             let exec_id = String::from_utf8(id)
                 .map_err(|_| ProtoError::Malformed("exec id is not UTF-8".into()))?;
-            let mut bytes = vec![0u8; len - 11 - id_len];
-            r.read_exact(&mut bytes).await?;
+            let bytes = read_exactly(r, len - 11 - id_len).await?;
             Ok(Some(Frame::Data {
                 exec_id,
                 stream,
@@ -355,6 +354,19 @@ where
         }
         other => Err(ProtoError::Malformed(format!("frame kind {other}"))),
     }
+}
+
+/// `n` bytes of `r` into a buffer of their own, read into it as they come (it is not zeroed
+/// first: that would touch every byte once more).
+async fn read_exactly<R: AsyncRead + Unpin>(r: &mut R, n: usize) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::with_capacity(n);
+    let mut limited = r.take(n as u64);
+    while bytes.len() < n {
+        if limited.read_buf(&mut bytes).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(bytes)
 }
 
 /// Writes a message frame.
