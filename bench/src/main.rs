@@ -40,6 +40,7 @@ struct Args {
     stream_bytes: u64,
 }
 
+#[derive(Default)]
 struct Cell {
     lat: Vec<Duration>,
     wall: Duration,
@@ -187,24 +188,30 @@ fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::
         }
         Ok(())
     };
+    let host_true = || -> anyhow::Result<()> {
+        let st = Command::new("/bin/true").status()?;
+        if !st.success() {
+            bail!("/bin/true failed");
+        }
+        Ok(())
+    };
     for _ in 0..10 {
         exec_true(agent)?;
+        host_true()?;
     }
-    let a = agent.clone();
-    let sbx = measure(args.runs, 1, Arc::new(move |_| exec_true(&a)))?;
-    let host = measure(
-        args.runs,
-        1,
-        Arc::new(|_| {
-            let st = Command::new("/bin/true").status()?;
-            if !st.success() {
-                bail!("/bin/true failed");
-            }
-            Ok(())
-        }),
-    )?;
+    // Interleaved, one of each in turn: a machine whose speed drifts (a shared host) moves
+    // both columns alike instead of skewing their ratio.
+    let (mut sbx, mut host) = (Cell::default(), Cell::default());
+    for _ in 0..args.runs {
+        let t = Instant::now();
+        exec_true(agent)?;
+        sbx.lat.push(t.elapsed());
+        let t = Instant::now();
+        host_true()?;
+        host.lat.push(t.elapsed());
+    }
     println!();
-    println!("a command in a live sandbox (true), against fork+exec of /bin/true on the host");
+    println!("a command in a live sandbox (true), against fork+exec of /bin/true on the host (interleaved)");
     println!(
         "{:<34} {:>6} {:>9} {:>9}",
         "what", "runs", "p50 ms", "p95 ms"
