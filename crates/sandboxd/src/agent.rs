@@ -7,9 +7,8 @@ use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 use sbx_proto::{read_frame, AgentMsg, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION};
+use sbx_runtime::sock::{Conn, ReadHalf, WriteHalf};
 use tokio::io::BufReader;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::UnixStream;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -26,8 +25,8 @@ pub enum AgentError {
 }
 
 pub struct AgentConn {
-    rd: BufReader<OwnedReadHalf>,
-    wr: OwnedWriteHalf,
+    rd: BufReader<ReadHalf>,
+    wr: WriteHalf,
     socket: PathBuf,
     /// The agent takes [`sbx_proto::ExecSpec::stdin_null`] (its hello says so).
     stdin_null: bool,
@@ -45,9 +44,8 @@ static RELEASES: AtomicUsize = AtomicUsize::new(0);
 impl AgentConn {
     /// Connects and reads the agent's hello.
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentConn, AgentError> {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(AgentError::Connect)?;
+        // Registered for reading only: the agent reading a request does not wake this side.
+        let stream = Conn::connect(socket).await.map_err(AgentError::Connect)?;
         let (rd, wr) = stream.into_split();
         let mut conn = AgentConn {
             rd: BufReader::with_capacity(256 << 10, rd),
@@ -116,8 +114,7 @@ impl AgentConn {
 
     /// Nothing to read: no frame left over, and the agent has not closed its end.
     fn clean(&self) -> bool {
-        self.rd.buffer().is_empty()
-            && !sbx_runtime::process::readable_now(self.rd.get_ref().as_ref())
+        self.rd.buffer().is_empty() && !sbx_runtime::process::readable_now(self.rd.get_ref())
     }
 
     pub async fn send(&mut self, msg: &HostMsg) -> Result<(), AgentError> {

@@ -80,7 +80,7 @@ async fn reaper(agent: Rc<Agent>) {
 
 /// Writes every buffer of `bufs`, in order, with as few writes as the socket takes.
 async fn write_all_of(
-    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    wr: &mut sbx_runtime::sock::WriteHalf,
     bufs: &[Vec<u8>],
 ) -> std::io::Result<()> {
     if let [one] = bufs {
@@ -107,7 +107,14 @@ async fn send(out: &Out, msg: &AgentMsg) -> bool {
 }
 
 async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
-    let (rd, mut wr) = stream.into_split();
+    // Registered for reading only: the node reading an answer does not wake this agent.
+    let Ok(conn) = stream
+        .into_std()
+        .and_then(sbx_runtime::sock::Conn::from_std)
+    else {
+        return;
+    };
+    let (rd, mut wr) = conn.into_split();
     // Frames are read through a buffer: a small message costs one read, not three.
     let mut rd = tokio::io::BufReader::with_capacity(64 << 10, rd);
     let (out, mut rx) = mpsc::channel::<Vec<u8>>(64);

@@ -6,7 +6,8 @@
 //! - [`cgroup`]: cgroups v1 and v2 behind one interface;
 //! - [`seccomp`]: the sandbox's syscall filter;
 //! - [`fsutil`]: ownership shifting of image trees;
-//! - [`netns`]: sockets made from the host in a sandbox's network namespace.
+//! - [`netns`]: sockets made from the host in a sandbox's network namespace;
+//! - [`sock`]: node-agent connections registered for what their task waits on only.
 
 pub mod cgroup;
 pub mod driver;
@@ -15,6 +16,7 @@ pub mod init;
 pub mod netns;
 pub mod process;
 pub mod seccomp;
+pub mod sock;
 
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};
