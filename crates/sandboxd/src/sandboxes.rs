@@ -1395,7 +1395,7 @@ impl Node {
         }
         let meta = meta_of(&m, &row, req.encoding);
         let (mut out, mut err, mut gap) = (Tail::new(), Tail::new(), false);
-        let (waited, row_written) = {
+        let (waited, row_written, unrecorded) = {
             let collect = async {
                 loop {
                     match conn.recv().await {
@@ -1417,16 +1417,26 @@ impl Node {
             // then, while it runs on (and its end later).
             let wait = Duration::from_secs_f64(req.wait_seconds);
             let mut waited = tokio::time::timeout(wait.min(ROW_AFTER), &mut collect).await;
-            let mut row_written = false;
+            let (mut row_written, mut unrecorded) = (false, None);
             if waited.is_err() {
-                self.store
-                    .insert_exec(&row, !stdin_open_of(&req))
-                    .map_err(store_err)?;
-                row_written = true;
-                waited = tokio::time::timeout(wait.saturating_sub(ROW_AFTER), &mut collect).await;
+                match self.store.insert_exec(&row, !stdin_open_of(&req)) {
+                    Ok(()) => {
+                        row_written = true;
+                        waited = tokio::time::timeout(wait.saturating_sub(ROW_AFTER), &mut collect)
+                            .await;
+                    }
+                    Err(e) => unrecorded = Some(e),
+                }
             }
-            (waited, row_written)
+            (waited, row_written, unrecorded)
         };
+        if let Some(e) = unrecorded {
+            // Not recorded: the caller is told; the command is still watched, so that its slot
+            // is given back when it ends.
+            drop(conn);
+            self.watch_exec(m.clone(), sb.clone(), row);
+            return Err(store_err(e));
+        }
         if let Ok(Some((exit, output))) = waited {
             let started = Started {
                 pid: state.pid,
@@ -1454,9 +1464,12 @@ impl Node {
                     final_json: Some(json),
                     ..row.clone()
                 };
-                self.store
-                    .insert_exec(&row, !stdin_open_of(&req))
-                    .map_err(store_err)?;
+                // It ended: its slot is free whether or not the row could be written.
+                let written = self.store.insert_exec(&row, !stdin_open_of(&req));
+                if let Ok(mut r) = m.running.lock() {
+                    r.remove(&row.exec_id);
+                }
+                written.map_err(store_err)?;
             }
             if let Ok(mut r) = m.running.lock() {
                 r.remove(&row.exec_id);
@@ -1473,15 +1486,17 @@ impl Node {
                 gap,
             ));
         }
-        if !row_written {
-            // The agent was lost before the end: the command is recorded as it stands.
-            self.store
-                .insert_exec(&row, !stdin_open_of(&req))
-                .map_err(store_err)?;
-        }
-        // Its output may still be streaming on the connection.
+        // Still running when the wait ended, or its agent was lost: a watcher takes it from
+        // here (its output may still be streaming on this connection), and a row not written
+        // yet is written as the command stands.
         drop(conn);
+        let written = if row_written {
+            Ok(())
+        } else {
+            self.store.insert_exec(&row, !stdin_open_of(&req))
+        };
         self.watch_exec(m.clone(), sb.clone(), row);
+        written.map_err(store_err)?;
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }
 
