@@ -119,31 +119,51 @@ fn settled_stamp(path: &str) -> Option<Stamp> {
     (stamp.ctime.0 < now - 1 && stamp.mtime.0 < now - 1).then_some(stamp)
 }
 
-/// The last texts of /etc/passwd and /etc/group read, with their stamps.
-type Cached = ((Stamp, Stamp), (String, String));
+/// What was read of /etc/passwd and /etc/group while they kept these stamps: their texts and
+/// the users resolved against them so far.
+struct Cached {
+    stamps: (Stamp, Stamp),
+    passwd: String,
+    group: String,
+    resolved: std::collections::HashMap<String, Option<User>>,
+}
 
 thread_local! {
     static FILES: std::cell::RefCell<Option<Cached>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Resolves against the sandbox's own files. They are read again only when they changed (two
-/// stats instead of two reads per command).
+/// Resolves against the sandbox's own files. They are read (and a user resolved) again only
+/// when they changed: two stats per command instead of two reads and a parse.
 pub fn lookup(spec: &str) -> Option<User> {
     let stamps = settled_stamp("/etc/passwd").zip(settled_stamp("/etc/group"));
     FILES.with_borrow_mut(|cache| {
         let hit = match (cache.as_ref(), stamps) {
-            (Some((have, _)), Some(now)) => *have == now,
+            (Some(c), Some(now)) => c.stamps == now,
             _ => false,
         };
         if !hit {
-            let p = fs::read_to_string("/etc/passwd").unwrap_or_default();
-            let g = fs::read_to_string("/etc/group").unwrap_or_default();
+            let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+            let group = fs::read_to_string("/etc/group").unwrap_or_default();
+            let user = resolve(spec, &passwd, &group);
             // Kept only when both files are settled; else read again next time.
-            *cache = stamps.map(|st| (st, (p.clone(), g.clone())));
-            return resolve(spec, &p, &g);
+            *cache = stamps.map(|stamps| Cached {
+                stamps,
+                passwd,
+                group,
+                resolved: [(spec.to_string(), user.clone())].into_iter().collect(),
+            });
+            return user;
         }
-        let (_, (p, g)) = cache.as_ref()?;
-        resolve(spec, p, g)
+        let c = cache.as_mut()?;
+        if let Some(user) = c.resolved.get(spec) {
+            return user.clone();
+        }
+        let user = resolve(spec, &c.passwd, &c.group);
+        // Bounded: a caller naming ever new users cannot grow it without end.
+        if c.resolved.len() < 256 {
+            c.resolved.insert(spec.to_string(), user.clone());
+        }
+        user
     })
 }
 
