@@ -148,6 +148,12 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Cmd::Serve) | None => {}
     }
+    // The data directory is this node's alone (the database's lock): a second node stops here,
+    // before it builds, makes or touches anything.
+    std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
+        .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
+    let store =
+        store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
     if images.base().is_err() {
         images.build_base(&mut progress)?;
     }
@@ -215,10 +221,6 @@ fn main() -> anyhow::Result<()> {
         }),
         max_sandboxes: fn_cfg.max_sandboxes,
     };
-    std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
-        .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
-    let store =
-        store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
     store.idem_tidy().context("tidy idempotency records")?;
     secrets::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
     let templates = templates::Templates::open(&store).context("the templates table")?;

@@ -356,6 +356,8 @@ fn a_second_node_on_the_same_data_directory_is_refused() {
         .arg(&node.images_dir)
         .arg("--cgroup-name")
         .arg(format!("{}-second", node.cgroup_name))
+        .arg("--warm-pool")
+        .arg("0")
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run a second sandboxd");
@@ -365,6 +367,12 @@ fn a_second_node_on_the_same_data_directory_is_refused() {
         stderr.contains("in use by another sandboxd"),
         "the refusal does not say why: {stderr}"
     );
+    // It stopped before it made anything: no cgroup of its own.
+    for controller in ["memory", "pids"] {
+        let own = node.cgroup_dir(controller).expect("the node's cgroup");
+        let dir = own.with_file_name(format!("{}-second", node.cgroup_name));
+        assert!(!dir.exists(), "the refused node made {}", dir.display());
+    }
     // The first node is untouched: its sandbox still runs commands.
     let id = sb["id"].as_str().unwrap();
     let v = node.exec(id, &json!({"command": "echo still", "wait_seconds": 20}));
