@@ -1448,8 +1448,12 @@ impl Node {
                 output,
                 ..state.clone()
             };
-            let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)))
-                .map_err(|_| ApiError::internal())?;
+            let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)));
+            // It ended: its slot is free whether or not its row can be written.
+            if let Ok(mut r) = m.running.lock() {
+                r.remove(&row.exec_id);
+            }
+            let json = json.map_err(|_| ApiError::internal())?;
             if row_written {
                 // The row is committed; its end is written after the answer: a node killed
                 // before it lands finds the command running at start and asks the agent.
@@ -1464,15 +1468,9 @@ impl Node {
                     final_json: Some(json),
                     ..row.clone()
                 };
-                // It ended: its slot is free whether or not the row could be written.
-                let written = self.store.insert_exec(&row, !stdin_open_of(&req));
-                if let Ok(mut r) = m.running.lock() {
-                    r.remove(&row.exec_id);
-                }
-                written.map_err(store_err)?;
-            }
-            if let Ok(mut r) = m.running.lock() {
-                r.remove(&row.exec_id);
+                self.store
+                    .insert_exec(&row, !stdin_open_of(&req))
+                    .map_err(store_err)?;
             }
             // Every frame of the command was read: the connection serves the next call.
             conn.release();

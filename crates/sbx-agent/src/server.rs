@@ -83,9 +83,6 @@ async fn write_all_of(
     wr: &mut sbx_runtime::sock::WriteHalf,
     bufs: &[Vec<u8>],
 ) -> std::io::Result<()> {
-    if let [one] = bufs {
-        return wr.write_all(one).await;
-    }
     let mut slices: Vec<std::io::IoSlice<'_>> =
         bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
     let mut rest = &mut slices[..];

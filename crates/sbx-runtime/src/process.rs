@@ -293,36 +293,30 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((above_stdio(r)?, above_stdio(w)?))
 }
 
+/// /dev/null, opened once per thread (close-on-exec, above 2; children get it by dup2).
+fn dev_null() -> io::Result<RawFd> {
+    thread_local! {
+        static DEV_NULL: std::cell::OnceCell<OwnedFd> = const { std::cell::OnceCell::new() };
+    }
+    DEV_NULL.with(|n| {
+        if let Some(fd) = n.get() {
+            return Ok(fd.as_raw_fd());
+        }
+        let fd = above_stdio(OwnedFd::from(fs::File::open("/dev/null")?))?;
+        Ok(n.get_or_init(|| fd).as_raw_fd())
+    })
+}
+
 /// Starts a command in a process group of its own, with fresh pipes for its stdio.
 /// The error is the `exec` failure (ENOENT, EACCES, ...), which the caller maps to 127/126.
 pub fn spawn(spec: &SpawnSpec<'_>) -> io::Result<Spawned> {
-    thread_local! {
-        /// /dev/null, opened once per thread (close-on-exec; children get it by dup2).
-        static DEV_NULL: std::cell::OnceCell<OwnedFd> = const { std::cell::OnceCell::new() };
-    }
-    let null_fd = if spec.stdin_null {
-        let fd = DEV_NULL.with(|n| -> io::Result<RawFd> {
-            if let Some(fd) = n.get() {
-                return Ok(fd.as_raw_fd());
-            }
-            let fd = above_stdio(OwnedFd::from(fs::File::open("/dev/null")?))?;
-            Ok(n.get_or_init(|| fd).as_raw_fd())
-        })?;
-        Some(fd)
+    // A command given no input reads /dev/null; else its stdin is a pipe.
+    let (stdin_r, stdin, stdin_raw) = if spec.stdin_null {
+        (None, None, dev_null()?)
     } else {
-        None
-    };
-    let (stdin_r, stdin) = match null_fd {
-        Some(_) => (None, None),
-        None => {
-            let (r, w) = pipe()?;
-            (Some(r), Some(w))
-        }
-    };
-    let stdin_raw = match (&stdin_r, null_fd) {
-        (Some(r), _) => r.as_raw_fd(),
-        (None, Some(fd)) => fd,
-        (None, None) => return Err(io::Error::other("no stdin for the child")),
+        let (r, w) = pipe()?;
+        let raw = r.as_raw_fd();
+        (Some(r), Some(w), raw)
     };
     let (stdout, stdout_w) = pipe()?;
     let (stderr, stderr_w) = pipe()?;
