@@ -209,12 +209,30 @@ pub(crate) async fn invoke(
     function_id: &str,
     payload: Value,
 ) -> Result<Value, FnError> {
-    let payload = match payload {
+    let mut payload = match payload {
         Value::Object(m) => m,
         Value::Null => Map::new(),
         _ => return Err(FnError::invalid("the payload is not a JSON object")),
     };
+    take_engine_fields(&mut payload);
     dispatch(st, &fns(), rid, function_id, Payload(payload)).await
+}
+
+/// The iii engine's metadata field on every object payload it forwards: the calling worker.
+pub(crate) const CALLER_WORKER_ID: &str = "_caller_worker_id";
+
+/// Takes out the fields an engine adds to a payload, names starting with `_` (the iii engine's
+/// `_caller_worker_id` on every call, its queue bridges' `__traceparent` and `__baggage`), so
+/// that no function reads them as its own; any other unknown field is still S001. Returns them.
+pub(crate) fn take_engine_fields(payload: &mut Map<String, Value>) -> Map<String, Value> {
+    let keys: Vec<String> = payload
+        .keys()
+        .filter(|k| k.starts_with('_'))
+        .cloned()
+        .collect();
+    keys.into_iter()
+        .filter_map(|k| payload.remove_entry(&k))
+        .collect()
 }
 
 /// An error's body, `{code, type, message, retryable, docs_url}`, with the interface's docs base.
@@ -1101,5 +1119,32 @@ async fn fs_call(
             "S304",
             format!("no function sandbox::fs::{other}"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_fields_are_taken_out_and_the_callers_stay() {
+        let Value::Object(mut m) = json!({
+            "_caller_worker_id": "w-1",
+            "__traceparent": "00-abc-def-01",
+            "__baggage": "k=v",
+            "image": "python",
+            "bogus": 1,
+        }) else {
+            unreachable!()
+        };
+        let taken = take_engine_fields(&mut m);
+        assert_eq!(taken.len(), 3, "{taken:?}");
+        assert_eq!(taken[CALLER_WORKER_ID], "w-1");
+        let p = Payload(m);
+        // What a caller sent is still checked: an unknown field of its own is S001.
+        let e = p.known(&["image"]).unwrap_err();
+        assert_eq!(e.code.code, "S001");
+        assert!(e.message.contains("bogus"), "{}", e.message);
+        assert!(p.known(&["image", "bogus"]).is_ok());
     }
 }

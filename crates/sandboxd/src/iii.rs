@@ -83,11 +83,19 @@ async fn invoke(
     let rid = iii_sdk::current_invocation()
         .map(|c| format!("iii-{}", c.invocation_id))
         .unwrap_or_else(|| "iii".to_string());
+    // The engine names the calling worker in every object payload (functions::invoke drops
+    // it with the engine's other `_` fields before the function reads the payload).
+    let caller = data
+        .get(functions::CALLER_WORKER_ID)
+        .and_then(Value::as_str)
+        .unwrap_or("-")
+        .to_string();
+    tracing::info!(request_id = %rid, function = %id, caller_worker_id = %caller, "iii invocation");
     let r = rt
         .spawn(async move {
             let r = functions::invoke(&st, &rid, id, data).await;
             r.map_err(|e| {
-                tracing::info!(request_id = %rid, function = %id, code = e.code.code, message = %e.message, "function failed");
+                tracing::info!(request_id = %rid, function = %id, caller_worker_id = %caller, code = e.code.code, message = %e.message, "function failed");
                 (e.code.code, functions::error_body(&e))
             })
         })
@@ -132,12 +140,14 @@ fn describe(id: &str) -> &'static str {
 
 // ---- schemas (JSON Schema, hand-written from functions.rs: its `known` keys and replies) ----
 
-/// An object of these properties, the `required` ones required and no others.
+/// An object of these properties, the `required` ones required, and no others but the fields
+/// an engine adds (names starting with `_`, e.g. `_caller_worker_id`), which the node ignores.
 fn req(props: Value, required: &[&str]) -> Value {
     json!({
         "type": "object",
         "properties": props,
         "required": required,
+        "patternProperties": { "^_": {} },
         "additionalProperties": false,
     })
 }
