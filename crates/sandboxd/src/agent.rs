@@ -24,6 +24,23 @@ pub enum AgentError {
     Proto(#[from] ProtoError),
 }
 
+impl AgentError {
+    /// A message over the agent's frame limit (nothing was sent): the request's size, not a
+    /// fault of the agent. 400 invalid_field on `param`.
+    pub fn too_large(&self, param: &str) -> Option<sbx_api::ApiError> {
+        match self {
+            AgentError::Proto(ProtoError::TooLarge(n)) => Some(sbx_api::ApiError::invalid_field(
+                param,
+                format!(
+                    "the {param} with its env and cwd comes to {n} bytes for the sandbox's agent, over its limit of {} bytes",
+                    sbx_proto::MAX_FRAME
+                ),
+            )),
+            _ => None,
+        }
+    }
+}
+
 pub struct AgentConn {
     rd: BufReader<ReadHalf>,
     wr: WriteHalf,

@@ -640,12 +640,7 @@ async fn signal(
 ) -> Response {
     let r = async {
         let obj = json_object(body, &["signal"]).await?;
-        let name = obj
-            .get("signal")
-            .and_then(Value::as_str)
-            .unwrap_or("SIGTERM");
-        let sig = sbx_api::signal_number(name)
-            .ok_or_else(|| ApiError::invalid_field("signal", format!("{name} is not a signal")))?;
+        let sig = sbx_api::signal_field(obj.get("signal"))?;
         st.node.exec_signal(&id, &exec_id, sig).await?;
         Ok(json!({ "object": "signal", "exec_id": exec_id, "signal": sbx_api::signal_name(sig) }))
     }

@@ -159,6 +159,22 @@ impl Params {
         }
     }
 
+    /// `owner`: a name, a uid or uid:gid; numbers a sandbox has no id for are refused here
+    /// (the agent looks names up).
+    fn owner(&self) -> Result<Option<String>, ApiError> {
+        let owner = self.str("owner")?;
+        match owner {
+            Some(o) if !sbx_api::run::user_ids_in_range(&o) => Err(fs_invalid(
+                "owner",
+                format!(
+                    "{o} is not a user of the sandbox (its ids go from 0 to {})",
+                    sbx_api::run::MAX_SANDBOX_ID
+                ),
+            )),
+            o => Ok(o),
+        }
+    }
+
     fn required(&self, k: &str) -> Result<String, ApiError> {
         match self.str(k)? {
             Some(s) if !s.is_empty() => Ok(s),
@@ -700,7 +716,7 @@ async fn upload(
             path: p.path()?,
             mode: p.mode("mode")?,
             parents: p.bool("parents", false)?,
-            owner: p.str("owner")?,
+            owner: p.owner()?,
         };
         let link = open(&st, &id).await?;
         match send_body(link, op, body).await? {
@@ -837,7 +853,7 @@ async fn mkdir(
             path: p.path()?,
             parents: p.bool("parents", false)?,
             mode: p.mode("mode")?,
-            owner: p.str("owner")?,
+            owner: p.owner()?,
         })
     };
     let r = post_op(&st, &id, q, body, MKDIR_FIELDS, make, |res, _| match res {
@@ -1066,7 +1082,7 @@ async fn tar_up(
         let op = FsOp::TarExtract {
             path: path.clone(),
             parents: p.bool("parents", true)?,
-            owner: p.str("owner")?,
+            owner: p.owner()?,
             preserve_owners: p.bool("preserve_owners", false)?,
         };
         let link = open(&st, &id).await?;

@@ -620,6 +620,9 @@ impl Node {
             return Err(stopping_error());
         }
         let failed = |e: crate::agent::AgentError| {
+            if let Some(too_large) = e.too_large("command") {
+                return too_large;
+            }
             if self.is_stopping() {
                 return stopping_error();
             }

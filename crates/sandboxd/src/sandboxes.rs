@@ -289,6 +289,9 @@ fn store_err(e: crate::store::StoreError) -> ApiError {
 }
 
 fn agent_lost(e: AgentError) -> ApiError {
+    if let Some(too_large) = e.too_large("command") {
+        return too_large;
+    }
     tracing::warn!(error = %e, "agent");
     ApiError::new(
         ErrorCode::CommandLost,
@@ -1661,14 +1664,42 @@ impl Node {
         Ok(())
     }
 
-    /// `POST …/exec/{exec_id}/signal`.
+    /// `POST …/exec/{exec_id}/signal`: 409 exec_ended when the command has ended (recorded, of
+    /// an earlier boot, or ended by the time the agent is asked).
     pub async fn exec_signal(&self, id: &str, exec_id: &str, signal: i32) -> Result<(), ApiError> {
         let m = self.managed(id)?;
-        let _ = self.exec_row(&m, exec_id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        let ended = || {
+            ApiError::new(
+                ErrorCode::ExecEnded,
+                format!("the command {exec_id} has ended: there is nothing to signal"),
+            )
+        };
+        if row.final_json.is_some() || row.boot != m.boot() {
+            return Err(ended());
+        }
         let sb = self.running_machine(&m)?;
-        crate::agent::signal(&sb.socket, exec_id, signal)
-            .await
-            .map_err(agent_lost)
+        let (mut conn, state) = status_conn(&sb, exec_id).await?;
+        if state.exit.is_some() {
+            conn.release();
+            return Err(ended());
+        }
+        conn.send(&HostMsg::Signal {
+            exec_id: exec_id.into(),
+            signal,
+        })
+        .await
+        .map_err(agent_lost)?;
+        // Answered once the agent has sent it.
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            conn.request(&HostMsg::Sync { token: 0 }),
+        )
+        .await
+        .map_err(|_| agent_lost(crate::agent::AgentError::Timeout))?
+        .map_err(agent_lost)?;
+        conn.release();
+        Ok(())
     }
 
     /// `GET …/exec/{exec_id}/output` as events: from `from`, live, to the end. The sender's

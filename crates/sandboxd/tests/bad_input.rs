@@ -310,3 +310,71 @@ fn docs_url_is_the_nodes_base_and_the_code() {
     );
     node.assert_clean(CLEAN);
 }
+
+/// Sizes and ids the agent could not take are refused at validation, before any sandbox is
+/// made: a 10 MB command, argv, env or cwd was a 409 command_lost ("Broken pipe") after the
+/// agent dropped the oversized frame; a uid beyond the sandbox's 65536 ran and failed 126.
+#[test]
+fn oversized_commands_and_foreign_ids_are_400_at_validation() {
+    let node = TestNode::start_with(&["--warm-pool", "0"]);
+    let huge = "y".repeat(10 << 20);
+    refused_json(
+        &node,
+        json!({ "command": huge }),
+        400,
+        "invalid_field",
+        Some("command"),
+    );
+    refused_json(
+        &node,
+        json!({ "command": ["echo", huge] }),
+        400,
+        "invalid_field",
+        Some("command"),
+    );
+    refused_json(
+        &node,
+        json!({ "command": "true", "env": { "BIG": huge } }),
+        400,
+        "invalid_env",
+        Some("env.BIG"),
+    );
+    refused_json(
+        &node,
+        json!({ "command": "true", "cwd": format!("/{huge}") }),
+        400,
+        "invalid_field",
+        Some("cwd"),
+    );
+    for user in ["65536", "0:999999999"] {
+        refused_json(
+            &node,
+            json!({ "command": "id", "user": user }),
+            400,
+            "no_such_user",
+            Some("user"),
+        );
+    }
+    refused_json(
+        &node,
+        json!({ "command": "true", "timeout_seconds": 1e-320 }),
+        400,
+        "invalid_field",
+        Some("timeout_seconds"),
+    );
+    // The same through a kept sandbox's exec.
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({ "command": huge }),
+    );
+    assert_error(r.status, &r.json(), 400, "invalid_field", Some("command"));
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({ "command": "id -u", "user": "65536" }),
+    );
+    assert_error(r.status, &r.json(), 400, "no_such_user", Some("user"));
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}

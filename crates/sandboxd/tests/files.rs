@@ -389,6 +389,17 @@ fn operations_do_what_they_say() {
     let (s, v) = sb.put("path=/work/app/owned&owner=nobody", &b"n"[..], 1);
     assert_eq!(s, 201, "{v}");
     assert_eq!(sb.sh_ok("stat -c %U /work/app/owned"), "nobody\n");
+    // Ids the sandbox does not have are refused (4294967295 was "no change" to chown: the
+    // file was written, owned by root).
+    for owner in ["4294967295", "65536", "0:70000"] {
+        let (s, v) = sb.put(&format!("path=/work/app/stray&owner={owner}"), &b"n"[..], 1);
+        assert_eq!(
+            (s, v["error"]["code"].as_str(), v["error"]["param"].as_str()),
+            (400, Some("fs_invalid"), Some("owner")),
+            "{owner}: {v}"
+        );
+    }
+    assert_eq!(sb.sh("test -e /work/app/stray").0, 1);
 
     // ls and stat.
     let (s, v) = sb.get_json("/list?path=/work/app/src");

@@ -316,14 +316,41 @@ fn exec_wait_and_output() {
         took >= Duration::from_millis(450) && took < Duration::from_secs(4),
         "wait_seconds=0.5 took {took:?}"
     );
+    // What is not a signal is refused, and sends nothing (it used to send SIGTERM).
+    for bad in [
+        json!(9.5),
+        Value::Null,
+        json!(["SIGKILL"]),
+        json!("SIGBOGUS"),
+        json!(0),
+        json!(65),
+        json!(-9),
+        json!({"n": 9}),
+    ] {
+        let r = node.post_json(
+            &format!("{exec_path}/{sleeper}/signal"),
+            &json!({ "signal": bad }),
+        );
+        assert_error(r.status, &r.json(), 400, "invalid_field", Some("signal"));
+    }
+    let (_, v) = get(&node, &format!("{exec_path}/{sleeper}"));
+    assert_eq!(v["status"], "running", "{v}");
+    // A number is a signal too.
     let r = node.post_json(
         &format!("{exec_path}/{sleeper}/signal"),
-        &json!({"signal": "SIGKILL"}),
+        &json!({"signal": 9}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["signal"], "SIGKILL", "{}", r.text());
     let v = node.exec_wait(&id, &sleeper, WAIT);
     assert_eq!(v["status"], "killed", "{v}");
     assert_eq!(v["signal"], "SIGKILL", "{v}");
+    // An ended command takes no signal.
+    let r = node.post_json(
+        &format!("{exec_path}/{sleeper}/signal"),
+        &json!({"signal": "SIGTERM"}),
+    );
+    assert_error(r.status, &r.json(), 409, "exec_ended", None);
 
     // An argv command; a missing program is 127.
     let v = node.exec(&id, &json!({"command": ["false"], "wait_seconds": 20}));

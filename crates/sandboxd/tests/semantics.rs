@@ -73,6 +73,24 @@ fn a_timeout_ends_the_command() {
     let d = v["duration_seconds"].as_f64().unwrap();
     assert!((0.9..5.0).contains(&d), "duration {d}");
     // The process is gone with its sandbox.
+    assert_eq!(v["exit_code"], 137, "{v}");
+    assert_eq!(v["signal"], "SIGKILL", "{v}");
+    // A command that ends by itself as its (shortest) deadline comes is `exited` with its own
+    // code; `timed_out` is only ever a kill (it used to say timed_out with exit code 0).
+    for _ in 0..10 {
+        let v = node.run_ok(&json!({ "command": "true", "timeout_seconds": 0.001 }));
+        match v["status"].as_str() {
+            Some("exited") => assert_eq!(v["exit_code"], 0, "{v}"),
+            Some("timed_out") => {
+                assert_eq!(
+                    (v["exit_code"].as_i64(), v["signal"].as_str()),
+                    (Some(137), Some("SIGKILL")),
+                    "{v}"
+                )
+            }
+            _ => panic!("{v}"),
+        }
+    }
     node.assert_clean(CLEAN);
 }
 

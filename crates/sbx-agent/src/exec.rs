@@ -239,8 +239,9 @@ impl Exec {
             h.abort();
         }
         let (status, exit_code, signal) = match r.ended {
-            Ended::Exited(c) if !st.timed_out => ("exited", c, None),
-            Ended::Exited(c) => ("timed_out", c, None),
+            // Its own exit, even when the deadline came before it was reaped (a zombie by
+            // then): the kill did not end it, so it did not time out.
+            Ended::Exited(c) => ("exited", c, None),
             Ended::Signaled(s) if st.timed_out => ("timed_out", 128 + s, Some(s)),
             Ended::Signaled(s) => ("killed", 128 + s, Some(s)),
         };

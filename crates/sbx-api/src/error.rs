@@ -110,6 +110,8 @@ pub enum ErrorCode {
     TooManyCommands,
     /// The command's stdin is closed, or it has ended.
     StdinClosed,
+    /// The command has ended: it takes no signal.
+    ExecEnded,
 
     // 413 too_large
     /// The request body is over 64 MiB.
@@ -177,7 +179,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 64] = [
+    pub const ALL: [ErrorCode; 65] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -223,6 +225,7 @@ impl ErrorCode {
         ErrorCode::SandboxNotRunning,
         ErrorCode::TooManyCommands,
         ErrorCode::StdinClosed,
+        ErrorCode::ExecEnded,
         ErrorCode::BodyTooLarge,
         ErrorCode::Internal,
         ErrorCode::Unavailable,
@@ -292,6 +295,7 @@ impl ErrorCode {
             ErrorCode::SandboxNotRunning => "sandbox_not_running",
             ErrorCode::TooManyCommands => "too_many_commands",
             ErrorCode::StdinClosed => "stdin_closed",
+            ErrorCode::ExecEnded => "exec_ended",
             ErrorCode::BodyTooLarge => "body_too_large",
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
@@ -394,7 +398,8 @@ impl ErrorCode {
             | CheckpointsUnavailable
             | SandboxNotRunning
             | TooManyCommands
-            | StdinClosed => 409,
+            | StdinClosed
+            | ExecEnded => 409,
             BodyTooLarge => 413,
             Internal => 500,
             Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,

@@ -162,6 +162,33 @@ pub fn signal_name(n: i32) -> String {
         .unwrap_or_else(|| format!("SIG{n}"))
 }
 
+/// The `signal` field of `POST …/exec/{exec_id}/signal`: absent is SIGTERM; a name as
+/// [`signal_number`] takes it, or a whole number from 1 to [`MAX_SIGNAL`]. Anything else (null,
+/// a fraction, a list, 0, an unknown name) is 400 invalid_field: a call that cannot say which
+/// signal it means sends none.
+pub fn signal_field(v: Option<&serde_json::Value>) -> Result<i32, crate::ApiError> {
+    use serde_json::Value;
+    let bad = |what: String| {
+        crate::ApiError::invalid_field(
+            "signal",
+            format!("{what}: signal takes a name such as SIGTERM or SIGKILL, or a number from 1 to {MAX_SIGNAL}"),
+        )
+    };
+    match v {
+        None => Ok(15),
+        Some(Value::String(name)) => {
+            signal_number(name).ok_or_else(|| bad(format!("{name} is not a signal")))
+        }
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .filter(|n| (1..=MAX_SIGNAL as u64).contains(n))
+            .map(|n| n as i32)
+            .ok_or_else(|| bad(format!("{n} is not a signal number"))),
+        Some(Value::Null) => Err(bad("signal is null".to_string())),
+        Some(_) => Err(bad("signal is not a name or a number".to_string())),
+    }
+}
+
 /// The number of a signal by its name, with `SIG` or without (`SIGTERM`, `TERM`), upper case
 /// as the spec writes them; also `SIG<n>` for 1 to 64, as [`signal_name`] writes it.
 pub fn signal_number(name: &str) -> Option<i32> {
@@ -478,6 +505,35 @@ mod tests {
             assert_eq!(signal_name(n), name);
             assert_eq!(signal_number(name), Some(n));
             assert_eq!(signal_number(&name[3..]), Some(n));
+        }
+    }
+
+    #[test]
+    fn signal_fields() {
+        use serde_json::json;
+        assert_eq!(signal_field(None).unwrap(), 15);
+        assert_eq!(signal_field(Some(&json!("SIGKILL"))).unwrap(), 9);
+        assert_eq!(signal_field(Some(&json!("INT"))).unwrap(), 2);
+        assert_eq!(signal_field(Some(&json!(9))).unwrap(), 9);
+        assert_eq!(signal_field(Some(&json!(64))).unwrap(), 64);
+        for bad in [
+            json!(null),
+            json!(9.5),
+            json!(0),
+            json!(65),
+            json!(-9),
+            json!(["SIGKILL"]),
+            json!({}),
+            json!(true),
+            json!("SIGBOGUS"),
+            json!(""),
+        ] {
+            let e = signal_field(Some(&bad)).unwrap_err();
+            assert_eq!(
+                (e.code, e.param.as_deref()),
+                (crate::ErrorCode::InvalidField, Some("signal")),
+                "{bad}"
+            );
         }
     }
 

@@ -87,6 +87,18 @@ pub const RUN_FIELDS: [&str; 43] = [
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// Most arguments of a command.
 pub const MAX_ARGS: usize = 1000;
+/// The longest single argument, shell command or env entry (`NAME=value`): Linux refuses to
+/// exec a longer one (MAX_ARG_STRLEN, 32 pages with its NUL).
+pub const MAX_ARG_BYTES: usize = (128 << 10) - 1;
+/// The longest `cwd` (PATH_MAX with its NUL).
+pub const MAX_CWD_BYTES: usize = 4095;
+/// The shortest `timeout_seconds`: 1 ms (the agent's deadlines are whole milliseconds).
+pub const MIN_TIMEOUT_SECONDS: f64 = 0.001;
+/// command, env (and secret_env) and cwd of one request together. The sandbox's agent takes
+/// them in one message of at most 4 MiB (sbx-proto `MAX_FRAME`): this much stays under it even
+/// escaped as JSON at worst (6 bytes per byte), beside a sandbox's own env of the same size.
+pub const MAX_EXEC_BYTES: usize = 256 << 10;
+
 /// Most bytes of a start command (all its arguments together).
 pub const MAX_START_COMMAND_BYTES: usize = 64 << 10;
 /// A command's time when timeout_seconds is not given.
@@ -624,19 +636,16 @@ pub fn parse_run_value(value: &Value) -> Result<RunRequest, ApiError> {
         }
         s => s.map(str::to_owned),
     };
-    let user = match opt_str(obj, "user")? {
-        Some(s) if s.is_empty() || s.chars().count() > MAX_USER_CHARS || s.contains('\0') => {
-            return Err(invalid("user", "user must be 1 to 64 characters"))
-        }
-        s => s.map(str::to_owned),
-    };
+    let user = opt_str(obj, "user")?;
+    check_user(user)?;
+    let user = user.map(str::to_owned);
     let timeout_seconds = given(obj, "timeout_seconds")
         .map(|v| {
             number_in(
                 v,
                 "timeout_seconds",
-                |n| n > 0.0 && n <= MAX_SECONDS,
-                "a number greater than 0 and at most 1000000000",
+                |n| (MIN_TIMEOUT_SECONDS..=MAX_SECONDS).contains(&n),
+                "a number from 0.001 (1 ms) to 1000000000",
             )
         })
         .transpose()?
@@ -723,6 +732,94 @@ pub fn parse_run_value(value: &Value) -> Result<RunRequest, ApiError> {
     Ok(req)
 }
 
+/// The highest uid and gid in a sandbox: its user namespace maps 65536 ids (0 to 65535).
+pub const MAX_SANDBOX_ID: u64 = 65535;
+
+/// Whether the numbers of a `user` or `owner` (a name, a uid, or uid:gid) are ids a sandbox
+/// has: a number over [`MAX_SANDBOX_ID`] names nobody there (and 4294967295 would be "no
+/// change" to chown). Names are looked up by the agent.
+pub fn user_ids_in_range(spec: &str) -> bool {
+    spec.split(':').all(|part| {
+        part.is_empty()
+            || !part.bytes().all(|b| b.is_ascii_digit())
+            || part.parse::<u64>().is_ok_and(|n| n <= MAX_SANDBOX_ID)
+    })
+}
+
+/// `user` of a run or a command: 1 to 64 characters, and ids a sandbox has (else 400
+/// no_such_user).
+pub(crate) fn check_user(user: Option<&str>) -> Result<(), ApiError> {
+    let Some(u) = user else {
+        return Ok(());
+    };
+    if u.is_empty() || u.chars().count() > MAX_USER_CHARS || u.contains('\0') {
+        return Err(invalid("user", "user must be 1 to 64 characters"));
+    }
+    if !user_ids_in_range(u) {
+        return Err(ApiError::new(
+            ErrorCode::NoSuchUser,
+            format!("user {u}: the ids of a sandbox go from 0 to {MAX_SANDBOX_ID}"),
+        )
+        .with_param("user"));
+    }
+    Ok(())
+}
+
+/// The sizes of what a command is started with (400 at validation, not a command lost later):
+/// each argument, shell command and env entry at most [`MAX_ARG_BYTES`], `cwd` at most
+/// [`MAX_CWD_BYTES`], all of them together at most [`MAX_EXEC_BYTES`].
+pub(crate) fn check_exec_size<'a>(
+    command: &Command,
+    env: impl IntoIterator<Item = (&'a String, &'a String)>,
+    env_field: &str,
+    cwd: Option<&str>,
+) -> Result<(), ApiError> {
+    let parts: &[String] = match command {
+        Command::Shell(s) => std::slice::from_ref(s),
+        Command::Argv(args) => args,
+    };
+    let mut total = 0usize;
+    for p in parts {
+        if p.len() > MAX_ARG_BYTES {
+            return Err(invalid(
+                "command",
+                format!(
+                    "command has an argument of {} bytes, over {MAX_ARG_BYTES} (what Linux execs)",
+                    p.len()
+                ),
+            ));
+        }
+        total += p.len() + 1;
+    }
+    for (k, v) in env {
+        let n = k.len() + 1 + v.len();
+        if n > MAX_ARG_BYTES {
+            let param = format!("{env_field}.{k}");
+            return Err(ApiError::new(
+                ErrorCode::InvalidEnv,
+                format!(
+                    "{param} is {n} bytes with its name, over {MAX_ARG_BYTES} (what Linux execs)"
+                ),
+            )
+            .with_param(param));
+        }
+        total += n + 1;
+    }
+    if let Some(c) = cwd {
+        if c.len() > MAX_CWD_BYTES {
+            return Err(invalid("cwd", format!("cwd is over {MAX_CWD_BYTES} bytes")));
+        }
+        total += c.len();
+    }
+    if total > MAX_EXEC_BYTES {
+        return Err(invalid(
+            "command",
+            format!("command, env and cwd come to {total} bytes together, over {MAX_EXEC_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
 /// The checks that take more than one field.
 fn check_across_fields(req: &RunRequest) -> Result<(), ApiError> {
     let sources: Vec<&str> = [
@@ -781,6 +878,23 @@ fn check_across_fields(req: &RunRequest) -> Result<(), ApiError> {
                 "a sandbox made from a snapshot or a template goes on with what its machine has",
             ));
         }
+    }
+
+    // Each secret_env entry named as its own; then everything together.
+    check_exec_size(
+        &Command::Argv(Vec::new()),
+        req.secret_env.0.iter(),
+        "secret_env",
+        None,
+    )?;
+    check_exec_size(
+        &req.command,
+        req.env.iter().chain(req.secret_env.0.iter()),
+        "env",
+        req.cwd.as_deref(),
+    )?;
+    if let Some(start) = &req.start_command {
+        check_exec_size(start, req.env.iter(), "env", None)?;
     }
 
     if req.image_pull_secret.is_some() && req.image.is_none() {
@@ -1378,6 +1492,96 @@ mod tests {
     }
 
     use ErrorCode::*;
+
+    #[test]
+    fn command_env_and_cwd_sizes_are_checked_at_validation() {
+        let big = "x".repeat(MAX_ARG_BYTES + 1);
+        let fits = "x".repeat(MAX_ARG_BYTES);
+        assert_eq!(err(json!({ "command": big })), is(InvalidField, "command"));
+        assert_eq!(
+            err(json!({ "command": ["echo", big] })),
+            is(InvalidField, "command")
+        );
+        assert!(parse_run_request(json!({ "command": fits }).to_string().as_bytes()).is_ok());
+        // A 10 MB command, argv, env or cwd: 400, never a command lost at the agent.
+        let huge = "y".repeat(10 << 20);
+        assert_eq!(err(json!({ "command": huge })), is(InvalidField, "command"));
+        assert_eq!(
+            field_err(json!({ "env": { "A": huge } })),
+            is(InvalidEnv, "env.A")
+        );
+        assert_eq!(
+            field_err(json!({ "secret_env": { "S": huge } })),
+            is(InvalidEnv, "secret_env.S")
+        );
+        assert_eq!(
+            field_err(json!({ "cwd": format!("/{huge}") })),
+            is(InvalidField, "cwd")
+        );
+        // Each part fits, together they do not.
+        let args: Vec<String> = (0..3).map(|_| "z".repeat(100 << 10)).collect();
+        assert_eq!(err(json!({ "command": args })), is(InvalidField, "command"));
+        let env: serde_json::Map<String, Value> = (0..3)
+            .map(|i| (format!("E{i}"), json!("z".repeat(100 << 10))))
+            .collect();
+        assert_eq!(
+            field_err(json!({ "env": env })),
+            is(InvalidField, "command")
+        );
+        // A create checks its env the same way.
+        let e = crate::parse_sandbox_create(json!({ "env": { "A": huge } }).to_string().as_bytes())
+            .unwrap_err();
+        assert_eq!((e.code, e.param.as_deref()), (InvalidEnv, Some("env.A")));
+    }
+
+    #[test]
+    fn users_are_ids_a_sandbox_has() {
+        for u in [
+            "65536",
+            "0:999999999",
+            "4294967295",
+            "1000:65536",
+            "99999999999999999999",
+        ] {
+            assert_eq!(
+                field_err(json!({ "user": u })),
+                is(NoSuchUser, "user"),
+                "{u}"
+            );
+        }
+        for u in [
+            "0",
+            "65535",
+            "0:0",
+            "1000:1000",
+            "root",
+            "nobody",
+            "a1:2",
+            "user:65536x",
+        ] {
+            assert!(
+                parse_run_request(with(json!({ "user": u })).to_string().as_bytes()).is_ok(),
+                "{u}"
+            );
+        }
+        assert!(user_ids_in_range("65535:65535"));
+        assert!(!user_ids_in_range("65535:65536"));
+    }
+
+    #[test]
+    fn timeouts_are_at_least_a_millisecond() {
+        for t in [json!(1e-320), json!(0.0009), json!(0), json!(-1)] {
+            assert_eq!(
+                field_err(json!({ "timeout_seconds": t })),
+                is(InvalidField, "timeout_seconds"),
+                "{t}"
+            );
+        }
+        assert_eq!(
+            ok(with(json!({ "timeout_seconds": 0.001 }))).timeout_seconds,
+            0.001
+        );
+    }
 
     #[test]
     fn defaults() {

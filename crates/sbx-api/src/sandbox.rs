@@ -128,23 +128,20 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
     if cwd.as_deref().is_some_and(|c| !c.starts_with('/')) {
         return Err(invalid("cwd", "cwd must be an absolute path"));
     }
-    let user = opt_str(&obj, "user")?.map(String::from);
-    if user
-        .as_deref()
-        .is_some_and(|u| u.is_empty() || u.chars().count() > 64)
-    {
-        return Err(invalid("user", "user must be 1 to 64 characters"));
-    }
+    let user = opt_str(&obj, "user")?;
+    crate::run::check_user(user)?;
+    let user = user.map(String::from);
     let timeout_seconds = given(&obj, "timeout_seconds")
         .map(|v| {
             number_in(
                 v,
                 "timeout_seconds",
-                |n| n > 0.0 && n <= 1e9,
-                "a number of seconds over 0 and at most 1e9",
+                |n| (crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&n),
+                "a number of seconds from 0.001 (1 ms) to 1e9",
             )
         })
         .transpose()?;
+    crate::run::check_exec_size(&command, env.iter(), "env", cwd.as_deref())?;
     let encoding = match opt_str(&obj, "encoding")? {
         None | Some("utf8") => Encoding::Utf8,
         Some("base64") => Encoding::Base64,
@@ -295,6 +292,37 @@ mod tests {
         assert_eq!(e.code, ErrorCode::InvalidName);
         let e = parse_sandbox_create(b"[1]").unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidJson);
+    }
+
+    #[test]
+    fn exec_requests_are_checked_like_runs() {
+        let e = |body: serde_json::Value| {
+            let e = parse_exec_request(body.to_string().as_bytes()).unwrap_err();
+            (e.code, e.param)
+        };
+        let huge = "y".repeat(10 << 20);
+        let is = |c: ErrorCode, p: &str| (c, Some(p.to_string()));
+        use serde_json::json;
+        assert_eq!(
+            e(json!({ "command": huge })),
+            is(ErrorCode::InvalidField, "command")
+        );
+        assert_eq!(
+            e(json!({ "command": "true", "env": { "A": huge } })),
+            is(ErrorCode::InvalidEnv, "env.A")
+        );
+        assert_eq!(
+            e(json!({ "command": "true", "cwd": format!("/{huge}") })),
+            is(ErrorCode::InvalidField, "cwd")
+        );
+        assert_eq!(
+            e(json!({ "command": "true", "user": "0:999999999" })),
+            is(ErrorCode::NoSuchUser, "user")
+        );
+        assert_eq!(
+            e(json!({ "command": "true", "timeout_seconds": 1e-320 })),
+            is(ErrorCode::InvalidField, "timeout_seconds")
+        );
     }
 
     #[test]

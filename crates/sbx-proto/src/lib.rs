@@ -266,9 +266,13 @@ pub enum Frame<M> {
     },
 }
 
-/// Encodes a message frame.
+/// Encodes a message frame; one over [`MAX_FRAME`], which the peer would refuse (and close the
+/// connection on), is [`ProtoError::TooLarge`] and never sent.
 pub fn encode_msg<M: Serialize>(msg: &M) -> Result<Vec<u8>, ProtoError> {
     let json = serde_json::to_vec(msg)?;
+    if json.len() + 1 > MAX_FRAME {
+        return Err(ProtoError::TooLarge(json.len() + 1));
+    }
     let mut out = Vec::with_capacity(json.len() + 5);
     out.extend_from_slice(&((json.len() + 1) as u32).to_le_bytes());
     out.push(KIND_MSG);
@@ -437,6 +441,16 @@ mod tests {
             }
         );
         assert!(read_frame::<HostMsg, _>(&mut r).await.unwrap().is_none());
+    }
+
+    #[test]
+    fn a_message_over_the_frame_limit_is_never_encoded() {
+        let msg = HostMsg::Sync { token: 0 };
+        assert!(encode_msg(&msg).is_ok());
+        let big = serde_json::json!({ "pad": "\u{1}".repeat(MAX_FRAME / 6 + 1) });
+        assert!(matches!(encode_msg(&big), Err(ProtoError::TooLarge(n)) if n > MAX_FRAME));
+        let fits = serde_json::json!({ "pad": "x".repeat(MAX_FRAME - 64) });
+        assert!(encode_msg(&fits).is_ok());
     }
 
     #[tokio::test]
