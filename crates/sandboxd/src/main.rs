@@ -85,6 +85,11 @@ struct Cli {
     /// as a worker, registers them, and reconnects when the engine goes away (iii.rs).
     #[arg(long, env = "III_URL")]
     iii_url: Option<String>,
+    /// An origin (`https://app.example.com`) whose pages may call the node from a browser:
+    /// its requests and CORS preflights are answered with CORS headers. Repeatable. Other
+    /// origins than the node's own are refused (403 origin_not_allowed).
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -240,7 +245,20 @@ fn main() -> anyhow::Result<()> {
         }
         gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
-        serve(cli.listen, node, api_keys, cli.docs_url, cli.iii_url).await
+        let cors_origins = cli
+            .cors_origins
+            .iter()
+            .map(|o| o.trim().trim_end_matches('/').to_ascii_lowercase())
+            .collect();
+        serve(
+            cli.listen,
+            node,
+            api_keys,
+            cli.docs_url,
+            cli.iii_url,
+            cors_origins,
+        )
+        .await
     })
 }
 
@@ -267,11 +285,13 @@ async fn serve(
     api_keys: Option<HashSet<String>>,
     docs_url: Option<String>,
     iii_url: Option<String>,
+    cors_origins: Vec<String>,
 ) -> anyhow::Result<()> {
     let state = Arc::new(http::AppState {
         node: node.clone(),
         api_keys,
         docs_url,
+        cors_origins,
     });
     let _worker = iii_url
         .filter(|u| !u.trim().is_empty())
