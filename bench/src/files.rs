@@ -119,6 +119,7 @@ fn upload(agent: &ureq::Agent, url: &str, sb: &str, path: &str, len: u64) -> any
     let resp = agent
         .put(&format!("{url}/v1/sandboxes/{sb}/files"))
         .query("path", path)
+        .set("content-type", "application/octet-stream")
         .set("content-length", &len.to_string())
         .send(Source::new(len));
     let v: Value = match resp {

@@ -103,12 +103,7 @@ fn param_encoding(q: &HashMap<String, String>) -> Result<Encoding, ApiError> {
 }
 
 fn wants_stream(headers: &HeaderMap, q: Option<bool>) -> bool {
-    q.unwrap_or_else(|| {
-        headers
-            .get(header::ACCEPT)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|a| a.contains("text/event-stream"))
-    })
+    q.unwrap_or_else(|| crate::http::accepts_event_stream(headers))
 }
 
 /// Runs `f` under the request's Idempotency-Key, if it has one: the same key and body replay
@@ -263,6 +258,22 @@ async fn list_templates(State(st): St) -> Response {
         .into_response()
 }
 
+/// A `cursor` of the sandboxes' listing as `next_cursor` gives it: 20 digits (the creation
+/// time), `.`, a sandbox id. Anything else is refused, not read as the first page.
+fn list_cursor(c: &str) -> Result<String, ApiError> {
+    let ok = c.split_once('.').is_some_and(|(t, id)| {
+        t.len() == 20 && t.bytes().all(|b| b.is_ascii_digit()) && sbx_api::is_id("sbx", id)
+    });
+    if ok {
+        Ok(c.to_string())
+    } else {
+        Err(ApiError::invalid_field(
+            "cursor",
+            "cursor must be a next_cursor of an earlier page",
+        ))
+    }
+}
+
 async fn list(
     State(st): St,
     Extension(rid): Rid,
@@ -307,7 +318,7 @@ async fn list(
             status,
             metadata,
             limit,
-            cursor: q.get("cursor").cloned(),
+            cursor: q.get("cursor").map(|c| list_cursor(c)).transpose()?,
         };
         let (data, next) = st.node.list_sandboxes(&query);
         Ok(

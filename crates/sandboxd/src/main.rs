@@ -9,6 +9,7 @@ mod http;
 mod iii;
 mod image;
 mod images_api;
+mod listen;
 mod node;
 mod probe;
 mod sandboxes;
@@ -21,6 +22,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -85,6 +87,24 @@ struct Cli {
     /// as a worker, registers them, and reconnects when the engine goes away (iii.rs).
     #[arg(long, env = "III_URL")]
     iii_url: Option<String>,
+    /// An origin (`https://app.example.com`) whose pages may call the node from a browser:
+    /// its requests and CORS preflights are answered with CORS headers. Repeatable. Other
+    /// origins than the node's own are refused (403 origin_not_allowed).
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
+    /// A request head not complete this long after its first byte closes its connection.
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    header_timeout_ms: u64,
+    /// A request body the node waits for that sends nothing this long fails, and its
+    /// connection closes.
+    #[arg(long, default_value_t = 30_000, value_name = "MS")]
+    body_idle_timeout_ms: u64,
+    /// A connection with no request for this long is closed.
+    #[arg(long, default_value_t = 60_000, value_name = "MS")]
+    keepalive_timeout_ms: u64,
+    /// Connections open at once; one more is answered 503 and closed, with a log line.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -240,7 +260,27 @@ fn main() -> anyhow::Result<()> {
         }
         gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
-        serve(cli.listen, node, api_keys, cli.docs_url, cli.iii_url).await
+        let cors_origins = cli
+            .cors_origins
+            .iter()
+            .map(|o| o.trim().trim_end_matches('/').to_ascii_lowercase())
+            .collect();
+        let limits = listen::Limits {
+            header: Duration::from_millis(cli.header_timeout_ms.max(1)),
+            body_idle: Duration::from_millis(cli.body_idle_timeout_ms.max(1)),
+            keepalive: Duration::from_millis(cli.keepalive_timeout_ms.max(1)),
+            max_connections: cli.max_connections.max(1),
+        };
+        serve(
+            cli.listen,
+            node,
+            api_keys,
+            cli.docs_url,
+            cli.iii_url,
+            cors_origins,
+            limits,
+        )
+        .await
     })
 }
 
@@ -267,11 +307,14 @@ async fn serve(
     api_keys: Option<HashSet<String>>,
     docs_url: Option<String>,
     iii_url: Option<String>,
+    cors_origins: Vec<String>,
+    limits: listen::Limits,
 ) -> anyhow::Result<()> {
     let state = Arc::new(http::AppState {
         node: node.clone(),
         api_keys,
         docs_url,
+        cors_origins,
     });
     let _worker = iii_url
         .filter(|u| !u.trim().is_empty())
@@ -292,13 +335,7 @@ async fn serve(
             node.shutdown().await;
         }
     };
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(stopping)
-    .await
-    .context("serve")?;
+    listen::serve(listener, app, limits, stopping).await;
     node.shutdown().await;
     Ok(())
 }

@@ -5,6 +5,11 @@
 //! default 0, so the screen so far is replayed; the output is kept in the command's ring like
 //! any command's), then a text message `{"type":"exit", ...the exec object's status, exit_code,
 //! signal}` and a close.
+//!
+//! The agent's frames are read by a task of their own that feeds the session a channel: a read
+//! is never cut midway by a message from the client, so output bytes are never taken for a
+//! frame's header. A client message (fragments included) is at most [`MAX_MESSAGE`] bytes; a
+//! longer one ends the session with a close frame 1009 (message too big).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -12,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
 use axum::routing::get;
@@ -25,6 +30,11 @@ use serde_json::{json, Value};
 use crate::agent::AgentConn;
 use crate::http::{error_response, AppState, RequestId};
 use crate::node::Node;
+
+/// The most bytes of one message from the client, all its fragments together.
+pub const MAX_MESSAGE: usize = 4 << 20;
+/// Frames of the agent read ahead of the client.
+const OUTPUT_QUEUE: usize = 8;
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/v1/sandboxes/{id}/exec/{exec_id}/terminal", get(terminal))
@@ -82,11 +92,44 @@ async fn terminal(
             )
         }
     };
-    ws.on_upgrade(move |ws| async move {
-        if let Err(e) = session(ws, socket, exec_id, from).await {
-            tracing::info!(error = %e, "terminal session ended");
+    ws.max_message_size(MAX_MESSAGE)
+        .max_frame_size(MAX_MESSAGE)
+        .on_upgrade(move |ws| async move {
+            if let Err(e) = session(ws, socket, exec_id, from).await {
+                tracing::info!(error = %e, "terminal session ended");
+            }
+        })
+}
+
+/// Aborts the task it holds when dropped: the reader of the agent's frames ends with its
+/// session.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the agent's frames on `output` whole and hands them to the session, until the agent
+/// ends the connection (its error goes last) or the session is gone.
+fn read_output(
+    mut output: AgentConn,
+) -> (
+    AbortOnDrop,
+    tokio::sync::mpsc::Receiver<Result<Frame<AgentMsg>, crate::agent::AgentError>>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(OUTPUT_QUEUE);
+    let task = tokio::spawn(async move {
+        loop {
+            let frame = output.recv().await;
+            let end = frame.is_err();
+            if tx.send(frame).await.is_err() || end {
+                return;
+            }
         }
-    })
+    });
+    (AbortOnDrop(task), rx)
 }
 
 async fn session(
@@ -103,13 +146,42 @@ async fn session(
             from,
         })
         .await?;
+    let (_reader, mut frames) = read_output(output);
     let (mut tx, mut rx) = ws.split();
     loop {
         tokio::select! {
             msg = rx.next() => {
-                let Some(Ok(msg)) = msg else { return Ok(()) };
+                let msg = match msg {
+                    Some(Ok(msg)) => msg,
+                    Some(Err(e)) => {
+                        // A message over the cap (or a broken one): said with a close frame.
+                        let too_big = matches!(
+                            std::error::Error::source(&e)
+                                .and_then(|s| s.downcast_ref::<tungstenite::Error>()),
+                            Some(tungstenite::Error::Capacity(_))
+                        );
+                        let (code, reason) = if too_big {
+                            (close_code::SIZE, "message over 4 MiB")
+                        } else {
+                            (close_code::PROTOCOL, "invalid message")
+                        };
+                        tracing::info!(error = %e, "terminal: client message refused");
+                        let _ = tx
+                            .send(Message::Close(Some(CloseFrame {
+                                code,
+                                reason: reason.into(),
+                            })))
+                            .await;
+                        return Ok(());
+                    }
+                    None => return Ok(()),
+                };
                 match msg {
-                    Message::Binary(b) => input.send_stdin(&exec_id, &b).await?,
+                    Message::Binary(b) => {
+                        for chunk in b.chunks(sbx_proto::MAX_DATA) {
+                            input.send_stdin(&exec_id, chunk).await?;
+                        }
+                    }
                     Message::Text(t) => {
                         let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
                         match v["type"].as_str() {
@@ -129,7 +201,8 @@ async fn session(
                     _ => {}
                 }
             }
-            frame = output.recv() => {
+            frame = frames.recv() => {
+                let Some(frame) = frame else { return Err(crate::agent::AgentError::Closed) };
                 match frame? {
                     Frame::Data { bytes, .. } => {
                         if tx.send(Message::Binary(bytes.into())).await.is_err() {

@@ -70,7 +70,8 @@ fn a_json_caller_that_hangs_up_ends_its_sandbox() {
     let mut sock = std::net::TcpStream::connect(&node.addr).unwrap();
     write!(
         sock,
-        "POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        "POST /v1/run HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        node.addr,
         body.len()
     )
     .unwrap();

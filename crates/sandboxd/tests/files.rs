@@ -115,6 +115,7 @@ impl Sb<'_> {
     fn put(&self, query: &str, r: impl Read, len: u64) -> (u16, Value) {
         let res = http()
             .put(&self.url(&format!("?{query}")))
+            .set("content-type", "application/octet-stream")
             .set("content-length", &len.to_string())
             .send(r);
         status_json(res)
@@ -562,8 +563,9 @@ fn cut_upload(node: &TestNode, sb: &str, path: &str) -> (u16, Value) {
     let mut s = TcpStream::connect(&node.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let head = format!(
-        "PUT /v1/sandboxes/{sb}/files?path={path} HTTP/1.1\r\nHost: x\r\n\
-         Content-Length: 10000000\r\nConnection: close\r\n\r\n"
+        "PUT /v1/sandboxes/{sb}/files?path={path} HTTP/1.1\r\nHost: {}\r\n\
+         Content-Length: 10000000\r\nConnection: close\r\n\r\n",
+        node.addr
     );
     s.write_all(head.as_bytes()).unwrap();
     s.write_all(&vec![b'x'; 1 << 20]).unwrap();

@@ -135,3 +135,154 @@ fn a_command_without_a_terminal_has_no_terminal_route() {
     assert_eq!(r.status, 200);
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// A writer over a clone of `ws`'s socket, so that one thread writes while another reads (the
+/// node sends no pings, so the reader never has to answer on the socket).
+fn writer_of(ws: &mut Ws) -> Ws {
+    let MaybeTlsStream::Plain(s) = ws.get_mut() else {
+        panic!("not a plain socket");
+    };
+    s.set_write_timeout(Some(Duration::from_secs(120))).unwrap();
+    let clone = s.try_clone().expect("clone the socket");
+    tungstenite::WebSocket::from_raw_socket(
+        MaybeTlsStream::Plain(clone),
+        tungstenite::protocol::Role::Client,
+        None,
+    )
+}
+
+/// What a reader saw until the exit message, a close or `limit`: output bytes, the exit
+/// message, the close frame.
+struct Seen {
+    output: u64,
+    exit: Option<Value>,
+    close: Option<Option<tungstenite::protocol::CloseFrame>>,
+    error: Option<String>,
+}
+
+fn read_to_end(mut ws: Ws, limit: Duration) -> Seen {
+    let deadline = Instant::now() + limit;
+    let mut seen = Seen {
+        output: 0,
+        exit: None,
+        close: None,
+        error: None,
+    };
+    while Instant::now() < deadline {
+        match ws.read() {
+            Ok(Message::Binary(b)) => seen.output += b.len() as u64,
+            Ok(Message::Text(t)) => {
+                let v: Value = serde_json::from_str(t.as_str()).unwrap();
+                if v["type"] == "exit" {
+                    seen.exit = Some(v);
+                }
+            }
+            Ok(Message::Close(c)) => {
+                seen.close = Some(c);
+                return seen;
+            }
+            Ok(_) => {}
+            Err(tungstenite::Error::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(tungstenite::Error::ConnectionClosed) => return seen,
+            Err(e) => {
+                seen.error = Some(e.to_string());
+                return seen;
+            }
+        }
+    }
+    seen
+}
+
+/// A sandbox `name` running `command` on a terminal; its exec id.
+fn tty_exec(node: &TestNode, name: &str, command: &str) -> String {
+    let r = node.post_json("/v1/sandboxes", &json!({ "name": name }));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{name}/exec"),
+        &json!({ "command": command, "tty": true }),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    r.json()["id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_flood_of_input_never_turns_output_into_protocol() {
+    let node = TestNode::start();
+    // Output flows while input floods in: a frame of the agent is often half read when a
+    // message of the client comes.
+    let id = tty_exec(
+        &node,
+        "tty-flood",
+        "head -c 100000000 /dev/zero | tr '\\0' G; sleep 600",
+    );
+    let mut ws = open(&node, "tty-flood", &id);
+    let mut writer = writer_of(&mut ws);
+    let reader = std::thread::spawn(move || read_to_end(ws, Duration::from_secs(300)));
+    // 100 messages of 1 MiB: the terminal echoes them while the node reads more input.
+    let chunk = vec![b'G'; 1 << 20];
+    for i in 0..100 {
+        if let Err(e) = writer.send(Message::Binary(chunk.clone().into())) {
+            panic!("the node stopped taking input after {i} MiB: {e}");
+        }
+    }
+    // The session still works: ^C reaches the command, whose end comes back.
+    writer
+        .send(Message::Binary(b"\x03".to_vec().into()))
+        .expect("send ^C");
+    let seen = reader.join().expect("the reader");
+    assert!(seen.error.is_none(), "websocket: {:?}", seen.error);
+    assert!(seen.output > 0, "no echo of the input");
+    let exit = seen.exit.unwrap_or_else(|| {
+        panic!(
+            "no exit message (close {:?}); the node's log:\n{}",
+            seen.close,
+            node.log_tail(20)
+        )
+    });
+    assert_eq!(exit["signal"], "SIGINT", "{exit}");
+    assert!(
+        !node.log_text().contains("over the limit"),
+        "{}",
+        node.log_tail(20)
+    );
+    let r = node.delete("/v1/sandboxes/tty-flood", &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn a_fragmented_message_over_the_cap_is_refused_with_a_close_frame() {
+    use tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tungstenite::protocol::frame::Frame;
+    let node = TestNode::start();
+    let id = tty_exec(&node, "tty-frag", "sleep 600");
+    let mut ws = open(&node, "tty-frag", &id);
+    let mut writer = writer_of(&mut ws);
+    let reader = std::thread::spawn(move || read_to_end(ws, Duration::from_secs(60)));
+    // 64 fragments of 1 MiB, each under the frame limit, 64 MiB in all: the node must not
+    // gather them.
+    let chunk = vec![b'x'; 1 << 20];
+    for i in 0..64 {
+        let op = if i == 0 { Data::Binary } else { Data::Continue };
+        let frame = Frame::message(chunk.clone(), OpCode::Data(op), i == 63);
+        if writer.send(Message::Frame(frame)).is_err() {
+            break; // the node closed: what is wanted
+        }
+    }
+    let seen = reader.join().expect("the reader");
+    let close = seen
+        .close
+        .unwrap_or_else(|| panic!("no close frame: {:?}", seen.error))
+        .expect("a close frame with a code");
+    assert_eq!(u16::from(close.code), 1009, "{close:?}");
+    // The command is not touched by a session that ended.
+    let r = node.get(&format!("/v1/sandboxes/tty-frag/exec/{id}"), &[]);
+    assert_eq!(r.json()["status"], "running", "{}", r.text());
+    let r = node.delete("/v1/sandboxes/tty-frag", &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -48,6 +48,10 @@ pub enum ErrorCode {
     UnknownRegion,
     /// The method is not one this path takes (status 405, type invalid_request).
     MethodNotAllowed,
+    /// A request with a body whose `Content-Type` is not the route's (`application/json`;
+    /// uploads: `application/octet-stream`, `application/x-tar`) (status 415, type
+    /// invalid_request).
+    UnsupportedMediaType,
 
     // 401 unauthenticated
     /// No API key was given.
@@ -60,6 +64,11 @@ pub enum ErrorCode {
     SecretHostNotAllowed,
     /// The image is not in the node's image_allowlist.
     ImageNotAllowed,
+    /// A node without API keys serves only requests whose `Host` is a loopback name or
+    /// address (a page's DNS rebinding cannot reach it).
+    ForbiddenHost,
+    /// The request's `Origin` is neither the node's own nor one `--cors-origin` allows.
+    OriginNotAllowed,
 
     // 404 not_found
     /// The path names nothing (no route, or an object of no more precise kind).
@@ -179,7 +188,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 65] = [
+    pub const ALL: [ErrorCode; 68] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -198,10 +207,13 @@ impl ErrorCode {
         ErrorCode::InvalidIdempotencyKey,
         ErrorCode::UnknownRegion,
         ErrorCode::MethodNotAllowed,
+        ErrorCode::UnsupportedMediaType,
         ErrorCode::MissingApiKey,
         ErrorCode::InvalidApiKey,
         ErrorCode::SecretHostNotAllowed,
         ErrorCode::ImageNotAllowed,
+        ErrorCode::ForbiddenHost,
+        ErrorCode::OriginNotAllowed,
         ErrorCode::NotFound,
         ErrorCode::SandboxNotFound,
         ErrorCode::ExecNotFound,
@@ -268,10 +280,13 @@ impl ErrorCode {
             ErrorCode::InvalidIdempotencyKey => "invalid_idempotency_key",
             ErrorCode::UnknownRegion => "unknown_region",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::MissingApiKey => "missing_api_key",
             ErrorCode::InvalidApiKey => "invalid_api_key",
             ErrorCode::SecretHostNotAllowed => "secret_host_not_allowed",
             ErrorCode::ImageNotAllowed => "image_not_allowed",
+            ErrorCode::ForbiddenHost => "forbidden_host",
+            ErrorCode::OriginNotAllowed => "origin_not_allowed",
             ErrorCode::NotFound => "not_found",
             ErrorCode::SandboxNotFound => "sandbox_not_found",
             ErrorCode::ExecNotFound => "exec_not_found",
@@ -344,7 +359,7 @@ impl ErrorCode {
     /// The kind of failure, which decides the status.
     pub fn error_type(self) -> &'static str {
         match self.status() {
-            400 | 405 | 416 => "invalid_request",
+            400 | 405 | 415 | 416 => "invalid_request",
             401 => "unauthenticated",
             403 => "forbidden",
             404 => "not_found",
@@ -379,8 +394,9 @@ impl ErrorCode {
             | InvalidIdempotencyKey
             | UnknownRegion => 400,
             MethodNotAllowed => 405,
+            UnsupportedMediaType => 415,
             MissingApiKey | InvalidApiKey => 401,
-            SecretHostNotAllowed | ImageNotAllowed => 403,
+            SecretHostNotAllowed | ImageNotAllowed | ForbiddenHost | OriginNotAllowed => 403,
             NotFound | SandboxNotFound | ExecNotFound | SnapshotNotFound | TemplateNotFound
             | VolumeNotFound | SecretNotFound => 404,
             NameTaken
@@ -417,7 +433,7 @@ impl ErrorCode {
 
     /// True when the same request may succeed later without anything else changing.
     ///
-    /// - Every 400/401/403/404/405/413 is false: the request itself (or what it names) has to
+    /// - Every 400/401/403/404/405/413/415 is false: the request itself (or what it names) has to
     ///   change.
     /// - 409: only `idempotency_in_progress` (the first request ends, and the same one then
     ///   answers with its result). `name_taken`, `sandbox_failed`, `command_lost` and the
@@ -449,8 +465,32 @@ impl fmt::Display for ErrorCode {
     }
 }
 
+/// The most characters of a `param` an error carries: a longer one (a field named by the
+/// caller) is cut there, with `…`.
+pub const MAX_PARAM_CHARS: usize = 200;
+/// The most characters of a `message` an error carries, cut with `…` past it: a message that
+/// echoes what the caller sent stays small whatever was sent.
+pub const MAX_MESSAGE_CHARS: usize = 2000;
+
+/// `s` cut to its first `max` characters, with `…` when something was cut.
+pub fn cap_echo(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match s.char_indices().nth(max) {
+        None => s.into(),
+        Some((at, _)) => format!("{}…", &s[..at]).into(),
+    }
+}
+
+fn cap_owned(s: String, max: usize) -> String {
+    match cap_echo(&s, max) {
+        std::borrow::Cow::Borrowed(_) => s,
+        std::borrow::Cow::Owned(c) => c,
+    }
+}
+
 /// A failure of the API: a code, a message for people (English), and the field or query
-/// parameter at fault where there is one.
+/// parameter at fault where there is one. Both are capped where they are set
+/// ([`MAX_MESSAGE_CHARS`], [`MAX_PARAM_CHARS`]) and again in [`error_body`], since they may
+/// echo what the caller sent.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct ApiError {
@@ -469,7 +509,7 @@ impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
         ApiError {
             code,
-            message: message.into(),
+            message: cap_owned(message.into(), MAX_MESSAGE_CHARS),
             param: None,
             beside: None,
         }
@@ -478,7 +518,7 @@ impl ApiError {
     /// The same error, naming the field or parameter at fault.
     #[must_use]
     pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
-        self.param = Some(param.into());
+        self.param = Some(cap_owned(param.into(), MAX_PARAM_CHARS));
         self
     }
 
@@ -540,8 +580,8 @@ pub fn error_body(err: &ApiError, request_id: &str, docs_base: Option<&str>) -> 
         "error": {
             "type": err.code.error_type(),
             "code": code,
-            "message": err.message,
-            "param": err.param,
+            "message": cap_echo(&err.message, MAX_MESSAGE_CHARS),
+            "param": err.param.as_deref().map(|p| cap_echo(p, MAX_PARAM_CHARS)),
             "retryable": err.code.retryable(),
             "request_id": request_id,
             "docs_url": docs_base.map(|base| format!("{base}{code}")),
@@ -597,7 +637,12 @@ mod tests {
             ("timeout", 504),
         ];
         for code in ErrorCode::ALL {
-            if code == ErrorCode::MethodNotAllowed || code == ErrorCode::InvalidRange {
+            if matches!(
+                code,
+                ErrorCode::MethodNotAllowed
+                    | ErrorCode::InvalidRange
+                    | ErrorCode::UnsupportedMediaType
+            ) {
                 continue;
             }
             let t = code.error_type();
@@ -606,6 +651,43 @@ mod tests {
         }
         assert_eq!(ErrorCode::MethodNotAllowed.status(), 405);
         assert_eq!(ErrorCode::MethodNotAllowed.error_type(), "invalid_request");
+        assert_eq!(ErrorCode::UnsupportedMediaType.status(), 415);
+        assert_eq!(
+            ErrorCode::UnsupportedMediaType.error_type(),
+            "invalid_request"
+        );
+        assert_eq!(ErrorCode::ForbiddenHost.status(), 403);
+        assert_eq!(ErrorCode::OriginNotAllowed.error_type(), "forbidden");
+    }
+
+    #[test]
+    fn what_an_error_echoes_is_capped() {
+        let name = "n".repeat(10 << 20);
+        let e = ApiError::new(ErrorCode::UnknownField, format!("unknown field {name}"))
+            .with_param(name.clone());
+        let body = serde_json::to_string(&error_body(&e, "r", None)).unwrap();
+        assert!(body.len() < 4096, "{} bytes", body.len());
+        let p = e.param.as_deref().unwrap();
+        assert_eq!(p.chars().count(), MAX_PARAM_CHARS + 1);
+        assert!(p.ends_with('…'));
+        assert!(e.message.starts_with("unknown field nnn"));
+        assert_eq!(e.message.chars().count(), MAX_MESSAGE_CHARS + 1);
+        // Fields set by hand are capped on the way out too.
+        let mut e = ApiError::new(ErrorCode::InvalidField, "short");
+        e.message = "é".repeat(5000);
+        e.param = Some("p".repeat(500));
+        let b = error_body(&e, "r", None);
+        assert_eq!(
+            b["error"]["message"].as_str().unwrap().chars().count(),
+            MAX_MESSAGE_CHARS + 1
+        );
+        assert_eq!(
+            b["error"]["param"].as_str().unwrap().chars().count(),
+            MAX_PARAM_CHARS + 1
+        );
+        // Short ones are left as they are.
+        assert_eq!(cap_echo("abc", 3), "abc");
+        assert_eq!(cap_echo("abcd", 3), "abc…");
     }
 
     #[test]

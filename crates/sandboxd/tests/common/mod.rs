@@ -816,7 +816,7 @@ pub fn assert_error(status: u16, body: &Value, want_status: u16, code: &str, par
     );
     assert_eq!(e["code"], code, "error code: {body}");
     let want_type = match want_status {
-        400 | 405 | 416 => "invalid_request",
+        400 | 405 | 415 | 416 => "invalid_request",
         401 => "unauthenticated",
         403 => "forbidden",
         404 => "not_found",

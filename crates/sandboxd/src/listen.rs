@@ -1,0 +1,444 @@
+//! The node's listener: an accept loop over hyper's HTTP/1.1 connections (upgrades for the
+//! terminal's WebSocket) with what `axum::serve` lacks:
+//!
+//! - a cap on open connections (`--max-connections`): one over it is answered 503
+//!   `unavailable` (retryable) and closed, with a log line;
+//! - the header timeout (`--header-timeout-ms`): a request head that is not complete that long
+//!   after its first byte closes the connection;
+//! - the keep-alive timeout (`--keepalive-timeout-ms`): a connection with no request in flight
+//!   and no byte of a next one is closed after it;
+//! - the body-idle timeout (`--body-idle-timeout-ms`): a request body that the node waits for
+//!   and that sends nothing for that long fails (its handler gets an error, the connection
+//!   closes). A body that keeps coming, however slowly, and an answer that streams (an event
+//!   stream, a download) are never cut; nor is an upgraded WebSocket.
+//! - fd exhaustion on accept: logged, one connection answered 503 through a descriptor kept in
+//!   reserve for it, and accept backs off instead of spinning.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::ConnectInfo;
+use axum::Router;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tower::ServiceExt;
+
+/// The timeouts and the cap of the listener.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub header: Duration,
+    pub body_idle: Duration,
+    pub keepalive: Duration,
+    pub max_connections: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("the request body sent nothing for {0:?}")]
+    BodyIdle(Duration),
+    #[error("the request body: {0}")]
+    Body(#[from] hyper::Error),
+}
+
+/// What the watchdog of a connection needs to know of it.
+struct Activity {
+    /// Requests whose answer is not over yet.
+    in_flight: usize,
+    /// Since when nothing is in flight.
+    idle_since: Instant,
+    /// When the first byte of a next request came, while nothing was in flight.
+    head_since: Option<Instant>,
+}
+
+struct Conn {
+    activity: Mutex<Activity>,
+    changed: Notify,
+}
+
+impl Conn {
+    fn with<T>(&self, f: impl FnOnce(&mut Activity) -> T) -> T {
+        let mut a = self.activity.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut a)
+    }
+}
+
+/// A request in flight on its connection, until its answer's body is dropped.
+struct InFlight(Arc<Conn>);
+
+impl InFlight {
+    fn new(conn: &Arc<Conn>) -> InFlight {
+        conn.with(|a| {
+            a.in_flight += 1;
+            a.head_since = None;
+        });
+        conn.changed.notify_one();
+        InFlight(conn.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.with(|a| {
+            a.in_flight -= 1;
+            if a.in_flight == 0 {
+                a.idle_since = Instant::now();
+                a.head_since = None;
+            }
+        });
+        self.0.changed.notify_one();
+    }
+}
+
+/// The socket, noting the first byte of a request head.
+struct Watched {
+    io: TcpStream,
+    conn: Arc<Conn>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let started = self.conn.with(|a| {
+                let start = a.in_flight == 0 && a.head_since.is_none();
+                if start {
+                    a.head_since = Some(Instant::now());
+                }
+                start
+            });
+            if started {
+                self.conn.changed.notify_one();
+            }
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+/// A request body that fails when the node waits for it and nothing comes for `idle`: only
+/// the time spent waiting counts, not the time the handler takes between reads.
+struct IdleBody {
+    inner: Incoming,
+    idle: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    waiting: bool,
+}
+
+impl hyper::body::Body for IdleBody {
+    type Data = Bytes;
+    type Error = ListenError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ListenError>>> {
+        let this = &mut *self;
+        if !this.waiting {
+            this.waiting = true;
+            let at = tokio::time::Instant::now() + this.idle;
+            this.timer.as_mut().reset(at);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(r) => {
+                this.waiting = false;
+                Poll::Ready(r.map(|f| f.map_err(ListenError::Body)))
+            }
+            Poll::Pending => match this.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(ListenError::BodyIdle(this.idle)))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// An answer's body, holding its request in flight until it is over.
+struct Answer {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl hyper::body::Body for Answer {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Log lines that may come in floods: at most one a second, with how many were left out.
+struct Throttled {
+    last: AtomicU64,
+    skipped: AtomicU64,
+    start: Instant,
+}
+
+impl Throttled {
+    fn new() -> Throttled {
+        Throttled {
+            last: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            start: Instant::now(),
+        }
+    }
+    /// Whether to log now, and how many were skipped since the last line.
+    fn take(&self) -> Option<u64> {
+        let now = self.start.elapsed().as_millis() as u64 + 1000;
+        let last = self.last.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 1000
+            && self
+                .last
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.skipped.swap(0, Ordering::Relaxed));
+        }
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// Serves `app` on `listener` until `stop` resolves; then waits up to 5 s for open
+/// connections.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    stop: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let over_cap = Throttled::new();
+    let no_fds = Throttled::new();
+    // A descriptor kept for the one connection answered when the process has no more.
+    let mut reserve = std::fs::File::open("/dev/null").ok();
+    tokio::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            () = &mut stop => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) if out_of_fds(&e) => {
+                if let Some(skipped) = no_fds.take() {
+                    tracing::error!(
+                        error = %e,
+                        open = limits.max_connections - slots.available_permits(),
+                        skipped,
+                        "out of file descriptors: a connection is refused"
+                    );
+                }
+                // The reserve makes room for one accept, answered 503; then a pause, so that
+                // descriptors come free before the next try.
+                if reserve.take().is_some() {
+                    if let Ok((s, _)) = listener.accept().await {
+                        refuse(s).await;
+                    }
+                    reserve = std::fs::File::open("/dev/null").ok();
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if let Some(skipped) = over_cap.take() {
+                tracing::warn!(
+                    max_connections = limits.max_connections,
+                    %peer,
+                    skipped,
+                    "connection cap reached: a connection is refused (503)"
+                );
+            }
+            tokio::spawn(refuse(stream));
+            continue;
+        };
+        let app = app.clone();
+        tokio::spawn(async move {
+            serve_conn(stream, peer, app, limits).await;
+            drop(slot);
+        });
+    }
+    // Stopping: what is open gets a moment to finish.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(Duration::from_secs(5), slots.acquire_many(all)).await;
+}
+
+/// EMFILE or ENFILE: the process or the system has no descriptor left.
+fn out_of_fds(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// Answers 503 `unavailable` on a connection the node does not serve, and closes it (after
+/// reading what the client sent meanwhile, at most 0.5 s, so that the answer is not lost to a
+/// reset).
+async fn refuse(mut s: TcpStream) {
+    let rid = sbx_api::new_request_id();
+    let err = sbx_api::ApiError::new(
+        sbx_api::ErrorCode::Unavailable,
+        "the node serves as many connections as it may; try again",
+    );
+    let body = sbx_api::error_body(&err, &rid, None).to_string();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nx-request-id: {rid}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_millis(500), async {
+        s.write_all(head.as_bytes()).await?;
+        s.write_all(body.as_bytes()).await?;
+        s.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while s.read(&mut sink).await? > 0 {}
+        Ok::<(), io::Error>(())
+    })
+    .await;
+}
+
+/// When a connection with nothing in flight is closed, and which timeout that is: the header
+/// timeout from the first byte of a request, else the keep-alive timeout.
+fn due(conn: &Conn, limits: Limits) -> Option<(Instant, &'static str)> {
+    conn.with(|a| {
+        if a.in_flight > 0 {
+            None
+        } else if let Some(h) = a.head_since {
+            Some((h + limits.header, "header"))
+        } else {
+            Some((a.idle_since + limits.keepalive, "keep-alive"))
+        }
+    })
+}
+
+async fn serve_conn(stream: TcpStream, peer: SocketAddr, app: Router, limits: Limits) {
+    let _ = stream.set_nodelay(true);
+    let conn = Arc::new(Conn {
+        activity: Mutex::new(Activity {
+            in_flight: 0,
+            idle_since: Instant::now(),
+            head_since: None,
+        }),
+        changed: Notify::new(),
+    });
+    let io = TokioIo::new(Watched {
+        io: stream,
+        conn: conn.clone(),
+    });
+    let svc_conn = conn.clone();
+    let svc = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let in_flight = InFlight::new(&svc_conn);
+        let mut req = req.map(|b| {
+            Body::new(IdleBody {
+                inner: b,
+                idle: limits.body_idle,
+                timer: Box::pin(tokio::time::sleep(limits.body_idle)),
+                waiting: false,
+            })
+        });
+        req.extensions_mut().insert(ConnectInfo(peer));
+        let app = app.clone();
+        async move {
+            let resp = match app.oneshot(req).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            };
+            Ok::<_, Infallible>(resp.map(|b| {
+                Body::new(Answer {
+                    inner: b,
+                    _in_flight: in_flight,
+                })
+            }))
+        }
+    });
+    let serving = hyper::server::conn::http1::Builder::new()
+        .serve_connection(io, svc)
+        .with_upgrades();
+    tokio::pin!(serving);
+    loop {
+        // A change of the connection's activity wakes this; a deadline that passed is looked
+        // at again before the connection is closed.
+        let changed = conn.changed.notified();
+        let deadline = due(&conn, limits);
+        let timer = async {
+            match deadline {
+                Some((at, _)) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut serving => {
+                if let Err(e) = r {
+                    tracing::debug!(%peer, error = %e, "connection ended");
+                }
+                return;
+            }
+            () = changed => {}
+            () = timer => {
+                let now = Instant::now();
+                if let Some((_, why)) = due(&conn, limits).filter(|(at, _)| *at <= now) {
+                    tracing::debug!(%peer, timeout = why, "connection closed: timed out");
+                    return;
+                }
+            }
+        }
+    }
+}
