@@ -320,25 +320,103 @@ impl Group {
         fs::read_to_string(d.join(file)).ok()?.trim().parse().ok()
     }
 
-    /// Kills every process left in the group and removes it. Waits up to `wait` for the
-    /// processes to go.
-    pub fn destroy(&self, wait: Duration) -> Result<(), CgroupError> {
+    /// Freezes (`true`) or thaws the group: v1's freezer, v2's `cgroup.freeze`. False when
+    /// the layout has no freezer (the caller kills without one).
+    fn set_frozen(&self, frozen: bool) -> bool {
+        if self.is_v2() {
+            let f = self.dirs[0].1.join("cgroup.freeze");
+            return write_file(&f, if frozen { "1" } else { "0" }).is_ok();
+        }
+        match self.dir("freezer") {
+            Some(d) => write_file(
+                &d.join("freezer.state"),
+                if frozen { "FROZEN" } else { "THAWED" },
+            )
+            .is_ok(),
+            None => false,
+        }
+    }
+
+    /// Whether every task of the group is frozen now (not only being frozen).
+    fn is_frozen(&self) -> bool {
+        if self.is_v2() {
+            return fs::read_to_string(self.dirs[0].1.join("cgroup.events"))
+                .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))
+                .unwrap_or(false);
+        }
+        self.dir("freezer")
+            .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
+            .is_some_and(|s| s.trim() == "FROZEN")
+    }
+
+    /// Lifts the group's CPU quota: processes that are being killed must not wait for the
+    /// quota's next period to exit (a throttled fork bomb takes minutes to die otherwise).
+    fn lift_cpu_limit(&self) {
+        let _ = if self.is_v2() {
+            write_file(&self.dirs[0].1.join("cpu.max"), "max 100000")
+        } else {
+            match self.dir("cpu") {
+                Some(d) => write_file(&d.join("cpu.cfs_quota_us"), "-1"),
+                None => Ok(()),
+            }
+        };
+    }
+
+    /// Kills every process of the group, until none is left or `wait` is up: each round
+    /// freezes the group (nothing in it forks or runs meanwhile), SIGKILLs every process it
+    /// lists and thaws it, so that the killed ones exit; on v2 `cgroup.kill` does the same in
+    /// one write. Zombies are not counted: they leave when their parent reaps them.
+    pub fn kill_all(&self, wait: Duration) -> Result<(), CgroupError> {
         let deadline = Instant::now() + wait;
+        let mut lifted = false;
+        let mut pause = Duration::from_millis(1);
         loop {
-            // A zombie cannot be killed: it leaves when its parent reaps it (after a node's
-            // kill -9 that is the host's init, which may take its time); the rmdir below waits.
             let pids: Vec<u32> = self.pids().into_iter().filter(|p| !is_zombie(*p)).collect();
             if pids.is_empty() {
-                break;
+                return Ok(());
             }
-            for p in pids {
-                crate::process::kill_pid(p, libc::SIGKILL);
+            if !lifted {
+                self.lift_cpu_limit();
+                lifted = true;
+            }
+            let kill_file = self
+                .is_v2()
+                .then(|| self.dirs[0].1.join("cgroup.kill"))
+                .filter(|f| f.exists());
+            match kill_file {
+                Some(f) => {
+                    write_file(&f, "1")?;
+                }
+                None => {
+                    let frozen = self.set_frozen(true);
+                    if frozen {
+                        // A task in an uninterruptible sleep delays FROZEN: wait a little,
+                        // then kill what is listed anyway (the next round catches the rest).
+                        let until = Instant::now() + Duration::from_millis(200);
+                        while !self.is_frozen() && Instant::now() < until {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                    for p in self.pids() {
+                        crate::process::kill_pid(p, libc::SIGKILL);
+                    }
+                    if frozen {
+                        self.set_frozen(false);
+                    }
+                }
             }
             if Instant::now() > deadline {
                 return Err(CgroupError::Busy(self.dirs[0].1.clone()));
             }
-            std::thread::sleep(Duration::from_millis(2));
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(50));
         }
+    }
+
+    /// Kills every process left in the group ([`Group::kill_all`]) and removes it. Waits up to
+    /// `wait` for the processes to go.
+    pub fn destroy(&self, wait: Duration) -> Result<(), CgroupError> {
+        self.kill_all(wait)?;
         for (_, d) in &self.dirs {
             let deadline = Instant::now() + wait;
             loop {

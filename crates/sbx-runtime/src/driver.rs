@@ -10,6 +10,9 @@ use crate::init::InitConfig;
 use crate::process::PidFd;
 use crate::RuntimeError;
 
+/// How long a teardown keeps killing what is in a sandbox's cgroup before it reports it busy.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
+
 /// What a sandbox is made of.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
@@ -226,11 +229,18 @@ impl Driver for NamespaceDriver {
 
     fn destroy(&self, sandbox: &Sandbox) -> Result<(), RuntimeError> {
         if let Some(p) = &sandbox.pidfd {
-            // Killing PID 1 of the sandbox's PID namespace ends every process in it.
+            // Killing PID 1 of the sandbox's PID namespace ends every process in it, and no
+            // process can be made in it from then on.
             let _ = p.signal(libc::SIGKILL);
+        }
+        // Whatever is in the group is killed through it too: an agent that is frozen, or
+        // starved by a fork bomb under the group's CPU quota, would take minutes to go.
+        sandbox.group.kill_all(TEARDOWN_WAIT)?;
+        if let Some(p) = &sandbox.pidfd {
+            // Reaps it (the node is its subreaper).
             p.wait_exit(Duration::from_secs(10));
         }
-        sandbox.group.destroy(Duration::from_secs(10))?;
+        sandbox.group.destroy(TEARDOWN_WAIT)?;
         Ok(())
     }
 
