@@ -55,8 +55,10 @@ struct Cli {
     #[arg(long)]
     agent: Option<PathBuf>,
     /// Name of the cgroup folder the node's sandboxes go in (under the node's own cgroup).
-    #[arg(long, default_value = "sbx")]
-    cgroup_name: String,
+    /// Default: `sbx` for the data directory /var/lib/sbx, else `sbx-` and a hash of the data
+    /// directory. A folder another living node holds is refused at start.
+    #[arg(long)]
+    cgroup_name: Option<String>,
     /// Host uid that is root in sandboxes (65536 uids from it are theirs).
     #[arg(long, default_value_t = 100_000)]
     uid_base: u32,
@@ -154,6 +156,12 @@ fn main() -> anyhow::Result<()> {
         .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
     let store =
         store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
+    let data_dir = std::fs::canonicalize(&cli.data_dir)
+        .with_context(|| format!("resolve {}", cli.data_dir.display()))?;
+    let cgroup_name = cli
+        .cgroup_name
+        .clone()
+        .unwrap_or_else(|| sbx_runtime::cgroup::default_name(&data_dir));
     if images.base().is_err() {
         images.build_base(&mut progress)?;
     }
@@ -163,9 +171,16 @@ fn main() -> anyhow::Result<()> {
             .context("where is sandboxd")?
             .with_file_name("sbx-agent"),
     };
+    // The cgroup folder is this node's alone (its lock, taken before anything is made or
+    // cleaned in it): a node on a folder another one holds stops here.
     let driver = sbx_runtime::driver::NamespaceDriver::with_cgroup_name(
         agent,
-        &cli.cgroup_name,
+        &cgroup_name,
+        &format!(
+            "pid {}, data dir {}",
+            std::process::id(),
+            data_dir.display()
+        ),
         cli.uid_base,
         65536,
     )

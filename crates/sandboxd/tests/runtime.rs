@@ -5,7 +5,8 @@
 mod common;
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 use common::TestNode;
 use serde_json::json;
@@ -84,4 +85,102 @@ fn a_run_whose_agent_cannot_act_is_answered_timed_out_and_ended() {
     assert_eq!(exit.data["status"], "timed_out", "{:?}", exit.data);
     assert_eq!(exit.data["signal"], "SIGKILL", "{:?}", exit.data);
     node.assert_clean(Duration::from_secs(60));
+}
+
+/// A sandboxd started by hand, with its own data directory; killed and removed when dropped.
+struct OtherNode {
+    child: Child,
+    root: PathBuf,
+}
+
+impl OtherNode {
+    fn spawn(args: &[&str]) -> OtherNode {
+        let root = std::env::temp_dir().join(common::unique("sbx-test-other"));
+        std::fs::create_dir_all(root.join("data")).expect("make its data directory");
+        let log = std::fs::File::create(root.join("node.log")).expect("its log");
+        let bin = common::sandboxd_bin();
+        let child = Command::new(&bin)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--data-dir")
+            .arg(root.join("data"))
+            .arg("--images-dir")
+            .arg(common::images_dir())
+            .arg("--agent")
+            .arg(bin.with_file_name("sbx-agent"))
+            .args(["--warm-pool", "0", "--pids-max", "128"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start sandboxd");
+        OtherNode { child, root }
+    }
+
+    /// Its exit status, if it exits within `timeout`.
+    fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.root.join("node.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for OtherNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// Two nodes on one host, another data directory each, one cgroup folder (the same
+/// `--cgroup-name`): the second stops at start, naming the first's data directory, before it
+/// touches anything; the first node's sandboxes (a kept one and its warm pool) keep running
+/// and answering, and it still makes new ones.
+#[test]
+fn a_second_node_on_a_held_cgroup_folder_stops_and_touches_nothing() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let agent = node.agent_pid(&id).expect("the sandbox's agent");
+    let warm = node.warm_ids();
+    let mut other = OtherNode::spawn(&["--cgroup-name", &node.cgroup_name]);
+    let status = other.wait_exit(Duration::from_secs(60));
+    let log = other.log();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the second node did not stop ({status:?}):\n{log}"
+    );
+    assert!(
+        log.contains("is in use by another sandboxd"),
+        "its message:\n{log}"
+    );
+    let data = std::fs::canonicalize(&node.data_dir).unwrap();
+    assert!(
+        log.contains(&data.display().to_string()),
+        "it does not name the first node's data directory:\n{log}"
+    );
+    drop(other);
+    // The first node's sandboxes are as they were, and answer.
+    assert_eq!(node.agent_pid(&id), Some(agent), "the kept sandbox's agent");
+    let e = node.exec(&id, &json!({ "command": "echo still here" }));
+    let e = node.exec_wait(&id, e["id"].as_str().unwrap(), Duration::from_secs(60));
+    assert_eq!(e["stdout"], "still here\n", "{e}");
+    for w in &warm {
+        assert!(node.agent_pid(w).is_some(), "warm sandbox {w} was ended");
+    }
+    let v = node.run_ok(&json!({ "command": "echo made" }));
+    assert_eq!(v["stdout"], "made\n", "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(30));
 }

@@ -23,6 +23,31 @@ pub enum CgroupError {
     },
     #[error("cgroup {0} still has processes")]
     Busy(PathBuf),
+    #[error("cgroup folder {folder} is in use by another sandboxd ({holder}); give this node another --cgroup-name")]
+    InUse { folder: PathBuf, holder: String },
+    #[error("the lock of cgroup folder {folder}: {source}")]
+    Lock {
+        folder: PathBuf,
+        #[source]
+        source: crate::hostfs::HostFsError,
+    },
+}
+
+/// The data directory whose node keeps the cgroup folder name `sbx`.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/sbx";
+
+/// Where the locks of cgroup folders are kept.
+pub const LOCK_DIR: &str = "/run/sbx";
+
+/// The cgroup folder name of a node whose data directory is `data_dir` (canonical): `sbx` for
+/// [`DEFAULT_DATA_DIR`], `sbx-` and a short hash of the path otherwise, so that two nodes of
+/// different data directories never share a folder.
+pub fn default_name(data_dir: &Path) -> String {
+    if data_dir == Path::new(DEFAULT_DATA_DIR) {
+        return "sbx".into();
+    }
+    let hash = crate::hostfs::short_hash(data_dir.as_os_str().as_encoded_bytes());
+    format!("sbx-{}", &hash[..12])
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
@@ -114,6 +139,35 @@ impl Cgroups {
 
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// The node's folder that names it: the memory hierarchy's on v1, the one folder on v2.
+    pub fn folder(&self) -> PathBuf {
+        match &self.layout {
+            Layout::V1(dirs) => dirs
+                .iter()
+                .find(|(c, _)| *c == "memory")
+                .or(dirs.first())
+                .map(|(_, d)| d.clone())
+                .unwrap_or_default(),
+            Layout::V2(base) => base.clone(),
+        }
+    }
+
+    /// Takes the node's exclusive hold on its folder: a lock file under [`LOCK_DIR`] named by
+    /// the folder's path, held until the lock is dropped or the process ends. Another living
+    /// node holding it is [`CgroupError::InUse`], with what that node wrote (`holder`). Take
+    /// it before anything is made or cleaned in the folder.
+    pub fn lock(&self, holder: &str) -> Result<crate::hostfs::FileLock, CgroupError> {
+        let folder = self.folder();
+        let file = Path::new(LOCK_DIR).join(format!(
+            "cgroup-{}.lock",
+            crate::hostfs::short_hash(folder.as_os_str().as_encoded_bytes())
+        ));
+        crate::hostfs::FileLock::try_acquire(&file, holder).map_err(|e| match e {
+            crate::hostfs::HostFsError::Held { holder } => CgroupError::InUse { folder, holder },
+            source => CgroupError::Lock { folder, source },
+        })
     }
 
     /// Removes the node's folders if no sandbox group is left in them (a node that stops with
@@ -510,6 +564,19 @@ mod tests {
         let pc = parse_proc_cgroup("4:memory:/process_api/x\n0::/\n");
         assert_eq!(pc[0], ("memory".into(), "/process_api/x".into()));
         assert_eq!(pc[1], ("".into(), "/".into()));
+    }
+
+    #[test]
+    fn the_default_name_is_the_data_directory_s() {
+        assert_eq!(default_name(Path::new("/var/lib/sbx")), "sbx");
+        let a = default_name(Path::new("/srv/sbx-a"));
+        let b = default_name(Path::new("/srv/sbx-b"));
+        assert!(a.starts_with("sbx-") && a.len() == 16, "{a}");
+        assert_ne!(a, b);
+        assert_ne!(a, "sbx");
+        // Stable: the same directory gives the same folder at every start.
+        assert_eq!(a, default_name(Path::new("/srv/sbx-a")));
+        assert!(a[4..].chars().all(|c| c.is_ascii_hexdigit()), "{a}");
     }
 
     #[test]

@@ -106,16 +106,22 @@ pub trait Driver: Send + Sync {
 pub struct NamespaceDriver {
     agent: PathBuf,
     cgroups: Cgroups,
+    /// The node's hold on its cgroup folder, for its whole life.
+    _lock: crate::hostfs::FileLock,
     uid_base: u32,
     uid_count: u32,
 }
 
 impl NamespaceDriver {
     /// `agent` is the `sbx-agent` binary; sandbox root is host uid `uid_base`; sandboxes'
-    /// cgroups go in a folder `cgroup_name` under the node's own cgroup.
+    /// cgroups go in a folder `cgroup_name` under the node's own cgroup. The folder is this
+    /// node's alone: its lock ([`Cgroups::lock`], naming `holder`, e.g. the data directory) is
+    /// taken before anything is made in it, and a folder another living node holds is
+    /// refused ([`crate::cgroup::CgroupError::InUse`]).
     pub fn with_cgroup_name(
         agent: PathBuf,
         cgroup_name: &str,
+        holder: &str,
         uid_base: u32,
         uid_count: u32,
     ) -> Result<Self, RuntimeError> {
@@ -123,6 +129,7 @@ impl NamespaceDriver {
             return Err(RuntimeError::AgentMissing(agent));
         }
         let cgroups = Cgroups::discover(cgroup_name)?;
+        let lock = cgroups.lock(holder)?;
         cgroups.prepare()?;
         crate::process::set_child_subreaper().map_err(|e| RuntimeError::Io {
             what: "subreaper".into(),
@@ -131,6 +138,7 @@ impl NamespaceDriver {
         Ok(NamespaceDriver {
             agent,
             cgroups,
+            _lock: lock,
             uid_base,
             uid_count,
         })
