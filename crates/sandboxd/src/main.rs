@@ -134,7 +134,7 @@ fn main() -> anyhow::Result<()> {
     // Plain HTTP for the registries of --insecure-registry and of the config file.
     let mut insecure = cli.insecure_registries.clone();
     insecure.extend(fn_cfg.insecure_registries.iter().cloned());
-    let mut images = image::ImageStore::with_insecure(images_dir, cli.uid_base, insecure);
+    let mut images = image::ImageStore::with_insecure(images_dir.clone(), cli.uid_base, insecure);
     images.set_catalog(&fn_cfg.catalog);
     let mut progress = |line: &str| tracing::info!("{line}");
     match cli.command {
@@ -158,6 +158,19 @@ fn main() -> anyhow::Result<()> {
         store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
     let data_dir = std::fs::canonicalize(&cli.data_dir)
         .with_context(|| format!("resolve {}", cli.data_dir.display()))?;
+    // No other host user reaches what sandboxes wrote (their upper directories hold files of
+    // host uid 100000+, setuid ones too) or the images' layers (setuid binaries owned by the
+    // sandboxes' root): root-owned 0700, made so at every start; and nothing under
+    // `sandboxes/` runs setuid from the host (a nosuid bind mount, detached when the node ends).
+    for dir in [data_dir.clone(), data_dir.join("sandboxes"), images_dir] {
+        if sbx_runtime::hostfs::make_private_dir(&dir)
+            .with_context(|| format!("make {} private", dir.display()))?
+        {
+            tracing::info!(dir = %dir.display(), "made private: root's, mode 0700");
+        }
+    }
+    let _nosuid = sbx_runtime::hostfs::NosuidBind::new(&data_dir.join("sandboxes"))
+        .context("bind the sandboxes' directory nosuid")?;
     let cgroup_name = cli
         .cgroup_name
         .clone()

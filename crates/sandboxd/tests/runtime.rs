@@ -4,7 +4,9 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -182,5 +184,126 @@ fn a_second_node_on_a_held_cgroup_folder_stops_and_touches_nothing() {
     let v = node.run_ok(&json!({ "command": "echo made" }));
     assert_eq!(v["stdout"], "made\n", "{v}");
     node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(30));
+}
+
+/// Runs `sh -c script` in a kept sandbox and asserts it exited 0; its stdout.
+fn sh(node: &TestNode, id: &str, script: &str) -> String {
+    let e = node.exec(id, &json!({ "command": script }));
+    let e = node.exec_wait(id, e["id"].as_str().unwrap(), Duration::from_secs(60));
+    assert_eq!(e["exit_code"], 0, "{script}: {e}");
+    e["stdout"].as_str().unwrap_or_default().to_string()
+}
+
+/// `program args` run on the host as `nobody` (uid and gid 65534): its status and output, or
+/// the error of its start.
+fn as_nobody(program: &Path, args: &[&Path]) -> Result<(ExitStatus, String), std::io::Error> {
+    let out = Command::new(program)
+        .args(args)
+        .uid(65534)
+        .gid(65534)
+        .current_dir("/")
+        .env_clear()
+        .stdin(Stdio::null())
+        .output()?;
+    Ok((
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    ))
+}
+
+/// A setuid copy of `cat` made in a sandbox (its owner is the sandboxes' root, host uid
+/// 100000) does not let a host user read that sandbox's files or another's: the data directory
+/// is root's alone (0700), and the sandboxes' directory is mounted nosuid on the host.
+#[test]
+fn host_users_cannot_reach_sandboxes_through_a_setuid_file() {
+    let node = TestNode::start_with(&["--warm-pool", "0"]);
+    let a = node.create_sandbox(&json!({}));
+    let a = a["id"].as_str().unwrap().to_string();
+    let b = node.create_sandbox(&json!({}));
+    let b = b["id"].as_str().unwrap().to_string();
+    sh(
+        &node,
+        &a,
+        "cp /bin/cat /tmp/suid_cat && chmod 4755 /tmp/suid_cat && \
+         echo secret-a > /tmp/secret && chmod 600 /tmp/secret",
+    );
+    sh(
+        &node,
+        &b,
+        "echo secret-b > /tmp/secret && chmod 600 /tmp/secret",
+    );
+    let suid = node.sandbox_dir(&a).join("upper/tmp/suid_cat");
+    let secret_a = node.sandbox_dir(&a).join("upper/tmp/secret");
+    let secret_b = node.sandbox_dir(&b).join("upper/tmp/secret");
+    // The file is there on the host, setuid, owned by the sandboxes' root.
+    let meta = std::fs::metadata(&suid).expect("the setuid copy in the upper directory");
+    assert_eq!(meta.mode() & 0o7777, 0o4755, "{}", suid.display());
+    assert_eq!(meta.uid(), 100_000);
+    assert_eq!(std::fs::read_to_string(&secret_b).unwrap(), "secret-b\n");
+    // As nobody: neither the setuid copy runs nor are the files read, directly or through it.
+    for (program, args) in [
+        (suid.as_path(), vec![secret_a.as_path()]),
+        (suid.as_path(), vec![secret_b.as_path()]),
+        (Path::new("/bin/cat"), vec![secret_a.as_path()]),
+        (Path::new("/bin/cat"), vec![secret_b.as_path()]),
+    ] {
+        match as_nobody(program, &args) {
+            Err(_) => {}
+            Ok((status, out)) => {
+                assert!(
+                    !status.success() && !out.contains("secret-"),
+                    "{} {args:?} as nobody: {status}: {out}",
+                    program.display()
+                );
+            }
+        }
+    }
+    // The host's view of the sandboxes' directory is nosuid.
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let dir = std::fs::canonicalize(node.data_dir.join("sandboxes")).unwrap();
+    let dir = dir.to_string_lossy();
+    let opts: Vec<&str> = info
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f.get(4) == Some(&dir.as_ref())).then(|| f[5])
+        })
+        .collect();
+    assert!(
+        opts.last()
+            .is_some_and(|o| o.split(',').any(|o| o == "nosuid")),
+        "mounts at {dir}: {opts:?}"
+    );
+    // Inside, the sandbox is unchanged: its files are its own.
+    assert_eq!(sh(&node, &a, "/tmp/suid_cat /tmp/secret"), "secret-a\n");
+    node.delete_sandbox(&a);
+    node.delete_sandbox(&b);
+    node.assert_clean(Duration::from_secs(30));
+}
+
+/// A data directory left with loose modes (another user's, world-writable) is made root's
+/// alone (0700) at start, with its sandboxes' and images' directories.
+#[test]
+fn a_loose_data_directory_is_tightened_at_start() {
+    let mut node = TestNode::start_private_images(&["--warm-pool", "0"]);
+    node.stop();
+    let dirs = [
+        node.data_dir.clone(),
+        node.data_dir.join("sandboxes"),
+        node.images_dir.clone(),
+    ];
+    for d in &dirs {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::os::unix::fs::chown(d, Some(65534), Some(65534)).unwrap();
+    }
+    node.restart();
+    for d in &dirs {
+        let meta = std::fs::metadata(d).unwrap();
+        assert_eq!(meta.mode() & 0o7777, 0o700, "{}", d.display());
+        assert_eq!((meta.uid(), meta.gid()), (0, 0), "{}", d.display());
+    }
+    let v = node.run_ok(&json!({ "command": "echo ok" }));
+    assert_eq!(v["stdout"], "ok\n", "{v}");
     node.assert_clean(Duration::from_secs(30));
 }

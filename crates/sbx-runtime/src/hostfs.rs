@@ -1,5 +1,5 @@
-//! Host-side file helpers of the node: an exclusive lock held for the node's life (flock), and
-//! tightening a directory's mode.
+//! Host-side file helpers of the node: an exclusive lock held for the node's life (flock),
+//! tightening a directory's mode, and a nosuid view of a directory (a bind mount onto itself).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -93,6 +93,86 @@ pub fn make_private_dir(dir: &Path) -> Result<bool, HostFsError> {
     Ok(changed)
 }
 
+/// `dir` bound onto itself with `nosuid,nodev` while this value lives: nothing under it
+/// (sandboxes' upper directories, where a sandbox's root writes what it likes) runs setuid or
+/// opens as a device from the host. Inside a sandbox the overlay's own mount decides that (and
+/// no_new_privs already keeps setuid from raising anything there). Dropping it detaches the
+/// bind mount it made; sandboxes made meanwhile keep their overlays (their mounts live in their
+/// own namespaces).
+#[derive(Debug)]
+pub struct NosuidBind {
+    path: PathBuf,
+    made: bool,
+}
+
+impl NosuidBind {
+    /// Binds `dir` (canonical) onto itself with `nosuid,nodev`, unless it is a `nosuid` mount
+    /// point already (one a node killed earlier left, or the machine's own: then nothing is
+    /// made, and nothing is undone on drop).
+    pub fn new(dir: &Path) -> Result<NosuidBind, HostFsError> {
+        use nix::mount::{mount, MsFlags};
+        let info = fs::read_to_string("/proc/self/mountinfo")
+            .map_err(io_err(Path::new("/proc/self/mountinfo")))?;
+        if is_nosuid_mount_point(&info, dir) {
+            return Ok(NosuidBind {
+                path: dir.to_path_buf(),
+                made: false,
+            });
+        }
+        let nix_err = |e: nix::errno::Errno| HostFsError::Io {
+            path: dir.to_path_buf(),
+            source: std::io::Error::from(e),
+        };
+        mount(Some(dir), dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(nix_err)?;
+        let flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        if let Err(e) = mount(None::<&str>, dir, None::<&str>, flags, None::<&str>) {
+            let _ = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH);
+            return Err(nix_err(e));
+        }
+        Ok(NosuidBind {
+            path: dir.to_path_buf(),
+            made: true,
+        })
+    }
+}
+
+impl Drop for NosuidBind {
+    fn drop(&mut self) {
+        if self.made {
+            let _ = nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+/// Whether `mountinfo` (the text of /proc/self/mountinfo) has a mount at `dir` whose own
+/// options hold `nosuid`; the topmost mount at a point is the last line naming it.
+fn is_nosuid_mount_point(mountinfo: &str, dir: &Path) -> bool {
+    let want = escape_mount_path(&dir.to_string_lossy());
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            Some((*f.get(4)?, *f.get(5)?))
+        })
+        .rfind(|(point, _)| *point == want)
+        .is_some_and(|(_, opts)| opts.split(',').any(|o| o == "nosuid"))
+}
+
+/// A path as /proc/self/mountinfo writes it (space, tab, newline and backslash in octal).
+fn escape_mount_path(p: &str) -> String {
+    let mut out = String::with_capacity(p.len());
+    for c in p.chars() {
+        match c {
+            ' ' => out.push_str("\\040"),
+            '\t' => out.push_str("\\011"),
+            '\n' => out.push_str("\\012"),
+            '\\' => out.push_str("\\134"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// A short, stable hash of `s` (FNV-1a, 64 bits) in hex: names derived from paths stay the
 /// same across builds and Rust versions (std's hasher does not promise that).
 pub fn short_hash(s: &[u8]) -> String {
@@ -132,6 +212,20 @@ mod tests {
         assert_eq!(fs::metadata(&dir).unwrap().mode() & 0o7777, 0o700);
         assert!(!make_private_dir(&dir).unwrap());
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn finds_nosuid_mount_points() {
+        let info = "36 25 8:1 / /var/lib/sbx rw,relatime shared:1 - ext4 /dev/sda1 rw\n\
+                    90 36 8:1 /var/lib/sbx/sandboxes /var/lib/sbx/sandboxes rw,nosuid,nodev,relatime shared:1 - ext4 /dev/sda1 rw\n\
+                    91 36 8:1 /d /a\\040b rw,nosuid - ext4 /dev/sda1 rw\n";
+        assert!(is_nosuid_mount_point(
+            info,
+            Path::new("/var/lib/sbx/sandboxes")
+        ));
+        assert!(!is_nosuid_mount_point(info, Path::new("/var/lib/sbx")));
+        assert!(!is_nosuid_mount_point(info, Path::new("/elsewhere")));
+        assert!(is_nosuid_mount_point(info, Path::new("/a b")));
     }
 
     #[test]
