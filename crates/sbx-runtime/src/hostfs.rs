@@ -29,10 +29,13 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HostFsError + '_ {
 
 /// An exclusive `flock` on a file, held until dropped (or until the process dies: the kernel
 /// releases it, so a lock is never stale). The descriptor is close-on-exec: the processes the
-/// holder starts (sandboxes' agents, which outlive a node) do not hold it.
+/// holder starts (sandboxes' agents, which outlive a node) do not hold it. Dropping it removes
+/// the file first (a locker that opened it meanwhile sees it gone and makes a new one).
 #[derive(Debug)]
 pub struct FileLock {
+    /// Held open for the lock; closed after the file is removed (fields drop after `drop`).
     _file: File,
+    path: PathBuf,
 }
 
 impl FileLock {
@@ -42,37 +45,58 @@ impl FileLock {
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).map_err(io_err(dir))?;
         }
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(path)
-            .map_err(io_err(path))?;
-        // SAFETY: flock takes a descriptor we own, which stays open for the call; it touches
-        // no memory of ours.
-        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let mut text = String::new();
-                let _ = file.read_to_string(&mut text);
-                let holder = text.trim().to_string();
-                return Err(HostFsError::Held {
-                    holder: if holder.is_empty() {
-                        "unknown".into()
-                    } else {
-                        holder
-                    },
-                });
+        loop {
+            let mut file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)
+                .map_err(io_err(path))?;
+            // SAFETY: flock takes a descriptor we own, which stays open for the call; it
+            // touches no memory of ours.
+            let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                    let mut text = String::new();
+                    let _ = file.read_to_string(&mut text);
+                    let holder = text.trim().to_string();
+                    return Err(HostFsError::Held {
+                        holder: if holder.is_empty() {
+                            "unknown".into()
+                        } else {
+                            holder
+                        },
+                    });
+                }
+                return Err(io_err(path)(e));
             }
-            return Err(io_err(path)(e));
+            // The holder before us may have removed the file after we opened it: a lock on
+            // a file no longer at `path` is no lock. Open it again then.
+            let mine = file.metadata().map_err(io_err(path))?;
+            match fs::metadata(path) {
+                Ok(now) if now.ino() == mine.ino() && now.dev() == mine.dev() => {}
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err(path)(e)),
+            }
+            file.set_len(0).map_err(io_err(path))?;
+            file.seek(SeekFrom::Start(0)).map_err(io_err(path))?;
+            file.write_all(holder.as_bytes()).map_err(io_err(path))?;
+            return Ok(FileLock {
+                _file: file,
+                path: path.to_path_buf(),
+            });
         }
-        file.set_len(0).map_err(io_err(path))?;
-        file.seek(SeekFrom::Start(0)).map_err(io_err(path))?;
-        file.write_all(holder.as_bytes()).map_err(io_err(path))?;
-        Ok(FileLock { _file: file })
+    }
+}
+
+impl Drop for FileLock {
+    fn drop(&mut self) {
+        // Removed while still locked; the lock goes when the file closes, after this.
+        let _ = fs::remove_file(&self.path);
     }
 }
 
@@ -198,6 +222,10 @@ mod tests {
             other => panic!("a second lock was not refused: {other:?}"),
         }
         drop(first);
+        assert!(
+            !path.exists(),
+            "the lock file stays after its holder let go"
+        );
         let again = FileLock::try_acquire(&path, "data dir /b").unwrap();
         drop(again);
         let _ = fs::remove_dir_all(&dir);
