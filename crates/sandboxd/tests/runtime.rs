@@ -13,23 +13,32 @@ use std::time::{Duration, Instant};
 use common::TestNode;
 use serde_json::json;
 
-/// Forks for ever; each child leaves the command's process group and session, and forks too.
-const BOMB: &str = "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n            b = bytearray(16 << 20)\n    except OSError:\n        pass\n";
+/// Forks for ever; each child leaves the command's process group and session (the agent's
+/// kill of the group misses it), takes 16 MiB and forks too.
+const SETSID_BOMB: &str = "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n            b = bytearray(16 << 20)\n    except OSError:\n        pass\n";
+
+/// The classic one: each `:` starts two more in the background, through a pipe; the command's
+/// shell then spins (builtins only: it needs no fork) until its timeout.
+const SHELL_BOMB: &str = ":(){ :|:& };:; while true; do true; done";
 
 /// A fork bomb (the node's pids limit, 128 in tests, caps it) is answered `timed_out` at its
 /// timeout, and its sandbox is gone afterwards: no process, cgroup, mount or directory.
 #[test]
 fn a_fork_bomb_times_out_and_leaves_nothing() {
     let node = TestNode::start_with(&["--warm-pool", "0"]);
-    // Each f starts two more in the background, through a pipe; the shell waits meanwhile.
-    let (status, v) = node.run(&json!({
-        "command": ["python3", "-c", BOMB],
-        "timeout_seconds": 3,
-        "limits": { "memory_bytes": 128u64 << 20, "vcpus": 1 },
-    }));
-    assert_eq!(status, 200, "{v}\n{}", node.log_tail(30));
-    assert_eq!(v["status"], "timed_out", "{v}");
-    node.assert_clean(Duration::from_secs(60));
+    for command in [
+        json!(["python3", "-c", SETSID_BOMB]),
+        json!(["bash", "-c", SHELL_BOMB]),
+    ] {
+        let (status, v) = node.run(&json!({
+            "command": command,
+            "timeout_seconds": 3,
+            "limits": { "memory_bytes": 128u64 << 20, "vcpus": 1 },
+        }));
+        assert_eq!(status, 200, "{command}: {v}\n{}", node.log_tail(30));
+        assert_eq!(v["status"], "timed_out", "{command}: {v}");
+        node.assert_clean(Duration::from_secs(60));
+    }
 }
 
 /// Freezes a sandbox's cgroup from the host, and thaws it when dropped (a frozen process
