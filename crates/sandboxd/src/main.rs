@@ -57,8 +57,10 @@ struct Cli {
     #[arg(long)]
     agent: Option<PathBuf>,
     /// Name of the cgroup folder the node's sandboxes go in (under the node's own cgroup).
-    #[arg(long, default_value = "sbx")]
-    cgroup_name: String,
+    /// Default: `sbx` for the data directory /var/lib/sbx, else `sbx-` and a hash of the data
+    /// directory. A folder another living node holds is refused at start.
+    #[arg(long)]
+    cgroup_name: Option<String>,
     /// Host uid that is root in sandboxes (65536 uids from it are theirs).
     #[arg(long, default_value_t = 100_000)]
     uid_base: u32,
@@ -152,7 +154,7 @@ fn main() -> anyhow::Result<()> {
     // Plain HTTP for the registries of --insecure-registry and of the config file.
     let mut insecure = cli.insecure_registries.clone();
     insecure.extend(fn_cfg.insecure_registries.iter().cloned());
-    let mut images = image::ImageStore::with_insecure(images_dir, cli.uid_base, insecure);
+    let mut images = image::ImageStore::with_insecure(images_dir.clone(), cli.uid_base, insecure);
     images.set_catalog(&fn_cfg.catalog);
     let mut progress = |line: &str| tracing::info!("{line}");
     match cli.command {
@@ -174,6 +176,25 @@ fn main() -> anyhow::Result<()> {
         .with_context(|| format!("mkdir {}", cli.data_dir.display()))?;
     let store =
         store::Store::open(&cli.data_dir.join("state.db")).context("open the state database")?;
+    let data_dir = std::fs::canonicalize(&cli.data_dir)
+        .with_context(|| format!("resolve {}", cli.data_dir.display()))?;
+    // No other host user reaches what sandboxes wrote (their upper directories hold files of
+    // host uid 100000+, setuid ones too) or the images' layers (setuid binaries owned by the
+    // sandboxes' root): root-owned 0700, made so at every start; and nothing under
+    // `sandboxes/` runs setuid from the host (a nosuid bind mount, detached when the node ends).
+    for dir in [data_dir.clone(), data_dir.join("sandboxes"), images_dir] {
+        if sbx_runtime::hostfs::make_private_dir(&dir)
+            .with_context(|| format!("make {} private", dir.display()))?
+        {
+            tracing::info!(dir = %dir.display(), "made private: root's, mode 0700");
+        }
+    }
+    let _nosuid = sbx_runtime::hostfs::NosuidBind::new(&data_dir.join("sandboxes"))
+        .context("bind the sandboxes' directory nosuid")?;
+    let cgroup_name = cli
+        .cgroup_name
+        .clone()
+        .unwrap_or_else(|| sbx_runtime::cgroup::default_name(&data_dir));
     if images.base().is_err() {
         images.build_base(&mut progress)?;
     }
@@ -183,9 +204,16 @@ fn main() -> anyhow::Result<()> {
             .context("where is sandboxd")?
             .with_file_name("sbx-agent"),
     };
+    // The cgroup folder is this node's alone (its lock, taken before anything is made or
+    // cleaned in it): a node on a folder another one holds stops here.
     let driver = sbx_runtime::driver::NamespaceDriver::with_cgroup_name(
         agent,
-        &cli.cgroup_name,
+        &cgroup_name,
+        &format!(
+            "pid {}, data dir {}",
+            std::process::id(),
+            data_dir.display()
+        ),
         cli.uid_base,
         65536,
     )

@@ -17,6 +17,15 @@ use tokio::sync::mpsc;
 use crate::agent::AgentConn;
 use crate::image::{Image, ImageError, ImageStore, PullError, Source};
 
+/// How long past a run's timeout the node waits for the agent to report its end.
+const RUN_GRACE: Duration = Duration::from_secs(2);
+
+/// The signal a run that the node ends at its deadline is reported killed by.
+const SIGKILL: i32 = 9;
+
+/// Rounds of a teardown (each kills what is in the sandbox's cgroup for up to 30 s).
+const TEARDOWN_ROUNDS: u32 = 10;
+
 /// The node's settings.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -571,8 +580,17 @@ impl Node {
         self.teardowns.fetch_add(1, Ordering::SeqCst);
         let node = self.clone();
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = node.driver.destroy(&sb) {
-                tracing::warn!(sandbox = %sb.id, error = %e, "teardown");
+            // A group that still has processes after a round (each kills for 30 s) is tried
+            // again: the sandbox is never given up while something of it runs.
+            for round in 1..=TEARDOWN_ROUNDS {
+                match node.driver.destroy(&sb) {
+                    Ok(()) => break,
+                    Err(e) if round < TEARDOWN_ROUNDS => {
+                        tracing::warn!(sandbox = %sb.id, error = %e, round, "teardown: trying again");
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    Err(e) => tracing::error!(sandbox = %sb.id, error = %e, "teardown gave up"),
+                }
             }
             if let Err(e) = sbx_runtime::driver::remove_dir(&sb.dir) {
                 tracing::warn!(sandbox = %sb.id, error = %e, "remove sandbox directory");
@@ -656,30 +674,60 @@ impl Node {
             .await
             .map_err(failed)?;
         }
-        // The agent enforces the deadline; this one only guards against an agent that hangs.
-        let guard =
-            Duration::from_millis(plan.exec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);
-        let deadline = tokio::time::Instant::now() + guard;
+        // The agent enforces the deadline. The node's own holds too: an agent that has not
+        // reported the end `RUN_GRACE` after it (starved by a fork bomb under the sandbox's
+        // CPU quota and pids limit, or stuck) does not hold the run; the run is answered
+        // `timed_out` and `run` ends the sandbox through its cgroup.
+        let sent = std::time::Instant::now();
+        let timeout = Duration::from_millis(plan.exec.timeout_ms.unwrap_or(0));
+        let deadline = tokio::time::Instant::now() + timeout + RUN_GRACE;
+        let mut started = None;
+        let mut seen = OutputCounts::default();
         loop {
             let frame = tokio::select! {
                 f = conn.recv() => f.map_err(failed)?,
                 _ = tx.closed() => return Ok(None),
                 _ = tokio::time::sleep_until(deadline) => {
-                    return Err(ApiError::new(ErrorCode::CommandLost, "the sandbox's agent stopped answering"));
+                    tracing::warn!(sandbox = %plan.sandbox_id, "the agent did not report the end of a run past its timeout: the sandbox is ended");
+                    let since = started.unwrap_or(sent);
+                    let exit = ExitInfo {
+                        status: "timed_out".into(),
+                        exit_code: 128 + SIGKILL,
+                        signal: Some(SIGKILL),
+                        duration_ns: since.elapsed().as_nanos() as u64,
+                        cpu_ns: 0,
+                        max_rss_bytes: 0,
+                    };
+                    return Ok(Some((exit, seen)));
                 }
             };
             let event = match frame {
                 Frame::Data {
                     stream, pos, bytes, ..
-                } => RunEvent::Output {
-                    stream,
-                    pos,
-                    data: bytes,
-                },
+                } => {
+                    let n = bytes.len() as u64;
+                    match stream {
+                        Stream::Stdout => seen.stdout_bytes += n,
+                        Stream::Stderr => seen.stderr_bytes += n,
+                        _ => {}
+                    }
+                    seen.end = seen.end.max(pos + n);
+                    RunEvent::Output {
+                        stream,
+                        pos,
+                        data: bytes,
+                    }
+                }
                 Frame::Msg(AgentMsg::Started {
                     pid, started_at_ns, ..
-                }) => RunEvent::Started { pid, started_at_ns },
-                Frame::Msg(AgentMsg::Gap { from, to, .. }) => RunEvent::Gap { from, to },
+                }) => {
+                    started = Some(std::time::Instant::now());
+                    RunEvent::Started { pid, started_at_ns }
+                }
+                Frame::Msg(AgentMsg::Gap { from, to, .. }) => {
+                    seen.end = seen.end.max(to);
+                    RunEvent::Gap { from, to }
+                }
                 Frame::Msg(AgentMsg::Exited { exit, output, .. }) => {
                     tracing::debug!(
                         sandbox = %plan.sandbox_id,

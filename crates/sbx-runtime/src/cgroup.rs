@@ -23,6 +23,31 @@ pub enum CgroupError {
     },
     #[error("cgroup {0} still has processes")]
     Busy(PathBuf),
+    #[error("cgroup folder {folder} is in use by another sandboxd ({holder}); give this node another --cgroup-name")]
+    InUse { folder: PathBuf, holder: String },
+    #[error("the lock of cgroup folder {folder}: {source}")]
+    Lock {
+        folder: PathBuf,
+        #[source]
+        source: crate::hostfs::HostFsError,
+    },
+}
+
+/// The data directory whose node keeps the cgroup folder name `sbx`.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/sbx";
+
+/// Where the locks of cgroup folders are kept.
+pub const LOCK_DIR: &str = "/run/sbx";
+
+/// The cgroup folder name of a node whose data directory is `data_dir` (canonical): `sbx` for
+/// [`DEFAULT_DATA_DIR`], `sbx-` and a short hash of the path otherwise, so that two nodes of
+/// different data directories never share a folder.
+pub fn default_name(data_dir: &Path) -> String {
+    if data_dir == Path::new(DEFAULT_DATA_DIR) {
+        return "sbx".into();
+    }
+    let hash = crate::hostfs::short_hash(data_dir.as_os_str().as_encoded_bytes());
+    format!("sbx-{}", &hash[..12])
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
@@ -114,6 +139,35 @@ impl Cgroups {
 
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// The node's folder that names it: the memory hierarchy's on v1, the one folder on v2.
+    pub fn folder(&self) -> PathBuf {
+        match &self.layout {
+            Layout::V1(dirs) => dirs
+                .iter()
+                .find(|(c, _)| *c == "memory")
+                .or(dirs.first())
+                .map(|(_, d)| d.clone())
+                .unwrap_or_default(),
+            Layout::V2(base) => base.clone(),
+        }
+    }
+
+    /// Takes the node's exclusive hold on its folder: a lock file under [`LOCK_DIR`] named by
+    /// the folder's path, held until the lock is dropped or the process ends. Another living
+    /// node holding it is [`CgroupError::InUse`], with what that node wrote (`holder`). Take
+    /// it before anything is made or cleaned in the folder.
+    pub fn lock(&self, holder: &str) -> Result<crate::hostfs::FileLock, CgroupError> {
+        let folder = self.folder();
+        let file = Path::new(LOCK_DIR).join(format!(
+            "cgroup-{}.lock",
+            crate::hostfs::short_hash(folder.as_os_str().as_encoded_bytes())
+        ));
+        crate::hostfs::FileLock::try_acquire(&file, holder).map_err(|e| match e {
+            crate::hostfs::HostFsError::Held { holder } => CgroupError::InUse { folder, holder },
+            source => CgroupError::Lock { folder, source },
+        })
     }
 
     /// Removes the node's folders if no sandbox group is left in them (a node that stops with
@@ -320,25 +374,103 @@ impl Group {
         fs::read_to_string(d.join(file)).ok()?.trim().parse().ok()
     }
 
-    /// Kills every process left in the group and removes it. Waits up to `wait` for the
-    /// processes to go.
-    pub fn destroy(&self, wait: Duration) -> Result<(), CgroupError> {
+    /// Freezes (`true`) or thaws the group: v1's freezer, v2's `cgroup.freeze`. False when
+    /// the layout has no freezer (the caller kills without one).
+    fn set_frozen(&self, frozen: bool) -> bool {
+        if self.is_v2() {
+            let f = self.dirs[0].1.join("cgroup.freeze");
+            return write_file(&f, if frozen { "1" } else { "0" }).is_ok();
+        }
+        match self.dir("freezer") {
+            Some(d) => write_file(
+                &d.join("freezer.state"),
+                if frozen { "FROZEN" } else { "THAWED" },
+            )
+            .is_ok(),
+            None => false,
+        }
+    }
+
+    /// Whether every task of the group is frozen now (not only being frozen).
+    fn is_frozen(&self) -> bool {
+        if self.is_v2() {
+            return fs::read_to_string(self.dirs[0].1.join("cgroup.events"))
+                .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))
+                .unwrap_or(false);
+        }
+        self.dir("freezer")
+            .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
+            .is_some_and(|s| s.trim() == "FROZEN")
+    }
+
+    /// Lifts the group's CPU quota: processes that are being killed must not wait for the
+    /// quota's next period to exit (a throttled fork bomb takes minutes to die otherwise).
+    fn lift_cpu_limit(&self) {
+        let _ = if self.is_v2() {
+            write_file(&self.dirs[0].1.join("cpu.max"), "max 100000")
+        } else {
+            match self.dir("cpu") {
+                Some(d) => write_file(&d.join("cpu.cfs_quota_us"), "-1"),
+                None => Ok(()),
+            }
+        };
+    }
+
+    /// Kills every process of the group, until none is left or `wait` is up: each round
+    /// freezes the group (nothing in it forks or runs meanwhile), SIGKILLs every process it
+    /// lists and thaws it, so that the killed ones exit; on v2 `cgroup.kill` does the same in
+    /// one write. Zombies are not counted: they leave when their parent reaps them.
+    pub fn kill_all(&self, wait: Duration) -> Result<(), CgroupError> {
         let deadline = Instant::now() + wait;
+        let mut lifted = false;
+        let mut pause = Duration::from_millis(1);
         loop {
-            // A zombie cannot be killed: it leaves when its parent reaps it (after a node's
-            // kill -9 that is the host's init, which may take its time); the rmdir below waits.
             let pids: Vec<u32> = self.pids().into_iter().filter(|p| !is_zombie(*p)).collect();
             if pids.is_empty() {
-                break;
+                return Ok(());
             }
-            for p in pids {
-                crate::process::kill_pid(p, libc::SIGKILL);
+            if !lifted {
+                self.lift_cpu_limit();
+                lifted = true;
+            }
+            let kill_file = self
+                .is_v2()
+                .then(|| self.dirs[0].1.join("cgroup.kill"))
+                .filter(|f| f.exists());
+            match kill_file {
+                Some(f) => {
+                    write_file(&f, "1")?;
+                }
+                None => {
+                    let frozen = self.set_frozen(true);
+                    if frozen {
+                        // A task in an uninterruptible sleep delays FROZEN: wait a little,
+                        // then kill what is listed anyway (the next round catches the rest).
+                        let until = Instant::now() + Duration::from_millis(200);
+                        while !self.is_frozen() && Instant::now() < until {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                    for p in self.pids() {
+                        crate::process::kill_pid(p, libc::SIGKILL);
+                    }
+                    if frozen {
+                        self.set_frozen(false);
+                    }
+                }
             }
             if Instant::now() > deadline {
                 return Err(CgroupError::Busy(self.dirs[0].1.clone()));
             }
-            std::thread::sleep(Duration::from_millis(2));
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(50));
         }
+    }
+
+    /// Kills every process left in the group ([`Group::kill_all`]) and removes it. Waits up to
+    /// `wait` for the processes to go.
+    pub fn destroy(&self, wait: Duration) -> Result<(), CgroupError> {
+        self.kill_all(wait)?;
         for (_, d) in &self.dirs {
             let deadline = Instant::now() + wait;
             loop {
@@ -432,6 +564,19 @@ mod tests {
         let pc = parse_proc_cgroup("4:memory:/process_api/x\n0::/\n");
         assert_eq!(pc[0], ("memory".into(), "/process_api/x".into()));
         assert_eq!(pc[1], ("".into(), "/".into()));
+    }
+
+    #[test]
+    fn the_default_name_is_the_data_directory_s() {
+        assert_eq!(default_name(Path::new("/var/lib/sbx")), "sbx");
+        let a = default_name(Path::new("/srv/sbx-a"));
+        let b = default_name(Path::new("/srv/sbx-b"));
+        assert!(a.starts_with("sbx-") && a.len() == 16, "{a}");
+        assert_ne!(a, b);
+        assert_ne!(a, "sbx");
+        // Stable: the same directory gives the same folder at every start.
+        assert_eq!(a, default_name(Path::new("/srv/sbx-a")));
+        assert!(a[4..].chars().all(|c| c.is_ascii_hexdigit()), "{a}");
     }
 
     #[test]

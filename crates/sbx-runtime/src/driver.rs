@@ -10,6 +10,9 @@ use crate::init::InitConfig;
 use crate::process::PidFd;
 use crate::RuntimeError;
 
+/// How long a teardown keeps killing what is in a sandbox's cgroup before it reports it busy.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
+
 /// What a sandbox is made of.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
@@ -103,16 +106,22 @@ pub trait Driver: Send + Sync {
 pub struct NamespaceDriver {
     agent: PathBuf,
     cgroups: Cgroups,
+    /// The node's hold on its cgroup folder, for its whole life.
+    _lock: crate::hostfs::FileLock,
     uid_base: u32,
     uid_count: u32,
 }
 
 impl NamespaceDriver {
     /// `agent` is the `sbx-agent` binary; sandbox root is host uid `uid_base`; sandboxes'
-    /// cgroups go in a folder `cgroup_name` under the node's own cgroup.
+    /// cgroups go in a folder `cgroup_name` under the node's own cgroup. The folder is this
+    /// node's alone: its lock ([`Cgroups::lock`], naming `holder`, e.g. the data directory) is
+    /// taken before anything is made in it, and a folder another living node holds is
+    /// refused ([`crate::cgroup::CgroupError::InUse`]).
     pub fn with_cgroup_name(
         agent: PathBuf,
         cgroup_name: &str,
+        holder: &str,
         uid_base: u32,
         uid_count: u32,
     ) -> Result<Self, RuntimeError> {
@@ -120,6 +129,7 @@ impl NamespaceDriver {
             return Err(RuntimeError::AgentMissing(agent));
         }
         let cgroups = Cgroups::discover(cgroup_name)?;
+        let lock = cgroups.lock(holder)?;
         cgroups.prepare()?;
         crate::process::set_child_subreaper().map_err(|e| RuntimeError::Io {
             what: "subreaper".into(),
@@ -128,6 +138,7 @@ impl NamespaceDriver {
         Ok(NamespaceDriver {
             agent,
             cgroups,
+            _lock: lock,
             uid_base,
             uid_count,
         })
@@ -226,11 +237,18 @@ impl Driver for NamespaceDriver {
 
     fn destroy(&self, sandbox: &Sandbox) -> Result<(), RuntimeError> {
         if let Some(p) = &sandbox.pidfd {
-            // Killing PID 1 of the sandbox's PID namespace ends every process in it.
+            // Killing PID 1 of the sandbox's PID namespace ends every process in it, and no
+            // process can be made in it from then on.
             let _ = p.signal(libc::SIGKILL);
+        }
+        // Whatever is in the group is killed through it too: an agent that is frozen, or
+        // starved by a fork bomb under the group's CPU quota, would take minutes to go.
+        sandbox.group.kill_all(TEARDOWN_WAIT)?;
+        if let Some(p) = &sandbox.pidfd {
+            // Reaps it (the node is its subreaper).
             p.wait_exit(Duration::from_secs(10));
         }
-        sandbox.group.destroy(Duration::from_secs(10))?;
+        sandbox.group.destroy(TEARDOWN_WAIT)?;
         Ok(())
     }
 

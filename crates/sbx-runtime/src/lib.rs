@@ -6,12 +6,14 @@
 //! - [`cgroup`]: cgroups v1 and v2 behind one interface;
 //! - [`seccomp`]: the sandbox's syscall filter;
 //! - [`fsutil`]: ownership shifting of image trees;
+//! - [`hostfs`]: the node's host-side locks and private directories;
 //! - [`netns`]: sockets made from the host in a sandbox's network namespace;
 //! - [`sock`]: node-agent connections registered for what their task waits on only.
 
 pub mod cgroup;
 pub mod driver;
 pub mod fsutil;
+pub mod hostfs;
 pub mod init;
 pub mod netns;
 pub mod process;
