@@ -521,6 +521,7 @@ fn config_caps_and_idle_reaper() {
     let body = json!({"sandbox_id": sb, "cmd": "sleep 2"}).to_string();
     let slow = std::thread::spawn(move || {
         ureq::post(&addr)
+            .set("Content-Type", "application/json")
             .send_string(&body)
             .map(|r| r.status())
             .unwrap_or(0)
