@@ -1685,7 +1685,8 @@ impl Node {
         let meta = meta_of(&m, &row, encoding);
         let (tx, rx) = mpsc::channel(64);
         let sb = m.machine().filter(|_| row.boot == m.boot());
-        let Some(sb) = sb else {
+        let live = live_exec(sb, &row).await?;
+        let Some((mut conn, state)) = live else {
             // The machine it ran in is gone: its output with it.
             let obj = self.recorded_final(&m, exec_id)?;
             let exit = exit_of(&obj);
@@ -1712,7 +1713,6 @@ impl Node {
             });
             return Ok((meta, started, rx));
         };
-        let (mut conn, state) = status_conn(&sb, exec_id).await?;
         conn.send(&HostMsg::Attach {
             exec_id: exec_id.into(),
             from,
@@ -1763,7 +1763,8 @@ impl Node {
         let m = self.managed(id)?;
         let row = self.exec_row(&m, exec_id)?;
         let sb = m.machine().filter(|_| row.boot == m.boot());
-        let Some(sb) = sb else {
+        let live = live_exec(sb, &row).await?;
+        let Some((mut conn, state)) = live else {
             let obj = self.recorded_final(&m, exec_id)?;
             let end = obj.output.end;
             let state = ExecState {
@@ -1781,7 +1782,6 @@ impl Node {
             let gap = (from < end).then_some((from, end));
             return Ok((state, Vec::new(), gap));
         };
-        let (mut conn, state) = status_conn(&sb, exec_id).await?;
         let end = to.unwrap_or(u64::MAX).min(state.output.end);
         let mut pieces = Vec::new();
         let gap = read_range(&mut conn, exec_id, from, end, |stream, pos, data| {
@@ -2000,6 +2000,23 @@ async fn status_conn(sb: &Sandbox, exec_id: &str) -> Result<(AgentConn, ExecStat
             format!("no command {exec_id}"),
         )),
         _ => Err(ApiError::internal()),
+    }
+}
+
+/// A connection to the agent that runs (or ran) the command of `row` and its state; `None` when
+/// its machine is gone, or its agent no longer knows it and its end is recorded (an agent
+/// forgets the oldest of many finished commands): then its output is gone.
+async fn live_exec(
+    sb: Option<Arc<Sandbox>>,
+    row: &ExecRow,
+) -> Result<Option<(AgentConn, ExecState)>, ApiError> {
+    let Some(sb) = sb else {
+        return Ok(None);
+    };
+    match status_conn(&sb, &row.exec_id).await {
+        Ok(x) => Ok(Some(x)),
+        Err(e) if e.code == ErrorCode::ExecNotFound && row.final_json.is_some() => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
