@@ -493,6 +493,7 @@ impl Node {
         // `create` put it among the node's run sandboxes; a kept sandbox is its own.
         self.live_remove(&m.id);
         *m.machine.lock().map_err(|_| ApiError::internal())? = Some(sb.clone());
+        self.watch_agent(m, &sb);
         if let Ok(mut r) = m.resolved.lock() {
             *r = resolved.clone();
         }
@@ -1289,6 +1290,61 @@ impl Node {
         Ok((state, conn, row))
     }
 
+    /// Watches the agent of `m`'s machine `sb` through a pidfd: when it ends while `sb` is
+    /// still the machine (not ended by a delete or a restart), the sandbox is failed at once
+    /// with `agent_lost`, as a node that starts and finds an agent gone marks it (`recover`).
+    fn watch_agent(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+        // A second descriptor of the node's pidfd of the agent: readable once it has ended.
+        let fd = match sb.netns_handle().and_then(sbx_runtime::process::async_fd) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!(sandbox = %m.id, error = %e, "cannot watch the sandbox's agent");
+                return;
+            }
+        };
+        let (node, m, sb) = (self.clone(), m.clone(), sb.clone());
+        tokio::spawn(async move {
+            if let Err(e) = fd.readable().await {
+                tracing::warn!(sandbox = %m.id, error = %e, "cannot watch the sandbox's agent");
+                return;
+            }
+            drop(fd);
+            node.agent_ended(&m, &sb).await;
+        });
+    }
+
+    /// The agent of `sb` has ended. Unless the machine was ended on purpose meanwhile (a delete,
+    /// a restart: they hold the sandbox's op lock while they do), the sandbox is `failed`
+    /// (`agent_lost`), its unfinished commands recorded as killed, its cgroups and directory
+    /// removed.
+    async fn agent_ended(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+        let _op = m.op.lock().await;
+        let current = m.machine().is_some_and(|now| Arc::ptr_eq(&now, sb));
+        if !current {
+            return;
+        }
+        let why = if sb.oom_killed() {
+            "the sandbox's agent ended: killed by the kernel's OOM killer (the sandbox's memory limit)"
+        } else {
+            "the sandbox's agent ended (killed)"
+        };
+        tracing::warn!(sandbox = %m.id, why, "agent lost");
+        self.set_failed(m, "agent_lost", why);
+        self.record_finals(m, sb).await;
+        if let Ok(mut x) = m.machine.lock() {
+            x.take();
+        }
+        let driver = self.driver.clone();
+        let (sb, dir) = (sb.clone(), self.sandboxes_dir().join(&m.id));
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = driver.destroy(&sb) {
+                tracing::warn!(sandbox = %sb.id, error = %e, "removing a lost agent's sandbox");
+            }
+            sbx_runtime::driver::remove_dir(&dir)
+        })
+        .await;
+    }
+
     /// Waits for a command to end, then records its final object and frees its slot.
     fn watch_exec(self: &Arc<Self>, m: Arc<Managed>, sb: Arc<Sandbox>, row: ExecRow) {
         let node = self.clone();
@@ -1820,6 +1876,7 @@ impl Node {
                     if let Ok(mut mm) = m.machine.lock() {
                         *mm = Some(sb.clone());
                     }
+                    self.watch_agent(&m, &sb);
                     if let Ok(mut r) = m.resolved.lock() {
                         *r = self.resolve_adopted(&m.spec);
                     }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{assert_error, TestNode};
 use serde_json::{json, Value};
@@ -153,6 +153,63 @@ fn many_commands_with_much_output_do_not_grow_the_agent() {
     // Still serving.
     let v = run(&node, &id, "echo still here", None);
     assert_eq!(v["stdout"], "still here\n", "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn an_agent_that_dies_fails_its_sandbox_at_once() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let long = node.exec(&id, &json!({"command": "sleep 1000"}));
+    let long_id = long["id"].as_str().expect("exec id").to_string();
+    assert_eq!(long["status"], "running", "{long}");
+    let agent = node.agent_pid(&id).expect("the agent's host pid");
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &agent.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    // Noticed without any call to the sandbox (no restart of the node, no exec first).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let got = loop {
+        let v = node.get(&format!("/v1/sandboxes/{id}"), &[]).json();
+        if v["status"] == "failed" {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {} 30 s after its agent was killed: {v}",
+            v["status"]
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(got["failure_code"], "agent_lost", "{got}");
+    // Its running command ended with it.
+    let r = node.get(&format!("/v1/sandboxes/{id}/exec/{long_id}"), &[]);
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    assert_eq!(v["status"], "killed", "{v}");
+    // Later calls get a terminal answer, not "try again".
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({"command": "true"}),
+    );
+    assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
+    let r = node.get(&format!("/v1/sandboxes/{id}/files/stat?path=/"), &[]);
+    assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
+    let r = node.post_json(
+        &format!("/v1/sandboxes/{id}/exec/{long_id}/signal"),
+        &json!({"signal": "SIGTERM"}),
+    );
+    assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
+    // Nothing of it is left on the host (cgroups, directory, processes), before any delete.
+    let deadline = Instant::now() + CLEAN;
+    while !node.traces_of(&id).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(node.traces_of(&id), Vec::<String>::new());
     node.delete_sandbox(&id);
     node.assert_clean(CLEAN);
 }
