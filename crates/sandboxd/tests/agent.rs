@@ -213,3 +213,196 @@ fn an_agent_that_dies_fails_its_sandbox_at_once() {
     node.delete_sandbox(&id);
     node.assert_clean(CLEAN);
 }
+
+/// A tar of `depth` nested directories `d/d/…` (an entry each) and, at the bottom, `file`.
+fn deep_tar(depth: usize, content: &[u8]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut path = String::new();
+    for _ in 0..depth {
+        path.push_str("d/");
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_mode(0o755);
+        h.set_size(0);
+        b.append_data(&mut h, &path, &[][..])
+            .expect("a directory entry");
+    }
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_size(content.len() as u64);
+    b.append_data(&mut h, format!("{path}file"), content)
+        .expect("the file entry");
+    b.into_inner().expect("the archive")
+}
+
+/// `POST …/files/tar?path=`: the status and the answer.
+fn tar_up(node: &TestNode, sandbox: &str, path: &str, archive: &[u8]) -> (u16, Value) {
+    let r = node.post(
+        &format!("/v1/sandboxes/{sandbox}/files/tar?path={path}"),
+        &[("Content-Type", "application/x-tar")],
+        archive,
+    );
+    (r.status, r.json())
+}
+
+#[test]
+fn deeply_nested_tar_uploads_complete() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    for depth in [1000usize, 2000] {
+        let content = format!("at depth {depth}\n");
+        let dst = format!("/work/deep{depth}");
+        let (status, v) = tar_up(&node, &id, &dst, &deep_tar(depth, content.as_bytes()));
+        assert_eq!(status, 200, "depth {depth}: {v}");
+        assert_eq!(v["entries"], depth as u64 + 1, "depth {depth}: {v}");
+        assert_eq!(v["skipped"], 0, "depth {depth}: {v}");
+        // Every directory, and the file with its bytes (read through a descriptor walk: the
+        // path is longer than PATH_MAX at depth 2000).
+        let check = run(
+            &node,
+            &id,
+            &format!(
+                "find {dst} -type d | wc -l; find {dst} -type f -name file -size {}c | wc -l",
+                content.len()
+            ),
+            None,
+        );
+        assert_eq!(
+            check["stdout"],
+            format!("{}\n1\n", depth + 1),
+            "depth {depth}: {check}"
+        );
+        // Uploading it again over itself (everything exists) works as well.
+        let (status, v) = tar_up(&node, &id, &dst, &deep_tar(depth, b"again\n"));
+        assert_eq!(status, 200, "again, depth {depth}: {v}");
+        let check = run(
+            &node,
+            &id,
+            &format!("find {dst} -type f -name file -size 6c | wc -l"),
+            None,
+        );
+        assert_eq!(check["stdout"], "1\n", "again, depth {depth}: {check}");
+    }
+    // A file at depth 1000 reads back through the file API.
+    let path = format!("/work/deep1000/{}file", "d/".repeat(1000));
+    let r = node.get(&format!("/v1/sandboxes/{id}/files?path={path}"), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.text(), "again\n");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+/// Whether any descriptor of process `pid` names `path` (as the process sees it).
+fn holds_open(pid: u32, path: &str) -> bool {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    dir.flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .any(|l| l.to_string_lossy() == path)
+}
+
+/// Polls `f` every 20 ms until it is true or `timeout` is up: whether it became true.
+fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_tar_upload_whose_client_hangs_up_stops() {
+    use std::io::Write;
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let agent = node.agent_pid(&id).expect("the agent's host pid");
+    // An archive of one 256 MiB file, of which 8 MiB are sent before the client goes.
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_size(256 << 20);
+    h.set_path("big").expect("path");
+    h.set_cksum();
+    {
+        let mut s = std::net::TcpStream::connect(&node.addr).expect("connect");
+        let head = format!(
+            "POST /v1/sandboxes/{id}/files/tar?path=/work/cut HTTP/1.1\r\nHost: x\r\n\
+             Content-Type: application/x-tar\r\nContent-Length: {}\r\n\r\n",
+            (256u64 << 20) + 1024 + 512
+        );
+        s.write_all(head.as_bytes()).expect("head");
+        s.write_all(h.as_bytes()).expect("tar header");
+        s.write_all(&vec![b'x'; 8 << 20]).expect("some data");
+        assert!(
+            eventually(WAIT, || holds_open(agent, "/work/cut/big")),
+            "the agent never opened the file it unpacks"
+        );
+        // The client goes away (the socket closed without a word).
+    }
+    assert!(
+        eventually(WAIT, || !holds_open(agent, "/work/cut/big")),
+        "the agent still writes the upload after its client hung up"
+    );
+    // The agent lives on and serves.
+    assert_eq!(node.agent_pid(&id), Some(agent));
+    let v = run(&node, &id, "echo ok", None);
+    assert_eq!(v["stdout"], "ok\n", "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
+#[test]
+fn tar_entries_never_go_through_symlinks() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let before = run(&node, &id, "sha256sum /etc/passwd", None);
+    let mut b = tar::Builder::new(Vec::new());
+    let mut link = |name: &str, to: &str| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        b.append_link(&mut h, name, to).expect("symlink entry");
+    };
+    link("etc", "/etc");
+    link("pw", "/etc/passwd");
+    let mut file = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        b.append_data(&mut h, name, data).expect("file entry");
+    };
+    // Through a symlink of the archive: skipped. Over a symlink: the symlink is replaced.
+    file("etc/passwd", b"pwned\n");
+    file("pw", b"pwned\n");
+    let archive = b.into_inner().expect("archive");
+    let (status, v) = tar_up(&node, &id, "/work/links", &archive);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["entries"].clone(), v["skipped"].clone()),
+        (json!(3), json!(1)),
+        "{v}"
+    );
+    let after = run(&node, &id, "sha256sum /etc/passwd", None);
+    assert_eq!(after["stdout"], before["stdout"], "/etc/passwd was changed");
+    let check = run(
+        &node,
+        &id,
+        "cat /work/links/pw; readlink /work/links/etc",
+        None,
+    );
+    assert_eq!(check["stdout"], "pwned\n/etc\n", "{check}");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
