@@ -1814,7 +1814,7 @@ impl Unpacker {
         let dir = dir.as_fd();
         let name = name.as_os_str();
         if kind.is_dir() || old_style_dir {
-            match nix::sys::stat::mkdirat(dir, name, Mode::from_bits_truncate(0o700)) {
+            match nix::sys::stat::mkdirat(dir, name, Mode::from_bits_truncate(0o755)) {
                 Ok(()) => {}
                 Err(Errno::EEXIST) => {}
                 Err(err) => return Err(io_of(err)),
