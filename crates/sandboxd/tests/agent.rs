@@ -199,11 +199,15 @@ fn an_agent_that_dies_fails_its_sandbox_at_once() {
     assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
     let r = node.get(&format!("/v1/sandboxes/{id}/files/stat?path=/"), &[]);
     assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
+    // A signal to its command: a conflict (the sandbox is not running, or the command has
+    // ended), never "try again".
     let r = node.post_json(
         &format!("/v1/sandboxes/{id}/exec/{long_id}/signal"),
         &json!({"signal": "SIGTERM"}),
     );
-    assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
+    let v = r.json();
+    assert_eq!(r.status, 409, "{v}");
+    assert_eq!(v["error"]["retryable"], false, "{v}");
     // Nothing of it is left on the host (cgroups, directory, processes), before any delete.
     let deadline = Instant::now() + CLEAN;
     while !node.traces_of(&id).is_empty() && Instant::now() < deadline {
@@ -335,8 +339,9 @@ fn a_tar_upload_whose_client_hangs_up_stops() {
     {
         let mut s = std::net::TcpStream::connect(&node.addr).expect("connect");
         let head = format!(
-            "POST /v1/sandboxes/{id}/files/tar?path=/work/cut HTTP/1.1\r\nHost: x\r\n\
+            "POST /v1/sandboxes/{id}/files/tar?path=/work/cut HTTP/1.1\r\nHost: {}\r\n\
              Content-Type: application/x-tar\r\nContent-Length: {}\r\n\r\n",
+            node.addr,
             (256u64 << 20) + 1024 + 512
         );
         s.write_all(head.as_bytes()).expect("head");
