@@ -496,6 +496,7 @@ impl Node {
         // `create` put it among the node's run sandboxes; a kept sandbox is its own.
         self.live_remove(&m.id);
         *m.machine.lock().map_err(|_| ApiError::internal())? = Some(sb.clone());
+        self.watch_agent(m, &sb);
         if let Ok(mut r) = m.resolved.lock() {
             *r = resolved.clone();
         }
@@ -1292,6 +1293,61 @@ impl Node {
         Ok((state, conn, row))
     }
 
+    /// Watches the agent of `m`'s machine `sb` through a pidfd: when it ends while `sb` is
+    /// still the machine (not ended by a delete or a restart), the sandbox is failed at once
+    /// with `agent_lost`, as a node that starts and finds an agent gone marks it (`recover`).
+    fn watch_agent(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+        // A second descriptor of the node's pidfd of the agent: readable once it has ended.
+        let fd = match sb.netns_handle().and_then(sbx_runtime::process::async_fd) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!(sandbox = %m.id, error = %e, "cannot watch the sandbox's agent");
+                return;
+            }
+        };
+        let (node, m, sb) = (self.clone(), m.clone(), sb.clone());
+        tokio::spawn(async move {
+            if let Err(e) = fd.readable().await {
+                tracing::warn!(sandbox = %m.id, error = %e, "cannot watch the sandbox's agent");
+                return;
+            }
+            drop(fd);
+            node.agent_ended(&m, &sb).await;
+        });
+    }
+
+    /// The agent of `sb` has ended. Unless the machine was ended on purpose meanwhile (a delete,
+    /// a restart: they hold the sandbox's op lock while they do), the sandbox is `failed`
+    /// (`agent_lost`), its unfinished commands recorded as killed, its cgroups and directory
+    /// removed.
+    async fn agent_ended(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+        let _op = m.op.lock().await;
+        let current = m.machine().is_some_and(|now| Arc::ptr_eq(&now, sb));
+        if !current {
+            return;
+        }
+        let why = if sb.oom_killed() {
+            "the sandbox's agent ended: killed by the kernel's OOM killer (the sandbox's memory limit)"
+        } else {
+            "the sandbox's agent ended (killed)"
+        };
+        tracing::warn!(sandbox = %m.id, why, "agent lost");
+        self.set_failed(m, "agent_lost", why);
+        self.record_finals(m, sb).await;
+        if let Ok(mut x) = m.machine.lock() {
+            x.take();
+        }
+        let driver = self.driver.clone();
+        let (sb, dir) = (sb.clone(), self.sandboxes_dir().join(&m.id));
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = driver.destroy(&sb) {
+                tracing::warn!(sandbox = %sb.id, error = %e, "removing a lost agent's sandbox");
+            }
+            sbx_runtime::driver::remove_dir(&dir)
+        })
+        .await;
+    }
+
     /// Waits for a command to end, then records its final object and frees its slot.
     fn watch_exec(self: &Arc<Self>, m: Arc<Managed>, sb: Arc<Sandbox>, row: ExecRow) {
         let node = self.clone();
@@ -1716,7 +1772,8 @@ impl Node {
         let meta = meta_of(&m, &row, encoding);
         let (tx, rx) = mpsc::channel(64);
         let sb = m.machine().filter(|_| row.boot == m.boot());
-        let Some(sb) = sb else {
+        let live = live_exec(sb, &row).await?;
+        let Some((mut conn, state)) = live else {
             // The machine it ran in is gone: its output with it.
             let obj = self.recorded_final(&m, exec_id)?;
             let exit = exit_of(&obj);
@@ -1743,7 +1800,6 @@ impl Node {
             });
             return Ok((meta, started, rx));
         };
-        let (mut conn, state) = status_conn(&sb, exec_id).await?;
         conn.send(&HostMsg::Attach {
             exec_id: exec_id.into(),
             from,
@@ -1794,7 +1850,8 @@ impl Node {
         let m = self.managed(id)?;
         let row = self.exec_row(&m, exec_id)?;
         let sb = m.machine().filter(|_| row.boot == m.boot());
-        let Some(sb) = sb else {
+        let live = live_exec(sb, &row).await?;
+        let Some((mut conn, state)) = live else {
             let obj = self.recorded_final(&m, exec_id)?;
             let end = obj.output.end;
             let state = ExecState {
@@ -1812,7 +1869,6 @@ impl Node {
             let gap = (from < end).then_some((from, end));
             return Ok((state, Vec::new(), gap));
         };
-        let (mut conn, state) = status_conn(&sb, exec_id).await?;
         let end = to.unwrap_or(u64::MAX).min(state.output.end);
         let mut pieces = Vec::new();
         let gap = read_range(&mut conn, exec_id, from, end, |stream, pos, data| {
@@ -1851,6 +1907,7 @@ impl Node {
                     if let Ok(mut mm) = m.machine.lock() {
                         *mm = Some(sb.clone());
                     }
+                    self.watch_agent(&m, &sb);
                     if let Ok(mut r) = m.resolved.lock() {
                         *r = self.resolve_adopted(&m.spec);
                     }
@@ -2031,6 +2088,23 @@ async fn status_conn(sb: &Sandbox, exec_id: &str) -> Result<(AgentConn, ExecStat
             format!("no command {exec_id}"),
         )),
         _ => Err(ApiError::internal()),
+    }
+}
+
+/// A connection to the agent that runs (or ran) the command of `row` and its state; `None` when
+/// its machine is gone, or its agent no longer knows it and its end is recorded (an agent
+/// forgets the oldest of many finished commands): then its output is gone.
+async fn live_exec(
+    sb: Option<Arc<Sandbox>>,
+    row: &ExecRow,
+) -> Result<Option<(AgentConn, ExecState)>, ApiError> {
+    let Some(sb) = sb else {
+        return Ok(None);
+    };
+    match status_conn(&sb, &row.exec_id).await {
+        Ok(x) => Ok(Some(x)),
+        Err(e) if e.code == ErrorCode::ExecNotFound && row.final_json.is_some() => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

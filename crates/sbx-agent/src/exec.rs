@@ -1,9 +1,10 @@
 //! One command: its process, pipes, output ring, deadline and exit.
 
 use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sbx_proto::{ExecFailKind, ExecSpec, ExecState, ExitInfo, OutputCounts, Program, Stream};
@@ -30,6 +31,76 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 /// holds its pipes open.
 const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
 
+/// The output all finished commands keep together: the newest first, the oldest trimmed first
+/// (from their start: a command's tail is what stays).
+pub const FINISHED_BUDGET: usize = 16 << 20;
+/// What a finished command keeps of its output at least (its last bytes), while it is known.
+pub const FINISHED_TAIL: usize = 4 << 10;
+/// Finished commands known at most; the oldest finished is forgotten first (the node has its
+/// final object).
+pub const FINISHED_RECORDS: usize = 1024;
+
+/// The agent's commands by id, and the finished ones in the order they finished: what bounds
+/// the agent's memory whatever the number of commands (running ones keep up to [`CAPACITY`]
+/// each; finished ones [`FINISHED_BUDGET`] together, [`FINISHED_TAIL`] each at least, and
+/// [`FINISHED_RECORDS`] of them).
+#[derive(Default)]
+pub struct Registry {
+    execs: RefCell<HashMap<String, Rc<Exec>>>,
+    finished: RefCell<VecDeque<Rc<Exec>>>,
+}
+
+impl Registry {
+    pub fn new() -> Rc<Registry> {
+        Rc::new(Registry::default())
+    }
+
+    pub fn get(&self, id: &str) -> Option<Rc<Exec>> {
+        self.execs.borrow().get(id).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Rc<Exec>> {
+        self.execs.borrow().values().cloned().collect()
+    }
+
+    /// Keeps a command just started (one that could not run is finished already).
+    pub fn insert(&self, e: Rc<Exec>) {
+        self.execs.borrow_mut().insert(e.id.clone(), e.clone());
+        if e.state.borrow().exit.is_some() {
+            self.retire(e);
+        }
+    }
+
+    /// A command has finished: its output joins the finished commands' budget.
+    fn retire(&self, e: Rc<Exec>) {
+        e.state.borrow_mut().ring.shrink();
+        let mut finished = self.finished.borrow_mut();
+        finished.push_back(e);
+        let mut total: usize = finished.iter().map(|e| e.state.borrow().ring.kept()).sum();
+        for old in finished.iter() {
+            if total <= FINISHED_BUDGET {
+                break;
+            }
+            let mut st = old.state.borrow_mut();
+            let before = st.ring.kept();
+            let keep = before
+                .saturating_sub(total - FINISHED_BUDGET)
+                .max(FINISHED_TAIL);
+            st.ring.trim_to(keep);
+            total -= before - st.ring.kept();
+        }
+        while finished.len() > FINISHED_RECORDS {
+            let Some(old) = finished.pop_front() else {
+                break;
+            };
+            let mut execs = self.execs.borrow_mut();
+            if execs.get(&old.id).is_some_and(|e| Rc::ptr_eq(e, &old)) {
+                execs.remove(&old.id);
+            }
+        }
+    }
+}
+
 pub struct State {
     pub ring: Ring,
     pub exit: Option<ExitInfo>,
@@ -53,6 +124,8 @@ pub struct Exec {
     pub state: RefCell<State>,
     notify: watch::Sender<u64>,
     stdin: RefCell<Option<mpsc::UnboundedSender<Vec<u8>>>>,
+    /// Told when the command finishes.
+    registry: Weak<Registry>,
 }
 
 fn now_ns() -> i64 {
@@ -73,7 +146,7 @@ fn find_on_path(name: &str, path: &str) -> Option<PathBuf> {
 }
 
 impl Exec {
-    fn new(id: String, pid: u32, readers: u8) -> Rc<Exec> {
+    fn new(id: String, pid: u32, readers: u8, registry: &Rc<Registry>) -> Rc<Exec> {
         let (notify, _) = watch::channel(0);
         Rc::new(Exec {
             wait_for_reader: Cell::new(false),
@@ -93,12 +166,13 @@ impl Exec {
             }),
             notify,
             stdin: RefCell::new(None),
+            registry: Rc::downgrade(registry),
         })
     }
 
     /// A command that could not run: it "ran" and ended with `code`, its reason on stderr.
-    fn failed(id: String, code: i32, message: String) -> Rc<Exec> {
-        let e = Exec::new(id, 0, 0);
+    fn failed(id: String, code: i32, message: String, registry: &Rc<Registry>) -> Rc<Exec> {
+        let e = Exec::new(id, 0, 0, registry);
         {
             let mut st = e.state.borrow_mut();
             st.ring.push(Stream::Stderr, message.as_bytes());
@@ -256,6 +330,9 @@ impl Exec {
         drop(st);
         self.close_stdin();
         self.bump();
+        if let Some(r) = self.registry.upgrade() {
+            r.retire(self.clone());
+        }
     }
 }
 
@@ -380,7 +457,11 @@ fn stdin_writer(fd: OwnedFd) -> mpsc::UnboundedSender<Vec<u8>> {
 
 /// Starts a command. `Err` only for what the node must answer with an error (no such user);
 /// a command that cannot be executed "runs" and ends with 126 or 127, as in a shell.
-pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, String)> {
+pub fn start(
+    spec: ExecSpec,
+    d: &Defaults,
+    registry: &Rc<Registry>,
+) -> Result<Rc<Exec>, (ExecFailKind, String)> {
     let user_spec = spec.user.as_deref().or(d.user.as_deref()).unwrap_or("0");
     let user = users::lookup(user_spec).ok_or_else(|| {
         (
@@ -413,6 +494,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             spec.exec_id,
             126,
             format!("sbx: cannot change to directory {cwd}: No such file or directory\n"),
+            registry,
         ));
     }
     let argv: Vec<String> = match &spec.program {
@@ -424,6 +506,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             spec.exec_id,
             127,
             "sbx: empty command\n".into(),
+            registry,
         ));
     };
     let path_var = env
@@ -436,6 +519,7 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             spec.exec_id,
             127,
             format!("sbx: {first}: command not found\n"),
+            registry,
         ));
     };
     if spec.tty && !env.iter().any(|(k, _)| k == "TERM") {
@@ -456,10 +540,10 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
             .and_then(|p| Ok((p.pid, process::async_fd(p.master)?)));
         let (pid, master) = match on_pty {
             Ok(p) => p,
-            Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e)),
+            Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e, registry)),
         };
         let master = Rc::new(master);
-        let exec = Exec::new(spec.exec_id, pid, 1);
+        let exec = Exec::new(spec.exec_id, pid, 1, registry);
         exec.wait_for_reader.set(spec.wait_for_reader);
         let r = pty_reader(exec.clone(), master.clone());
         exec.state.borrow_mut().readers = vec![r];
@@ -470,9 +554,9 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
     }
     let spawned = match process::spawn(&how) {
         Ok(s) => s,
-        Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e)),
+        Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e, registry)),
     };
-    let exec = Exec::new(spec.exec_id, spawned.pid, 2);
+    let exec = Exec::new(spec.exec_id, spawned.pid, 2, registry);
     exec.wait_for_reader.set(spec.wait_for_reader);
     let r1 = reader(exec.clone(), spawned.stdout, Stream::Stdout);
     let r2 = reader(exec.clone(), spawned.stderr, Stream::Stderr);
@@ -484,13 +568,18 @@ pub fn start(spec: ExecSpec, d: &Defaults) -> Result<Rc<Exec>, (ExecFailKind, St
 
 /// A command whose program could not be executed, as a shell says it: 127 when it is not
 /// found, 126 otherwise.
-fn spawn_failed(exec_id: String, program: &str, e: &std::io::Error) -> Rc<Exec> {
+fn spawn_failed(
+    exec_id: String,
+    program: &str,
+    e: &std::io::Error,
+    registry: &Rc<Registry>,
+) -> Rc<Exec> {
     let code = if e.kind() == std::io::ErrorKind::NotFound {
         127
     } else {
         126
     };
-    Exec::failed(exec_id, code, format!("sbx: {program}: {e}\n"))
+    Exec::failed(exec_id, code, format!("sbx: {program}: {e}\n"), registry)
 }
 
 /// Kills the command's process group when its time is up.
@@ -516,4 +605,42 @@ fn deadline(exec: &Rc<Exec>, timeout_ms: Option<u64>) {
 
 fn libc_sigkill() -> i32 {
     9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(r: &Registry) -> usize {
+        r.all().iter().map(|e| e.state.borrow().ring.kept()).sum()
+    }
+
+    #[test]
+    fn finished_output_is_bounded_newest_first_with_tails() {
+        let r = Registry::new();
+        let mb = "x".repeat(1 << 20);
+        for i in 0..40 {
+            r.insert(Exec::failed(format!("exe-{i}"), 1, mb.clone(), &r));
+        }
+        assert!(kept(&r) <= FINISHED_BUDGET, "{}", kept(&r));
+        // The newest are whole; the oldest keep their tail, at their end.
+        let newest = r.get("exe-39").unwrap();
+        assert_eq!(newest.counts().start, 0);
+        let oldest = r.get("exe-0").unwrap();
+        let c = oldest.counts();
+        assert_eq!((c.end - c.start) as usize, FINISHED_TAIL);
+        assert_eq!(c.end, 1 << 20);
+        assert_eq!(c.stderr_bytes, 1 << 20, "counts stay whole");
+    }
+
+    #[test]
+    fn the_oldest_finished_records_are_forgotten() {
+        let r = Registry::new();
+        for i in 0..FINISHED_RECORDS + 10 {
+            r.insert(Exec::failed(format!("exe-{i}"), 1, "no\n".into(), &r));
+        }
+        assert_eq!(r.all().len(), FINISHED_RECORDS);
+        assert!(r.get("exe-9").is_none());
+        assert!(r.get("exe-10").is_some());
+    }
 }

@@ -14,9 +14,10 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, Metadata, Permissions};
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{
     chown, fchown, lchown, DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt,
@@ -1620,17 +1621,308 @@ impl ChunkReader {
     }
 }
 
-/// Where an entry of an archive lands under `dst`, as `unpack_in` puts it (`None`: nowhere).
-fn landing(dst: &Path, rel: &Path) -> Option<PathBuf> {
-    let mut out = dst.to_path_buf();
-    for c in rel.components() {
+/// What became of one entry of an archive.
+enum Unpacked {
+    /// Made (or, for the destination itself, nothing to make).
+    Done,
+    /// Not unpacked: it would land outside the destination (`..`), or its directory is a
+    /// symlink or not a directory.
+    Skipped,
+}
+
+/// Where an archive is unpacked, by directory handles: each entry's directory is reached from
+/// the last entry's directory (one `openat` per new component) or from the destination, never
+/// by resolving a path from `/` again. An archive's cost is then linear in its size, at any
+/// depth (paths longer than PATH_MAX too), and no component is followed as a symlink, so no
+/// entry lands outside the destination.
+struct Unpacker {
+    root: OwnedFd,
+    /// The last entry's directory: its components under the destination and a handle on it.
+    last: Vec<OsString>,
+    last_fd: Option<OwnedFd>,
+    /// Who owns what is made: the archive's owners, else these, else the agent (root).
+    preserve_owners: bool,
+    ids: Option<(u32, u32)>,
+}
+
+/// One step down from `dir` to its directory `name`, made (0755, owned by `ids`) when missing
+/// and `make`. `None`: `name` is a symlink or not a directory.
+fn step_into(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    make: bool,
+    ids: Option<(u32, u32)>,
+) -> io::Result<Option<OwnedFd>> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    match nix::fcntl::openat(dir, name, flags, Mode::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Errno::ENOTDIR | Errno::ELOOP) => Ok(None),
+        Err(Errno::ENOENT) if make => {
+            match nix::sys::stat::mkdirat(dir, name, Mode::from_bits_truncate(0o755)) {
+                Ok(()) | Err(Errno::EEXIST) => {}
+                Err(e) => return Err(io_of(e)),
+            }
+            match nix::fcntl::openat(dir, name, flags, Mode::empty()) {
+                Ok(fd) => {
+                    if let Some((u, g)) = ids {
+                        fchown(&fd, Some(u), Some(g))?;
+                    }
+                    Ok(Some(fd))
+                }
+                Err(Errno::ENOTDIR | Errno::ELOOP) => Ok(None),
+                Err(e) => Err(io_of(e)),
+            }
+        }
+        Err(e) => Err(io_of(e)),
+    }
+}
+
+/// The parts of an entry's path under the destination; `None` when it has `..`.
+fn parts_of(path: &Path) -> Option<Vec<OsString>> {
+    let mut out = Vec::new();
+    for c in path.components() {
         match c {
-            Component::Normal(n) => out.push(n),
+            Component::Normal(n) => out.push(n.to_os_string()),
             Component::ParentDir => return None,
-            _ => {}
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
         }
     }
     Some(out)
+}
+
+/// A time of an archive as the file's: 0 is taken as 1, as the tar crate does.
+fn mtime_of(header: &tar::Header) -> Option<nix::sys::time::TimeSpec> {
+    let t = header.mtime().ok()?.max(1);
+    Some(nix::sys::time::TimeSpec::new(i64::try_from(t).ok()?, 0))
+}
+
+/// Removes `name` from `dir` so that it can be made again (not a directory).
+fn unlink_in(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    match nix::unistd::unlinkat(dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir) {
+        Ok(()) | Err(Errno::ENOENT) => Ok(()),
+        Err(e) => Err(io_of(e)),
+    }
+}
+
+impl Unpacker {
+    fn new(dst: &Path, preserve_owners: bool, ids: Option<(u32, u32)>) -> io::Result<Unpacker> {
+        let root = File::open(dst)?.into();
+        Ok(Unpacker {
+            root,
+            last: Vec::new(),
+            last_fd: None,
+            preserve_owners,
+            ids,
+        })
+    }
+
+    /// A handle on the directory `parts` under the destination (made when `make`), reached
+    /// from the last one when it lies under it. `None`: a component is a symlink or not a
+    /// directory (or missing, when not `make`).
+    fn dir(&mut self, parts: &[OsString], make: bool) -> io::Result<Option<BorrowedFd<'_>>> {
+        let below_last = self.last_fd.is_some() && parts.starts_with(&self.last);
+        if !below_last {
+            self.last.clear();
+            self.last_fd = None;
+        }
+        for name in &parts[self.last.len()..] {
+            let from = match &self.last_fd {
+                Some(fd) => fd.as_fd(),
+                None => self.root.as_fd(),
+            };
+            let next = match step_into(from, name, make, self.ids) {
+                Ok(Some(fd)) => fd,
+                Ok(None) => {
+                    self.last.clear();
+                    self.last_fd = None;
+                    return Ok(None);
+                }
+                Err(e) if !make && e.kind() == io::ErrorKind::NotFound => {
+                    self.last.clear();
+                    self.last_fd = None;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    self.last.clear();
+                    self.last_fd = None;
+                    return Err(e);
+                }
+            };
+            self.last.push(name.clone());
+            self.last_fd = Some(next);
+        }
+        Ok(Some(match &self.last_fd {
+            Some(fd) => fd.as_fd(),
+            None => self.root.as_fd(),
+        }))
+    }
+
+    /// The owner an entry gets: the archive's, or the one asked for.
+    fn owner_of(&self, header: &tar::Header) -> io::Result<Option<(u32, u32)>> {
+        if !self.preserve_owners {
+            return Ok(self.ids);
+        }
+        let id = |v: u64| u32::try_from(v).map_err(|_| io_of(Errno::EINVAL));
+        Ok(Some((id(header.uid()?)?, id(header.gid()?)?)))
+    }
+
+    /// Unpacks one entry (its data read from `e`).
+    fn unpack<R: Read>(&mut self, e: &mut tar::Entry<'_, R>) -> io::Result<Unpacked> {
+        let Some(mut parts) = parts_of(&e.path()?) else {
+            return Ok(Unpacked::Skipped);
+        };
+        let Some(name) = parts.pop() else {
+            // The destination itself ("./"): nothing to make.
+            return Ok(Unpacked::Done);
+        };
+        let header = e.header().clone();
+        let kind = header.entry_type();
+        let owner = self.owner_of(&header)?;
+        let mode = header.mode().ok().map(|m| m & 0o7777);
+        let link = if kind.is_symlink() || kind.is_hard_link() {
+            match e.link_name()? {
+                Some(l) if l.as_os_str().is_empty() => None,
+                Some(l) => Some(l.into_owned()),
+                None => None,
+            }
+        } else {
+            None
+        };
+        // A hard link's source, in the destination, first (it moves the last directory).
+        let source = match (kind.is_hard_link(), &link) {
+            (true, Some(l)) => {
+                let Some(mut src) = parts_of(l) else {
+                    return Ok(Unpacked::Skipped);
+                };
+                let Some(src_name) = src.pop() else {
+                    return Ok(Unpacked::Skipped);
+                };
+                let Some(src_dir) = self.dir(&src, false)? else {
+                    return Ok(Unpacked::Skipped);
+                };
+                let src_dir: OwnedFd = src_dir.try_clone_to_owned()?;
+                Some((src_dir, src_name))
+            }
+            (true, None) => return Err(io_of(Errno::EINVAL)),
+            _ => None,
+        };
+        let old_style_dir = header.as_ustar().is_none() && e.path_bytes().ends_with(b"/");
+        let Some(dir) = self.dir(&parts, true)? else {
+            return Ok(Unpacked::Skipped);
+        };
+        let dir: OwnedFd = dir.try_clone_to_owned()?;
+        let dir = dir.as_fd();
+        let name = name.as_os_str();
+        if kind.is_dir() || old_style_dir {
+            match nix::sys::stat::mkdirat(dir, name, Mode::from_bits_truncate(0o755)) {
+                Ok(()) => {}
+                Err(Errno::EEXIST) => {}
+                Err(err) => return Err(io_of(err)),
+            }
+            let Some(fd) = step_into(dir, name, false, None)? else {
+                return Err(io_of(Errno::EEXIST));
+            };
+            if let Some((u, g)) = owner {
+                fchown(&fd, Some(u), Some(g))?;
+            }
+            if let Some(m) = mode {
+                nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(m)).map_err(io_of)?;
+            }
+            // The next entries are most likely in it.
+            let mut here = parts;
+            here.push(name.to_os_string());
+            self.last = here;
+            self.last_fd = Some(fd);
+            return Ok(Unpacked::Done);
+        }
+        if kind.is_symlink() {
+            let target = link.ok_or_else(|| io_of(Errno::EINVAL))?;
+            match nix::unistd::symlinkat(target.as_os_str(), dir, name) {
+                Ok(()) => {}
+                Err(Errno::EEXIST) => {
+                    unlink_in(dir, name)?;
+                    nix::unistd::symlinkat(target.as_os_str(), dir, name).map_err(io_of)?;
+                }
+                Err(err) => return Err(io_of(err)),
+            }
+            if let Some((u, g)) = owner {
+                nix::unistd::fchownat(
+                    dir,
+                    name,
+                    Some(u.into()),
+                    Some(g.into()),
+                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .map_err(io_of)?;
+            }
+            if let Some(t) = mtime_of(&header) {
+                nix::sys::stat::utimensat(
+                    dir,
+                    name,
+                    &t,
+                    &t,
+                    nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+                )
+                .map_err(io_of)?;
+            }
+            return Ok(Unpacked::Done);
+        }
+        if let Some((src_dir, src_name)) = source {
+            let link = |d: BorrowedFd<'_>| {
+                nix::unistd::linkat(
+                    src_dir.as_fd(),
+                    src_name.as_os_str(),
+                    d,
+                    name,
+                    nix::fcntl::AtFlags::empty(),
+                )
+            };
+            match link(dir) {
+                Ok(()) => {}
+                Err(Errno::EEXIST) => {
+                    unlink_in(dir, name)?;
+                    link(dir).map_err(io_of)?;
+                }
+                Err(err) => return Err(io_of(err)),
+            }
+            return Ok(Unpacked::Done);
+        }
+        // A regular file, or a kind this does not know (POSIX: taken as a regular file). A
+        // new file, not one written over in place.
+        let create = || {
+            nix::fcntl::openat(
+                dir,
+                name,
+                OFlag::O_WRONLY
+                    | OFlag::O_CREAT
+                    | OFlag::O_EXCL
+                    | OFlag::O_NOFOLLOW
+                    | OFlag::O_CLOEXEC,
+                Mode::from_bits_truncate(0o600),
+            )
+        };
+        let fd = match create() {
+            Ok(fd) => fd,
+            Err(Errno::EEXIST) => {
+                unlink_in(dir, name)?;
+                create().map_err(io_of)?
+            }
+            Err(err) => return Err(io_of(err)),
+        };
+        let mut f = File::from(fd);
+        io::copy(e, &mut f)?;
+        if let Some((u, g)) = owner {
+            fchown(&f, Some(u), Some(g))?;
+        }
+        // After the chown, which clears setuid and setgid.
+        if let Some(m) = mode {
+            f.set_permissions(Permissions::from_mode(m))?;
+        }
+        if let Some(t) = mtime_of(&header) {
+            nix::sys::stat::futimens(&f, &t, &t).map_err(io_of)?;
+        }
+        Ok(Unpacked::Done)
+    }
 }
 
 fn tar_extract(
@@ -1665,13 +1957,9 @@ fn tar_extract(
         cut_off: false,
     };
     let (mut entries, mut bytes, mut skipped) = (0u64, 0u64, 0u64);
+    let mut unpacker = Unpacker::new(&p, preserve_owners, ids).map_err(|e| fail(&e, &p, "path"))?;
     let outcome: Result<(), io::Error> = (|| {
         let mut ar = tar::Archive::new(&mut reader);
-        ar.set_preserve_permissions(true);
-        ar.set_preserve_mtime(true);
-        ar.set_unpack_xattrs(false);
-        ar.set_overwrite(true);
-        ar.set_preserve_ownerships(preserve_owners);
         for e in ar.entries()? {
             if c.cancelled() {
                 return Err(io::Error::new(
@@ -1685,21 +1973,22 @@ fn tar_extract(
                 skipped += 1;
                 continue;
             }
-            let rel = e.path()?.into_owned();
+            if t.is_pax_global_extensions()
+                || t.is_pax_local_extensions()
+                || t.is_gnu_longname()
+                || t.is_gnu_longlink()
+            {
+                continue;
+            }
             let size = e.size();
-            if !e.unpack_in(&p)? {
-                skipped += 1;
-                continue;
-            }
-            if t.is_pax_global_extensions() || t.is_pax_local_extensions() {
-                continue;
-            }
-            entries += 1;
-            if t.is_file() {
-                bytes += size;
-            }
-            if let (Some((u, g)), false, Some(to)) = (ids, preserve_owners, landing(&p, &rel)) {
-                lchown(&to, Some(u), Some(g))?;
+            match unpacker.unpack(&mut e)? {
+                Unpacked::Skipped => skipped += 1,
+                Unpacked::Done => {
+                    entries += 1;
+                    if t.is_file() {
+                        bytes += size;
+                    }
+                }
             }
         }
         Ok(())

@@ -17,7 +17,7 @@ use crate::fs;
 
 struct Agent {
     defaults: Defaults,
-    execs: RefCell<HashMap<String, Rc<Exec>>>,
+    execs: Rc<exec::Registry>,
     by_pid: RefCell<HashMap<u32, Rc<Exec>>>,
 }
 
@@ -46,7 +46,7 @@ async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
     };
     let agent = Rc::new(Agent {
         defaults,
-        execs: RefCell::new(HashMap::new()),
+        execs: exec::Registry::new(),
         by_pid: RefCell::new(HashMap::new()),
     });
     spawn_local(reaper(agent.clone()));
@@ -150,7 +150,7 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
                 bytes,
                 ..
             } => {
-                let exec = agent.execs.borrow().get(&exec_id).cloned();
+                let exec = agent.execs.get(&exec_id);
                 if let Some(e) = exec {
                     e.write_stdin(bytes);
                 }
@@ -170,7 +170,7 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
 }
 
 fn find(agent: &Agent, id: &str) -> Option<Rc<Exec>> {
-    agent.execs.borrow().get(id).cloned()
+    agent.execs.get(id)
 }
 
 async fn no_such_exec(out: &Out, exec_id: String) {
@@ -202,9 +202,9 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
                 return;
             }
             let attach = spec.attach;
-            match exec::start(spec, &agent.defaults) {
+            match exec::start(spec, &agent.defaults, &agent.execs) {
                 Ok(e) => {
-                    agent.execs.borrow_mut().insert(id.clone(), e.clone());
+                    agent.execs.insert(e.clone());
                     if e.pid > 0 && e.state.borrow().exit.is_none() {
                         agent.by_pid.borrow_mut().insert(e.pid, e.clone());
                     }
@@ -274,7 +274,7 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
             None => no_such_exec(out, exec_id).await,
         },
         HostMsg::List => {
-            let mut execs: Vec<Rc<Exec>> = agent.execs.borrow().values().cloned().collect();
+            let mut execs: Vec<Rc<Exec>> = agent.execs.all();
             execs.sort_by_key(|e| (e.started_at_ns, e.id.clone()));
             let execs = execs.iter().map(|e| e.snapshot()).collect();
             send(out, &AgentMsg::Execs { execs }).await;

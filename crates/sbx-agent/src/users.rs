@@ -47,9 +47,30 @@ fn supplementary(group_text: &str, name: &str, gid: u32) -> Vec<u32> {
     out
 }
 
-/// Resolves a user as a name, a uid or uid:gid. `None`: no such user.
+/// Root as it is when /etc/passwd does not say (missing, empty, garbage, or without a root
+/// line): uid 0, gid 0, home /root.
+fn root() -> User {
+    User {
+        uid: 0,
+        gid: 0,
+        groups: vec![0],
+        home: "/root".into(),
+        name: Some("root".into()),
+    }
+}
+
+/// Resolves a user as a name, a uid or uid:gid. `None`: no such user. `root` and uid 0 always
+/// resolve: the sandbox's own files (which its commands may break) cannot lock root out.
 pub fn resolve(spec: &str, passwd_text: &str, group_text: &str) -> Option<User> {
     let entries = passwd(passwd_text);
+    // Root must resolve whatever the files say; a root line that names another uid (or a
+    // uid 0 line under another name) does not count.
+    if spec == "root" && !entries.iter().any(|e| e.name == "root" && e.uid == 0) {
+        return Some(root());
+    }
+    if spec.parse::<u32>() == Ok(0) && !entries.iter().any(|e| e.uid == 0) {
+        return Some(root());
+    }
     if let Some((u, g)) = spec.split_once(':') {
         let uid: u32 = u.parse().ok()?;
         let gid: u32 = g.parse().ok()?;
@@ -119,6 +140,31 @@ fn settled_stamp(path: &str) -> Option<Stamp> {
     (stamp.ctime.0 < now - 1 && stamp.mtime.0 < now - 1).then_some(stamp)
 }
 
+/// The most of /etc/passwd or /etc/group that is read.
+const MAX_FILE: u64 = 4 << 20;
+
+/// A user database file as text: empty unless it is a regular file (a FIFO or a device put in
+/// its place does not block or flood the agent), its first [`MAX_FILE`] bytes.
+fn read_small(path: &str) -> String {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+        .open(path)
+    else {
+        return String::new();
+    };
+    if !f.metadata().map(|m| m.is_file()).unwrap_or(false) {
+        return String::new();
+    }
+    let mut bytes = Vec::new();
+    if f.take(MAX_FILE).read_to_end(&mut bytes).is_err() {
+        return String::new();
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 /// What was read of /etc/passwd and /etc/group while they kept these stamps: their texts and
 /// the users resolved against them so far.
 struct Cached {
@@ -142,8 +188,8 @@ pub fn lookup(spec: &str) -> Option<User> {
             _ => false,
         };
         if !hit {
-            let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
-            let group = fs::read_to_string("/etc/group").unwrap_or_default();
+            let passwd = read_small("/etc/passwd");
+            let group = read_small("/etc/group");
             let user = resolve(spec, &passwd, &group);
             // Kept only when both files are settled; else read again next time.
             *cache = stamps.map(|stamps| Cached {
@@ -189,5 +235,49 @@ mod tests {
         assert_eq!((pair.uid, pair.gid), (1000, 50));
         assert!(resolve("mallory", P, G).is_none());
         assert!(resolve("x:y", P, G).is_none());
+    }
+
+    #[test]
+    fn root_always_resolves() {
+        let root = User {
+            uid: 0,
+            gid: 0,
+            groups: vec![0],
+            home: "/root".into(),
+            name: Some("root".into()),
+        };
+        for text in [
+            "",
+            "garbage\n\0\0:::::\n",
+            "root:x:zero:0:root:/root:/bin/sh\n",
+            "root:x:1000:1000::/home/evil:/bin/sh\n",
+            "alice:x:1000:1000::/home/alice:/bin/sh\n",
+        ] {
+            assert_eq!(resolve("root", text, "").as_ref(), Some(&root), "{text:?}");
+            assert_eq!(resolve("0", text, "").as_ref(), Some(&root), "{text:?}");
+        }
+        // Others still need their line.
+        assert!(resolve("alice", "", "").is_none());
+        // A file that names root is read as it is.
+        assert_eq!(
+            resolve("root", P, G).map(|u| u.home).as_deref(),
+            Some("/root")
+        );
+    }
+
+    #[test]
+    fn only_regular_files_are_read() {
+        let dir = std::env::temp_dir().join(format!("sbx-users-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // A FIFO with no writer would block a plain open: it is read as empty.
+        assert_eq!(read_small(fifo.to_str().unwrap()), "");
+        assert_eq!(read_small(dir.to_str().unwrap()), "");
+        let f = dir.join("passwd");
+        fs::write(&f, P).unwrap();
+        assert_eq!(read_small(f.to_str().unwrap()), P);
+        fs::remove_dir_all(&dir).unwrap();
     }
 }
