@@ -56,16 +56,21 @@ fn body_of(answer: &[u8]) -> Value {
     serde_json::from_slice(&answer[at + 4..]).expect("a JSON body")
 }
 
-#[test]
-fn stalled_heads_bodies_and_idle_connections_are_closed() {
-    let node = TestNode::start_with(&[
+/// A node whose header, body-idle and keep-alive timeouts are all 300 ms.
+fn short_timeouts_node() -> TestNode {
+    TestNode::start_with(&[
         "--header-timeout-ms",
         "300",
         "--body-idle-timeout-ms",
         "300",
         "--keepalive-timeout-ms",
         "300",
-    ]);
+    ])
+}
+
+#[test]
+fn stalled_heads_bodies_and_idle_connections_are_closed() {
+    let node = short_timeouts_node();
     let addr = node.addr.clone();
 
     // Nothing sent at all.
@@ -129,14 +134,7 @@ fn stalled_heads_bodies_and_idle_connections_are_closed() {
 
 #[test]
 fn bodies_that_keep_coming_and_streams_that_keep_answering_are_not_cut() {
-    let node = TestNode::start_with(&[
-        "--header-timeout-ms",
-        "300",
-        "--body-idle-timeout-ms",
-        "300",
-        "--keepalive-timeout-ms",
-        "300",
-    ]);
+    let node = short_timeouts_node();
     let addr = node.addr.clone();
     // A body sent in pieces, each within the body-idle timeout, over several of them.
     let body =
