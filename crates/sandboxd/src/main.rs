@@ -105,8 +105,9 @@ struct Cli {
     #[arg(long, default_value_t = 60_000, value_name = "MS")]
     keepalive_timeout_ms: u64,
     /// Connections open at once; one more is answered 503 and closed, with a log line.
-    #[arg(long, default_value_t = 512)]
-    max_connections: usize,
+    /// Default: 512, or a quarter of the open files limit when that is less.
+    #[arg(long)]
+    max_connections: Option<usize>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -297,7 +298,7 @@ fn main() -> anyhow::Result<()> {
             header: Duration::from_millis(cli.header_timeout_ms.max(1)),
             body_idle: Duration::from_millis(cli.body_idle_timeout_ms.max(1)),
             keepalive: Duration::from_millis(cli.keepalive_timeout_ms.max(1)),
-            max_connections: cli.max_connections.max(1),
+            max_connections: max_connections(cli.max_connections),
         };
         serve(
             cli.listen,
@@ -310,6 +311,37 @@ fn main() -> anyhow::Result<()> {
         )
         .await
     })
+}
+
+/// The connection cap: as given, else 512; at most a quarter of the open files limit unless
+/// given (each connection may hold a descriptor of its own and one to an agent, beside the
+/// sandboxes' sockets and pidfds), with a warning when a given cap is over that.
+fn max_connections(given: Option<usize>) -> usize {
+    const DEFAULT: usize = 512;
+    let room = sbx_runtime::process::nofile_limit()
+        .map_or(usize::MAX, |n| usize::try_from(n / 4).unwrap_or(usize::MAX))
+        .max(16);
+    match given {
+        Some(n) => {
+            if n > room {
+                tracing::warn!(
+                    max_connections = n,
+                    open_files_limit = room * 4,
+                    "--max-connections is over a quarter of the open files limit: past it, connections are answered 503 as descriptors run out"
+                );
+            }
+            n.max(1)
+        }
+        None if room < DEFAULT => {
+            tracing::info!(
+                max_connections = room,
+                open_files_limit = room * 4,
+                "connection cap lowered to a quarter of the open files limit"
+            );
+            room
+        }
+        None => DEFAULT,
+    }
 }
 
 /// The images' gc, in the background: it waits for pulls of other nodes sharing the images

@@ -213,3 +213,76 @@ fn connections_over_the_cap_are_answered_503_and_logged() {
     );
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// Out of file descriptors (the probe's 720 idle connections under a 700-descriptor limit):
+/// accept fails with EMFILE. The node logs it, answers through the descriptor it keeps in
+/// reserve instead of leaving clients hanging, and serves again once descriptors come free.
+#[test]
+fn out_of_descriptors_a_request_is_answered_and_serving_resumes() {
+    let node = TestNode::start_with(&[
+        "--warm-pool",
+        "0",
+        "--max-connections",
+        "1000",
+        "--keepalive-timeout-ms",
+        "2000",
+    ]);
+    let addr = node.addr.clone();
+    let pid = node.pid().expect("the node's pid");
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the node's descriptors")
+        .count();
+    // Room for a few connections only.
+    let limit = open + 12;
+    let lowered = std::process::Command::new("prlimit")
+        .arg("--pid")
+        .arg(pid.to_string())
+        .arg(format!("--nofile={limit}:{limit}"))
+        .status()
+        .expect("run prlimit");
+    assert!(lowered.success(), "prlimit failed");
+    // More idle connections than descriptors left: the kernel queues the rest.
+    let idle: Vec<TcpStream> = (0..30).map(|_| connect(&node)).collect();
+    let mut s = connect(&node);
+    write!(
+        s,
+        "GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    // Answered, not left waiting: 503 while descriptors are out, 200 once idle ones closed.
+    let answer = read_to_close(&mut s, "a request while the node is out of descriptors");
+    match status_of(&answer) {
+        503 => assert_error(503, &body_of(&answer), 503, "unavailable", None),
+        200 => {}
+        other => panic!("{other}: {}", String::from_utf8_lossy(&answer)),
+    }
+    assert!(
+        node.log_text().contains("out of file descriptors"),
+        "{}",
+        node.log_tail(20)
+    );
+    drop(idle);
+    // Serving goes on.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let mut s = connect(&node);
+        write!(
+            s,
+            "GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let answer = read_to_close(&mut s, "a request after the idle connections went");
+        if status_of(&answer) == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not served again: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let v = node.run_ok(&json!({ "command": "echo still here" }));
+    assert_eq!(v["stdout"], "still here\n", "{v}");
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -403,6 +403,16 @@ pub fn kill_group(pgid: u32, sig: i32) {
     }
 }
 
+/// This process's limit on open files (the soft one, which `open`, `accept` and `socket`
+/// meet); `None` when there is none.
+pub fn nofile_limit() -> Option<u64> {
+    use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, _)) if soft != RLIM_INFINITY => Some(soft),
+        _ => None,
+    }
+}
+
 /// Makes this process the reaper of its orphaned descendants (the node reaps its agents).
 pub fn set_child_subreaper() -> io::Result<()> {
     // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer argument and touches no memory.
