@@ -1,5 +1,7 @@
 //! `sandboxd`: the sbx node daemon.
 
+#![forbid(unsafe_code)]
+
 mod agent;
 mod api;
 mod config;

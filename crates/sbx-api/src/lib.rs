@@ -7,6 +7,8 @@
 //! - [`exec`]: the exec object a run answers with, signal names, RFC 3339 times.
 //! - [`events`]: the kinds of a command's event stream and their framing.
 
+#![forbid(unsafe_code)]
+
 pub mod error;
 pub mod events;
 pub mod exec;

@@ -13,6 +13,8 @@
 //! (`deny_unknown_fields` is never used here). A change that an old peer would misread bumps the
 //! version. `tests::schema_snapshot` pins the JSON shape of every message.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
