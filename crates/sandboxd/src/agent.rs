@@ -6,9 +6,33 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-use sbx_proto::{read_frame, AgentMsg, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION};
+use sbx_api::exec::ExecStatus;
+use sbx_proto::{
+    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION,
+};
 use sbx_runtime::sock::{Conn, ReadHalf, WriteHalf};
 use tokio::io::BufReader;
+
+/// The HTTP API's status of a command the agent reports ended. The one conversion from the
+/// protocol's status (sbx-api and sbx-proto do not depend on each other, so it lives here).
+pub fn exec_status(s: ExitStatus) -> ExecStatus {
+    match s {
+        ExitStatus::Exited => ExecStatus::Exited,
+        ExitStatus::TimedOut => ExecStatus::TimedOut,
+        ExitStatus::Killed => ExecStatus::Killed,
+    }
+}
+
+/// The protocol's status of a command the node recorded as ended (a row's final object):
+/// the inverse of [`exec_status`]; `Running`, which an ended command's object never has, reads
+/// as `Exited`.
+pub fn exit_status(s: ExecStatus) -> ExitStatus {
+    match s {
+        ExecStatus::Exited | ExecStatus::Running => ExitStatus::Exited,
+        ExecStatus::TimedOut => ExitStatus::TimedOut,
+        ExecStatus::Killed => ExitStatus::Killed,
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -208,4 +232,24 @@ pub async fn signal(socket: &Path, exec_id: &str, signal: i32) -> Result<(), Age
     .await
     .map_err(|_| AgentError::Timeout)??;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The agent's status and the HTTP API's are the same words, and the two conversions are
+    /// each other's inverse on ended commands.
+    #[test]
+    fn exit_status_conversions() {
+        for s in [ExitStatus::Exited, ExitStatus::TimedOut, ExitStatus::Killed] {
+            let api = exec_status(s);
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", api.as_str())
+            );
+            assert_eq!(exit_status(api), s);
+        }
+        assert_eq!(exit_status(ExecStatus::Running), ExitStatus::Exited);
+    }
 }

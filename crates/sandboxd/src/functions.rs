@@ -852,7 +852,7 @@ async fn run(st: &Arc<AppState>, f: &Arc<Fns>, rid: &str, p: Payload) -> Result<
             },
             RunEvent::Gap { .. } => gap = true,
             RunEvent::Exited { exit, .. } => {
-                let timed_out = exit.status == "timed_out";
+                let timed_out = exit.status == sbx_proto::ExitStatus::TimedOut;
                 return Ok(json!({
                     "stdout": out.text(),
                     "stderr": err.text(),

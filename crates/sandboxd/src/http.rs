@@ -559,11 +559,7 @@ pub(crate) fn exec_object(
     let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES as u64;
     let (status, exit_code, signal, duration, usage) = match exit {
         Some(x) => (
-            match x.status.as_str() {
-                "timed_out" => ExecStatus::TimedOut,
-                "killed" => ExecStatus::Killed,
-                _ => ExecStatus::Exited,
-            },
+            crate::agent::exec_status(x.status),
             Some(x.exit_code),
             x.signal.map(sbx_api::signal_name),
             Some(x.duration_ns as f64 / 1e9),

@@ -691,7 +691,7 @@ impl Node {
                     tracing::warn!(sandbox = %plan.sandbox_id, "the agent did not report the end of a run past its timeout: the sandbox is ended");
                     let since = started.unwrap_or(sent);
                     let exit = ExitInfo {
-                        status: "timed_out".into(),
+                        status: sbx_proto::ExitStatus::TimedOut,
                         exit_code: 128 + SIGKILL,
                         signal: Some(SIGKILL),
                         duration_ns: since.elapsed().as_nanos() as u64,

@@ -2009,7 +2009,7 @@ fn final_from_row(row: &ExecRow) -> Option<ExecObject> {
 
 fn exit_of(obj: &ExecObject) -> sbx_proto::ExitInfo {
     sbx_proto::ExitInfo {
-        status: obj.status.as_str().into(),
+        status: crate::agent::exit_status(obj.status),
         exit_code: obj.exit_code.unwrap_or(137),
         signal: obj.signal.as_deref().and_then(sbx_api::signal_number),
         duration_ns: (obj.duration_seconds.unwrap_or(0.0) * 1e9) as u64,
@@ -2036,7 +2036,7 @@ fn current_object(m: &Managed, row: &ExecRow, state: Option<&ExecState>) -> Exec
 fn object_of(m: &Managed, row: &ExecRow, state: Option<&ExecState>, ending: bool) -> ExecObject {
     let meta = meta_of(m, row, Encoding::Utf8);
     let killed = sbx_proto::ExitInfo {
-        status: "killed".into(),
+        status: sbx_proto::ExitStatus::Killed,
         exit_code: 137,
         signal: Some(9),
         duration_ns: 0,
