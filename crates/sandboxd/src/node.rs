@@ -20,9 +20,6 @@ use crate::image::{Image, ImageError, ImageStore, PullError, Source};
 /// How long past a run's timeout the node waits for the agent to report its end.
 const RUN_GRACE: Duration = Duration::from_secs(2);
 
-/// The signal a run that the node ends at its deadline is reported killed by.
-const SIGKILL: i32 = 9;
-
 /// Rounds of a teardown (each kills what is in the sandbox's cgroup for up to 30 s).
 const TEARDOWN_ROUNDS: u32 = 10;
 
@@ -692,8 +689,9 @@ impl Node {
                     let since = started.unwrap_or(sent);
                     let exit = ExitInfo {
                         status: sbx_proto::ExitStatus::TimedOut,
-                        exit_code: 128 + SIGKILL,
-                        signal: Some(SIGKILL),
+                        // Reported killed by SIGKILL, as the agent would have.
+                        exit_code: 128 + libc::SIGKILL,
+                        signal: Some(libc::SIGKILL),
                         duration_ns: since.elapsed().as_nanos() as u64,
                         cpu_ns: 0,
                         max_rss_bytes: 0,

@@ -120,7 +120,7 @@ impl Default for Resolved {
         Resolved {
             start: None,
             ready: None,
-            stop_signal: 15,
+            stop_signal: libc::SIGTERM,
             digest: None,
         }
     }
@@ -172,7 +172,7 @@ pub(crate) fn resolve(spec: &StoredSpec, meta: Option<&ImageMeta>) -> Result<Res
     Ok(Resolved {
         start,
         ready,
-        stop_signal: spec.stop_signal.or(image_signal).unwrap_or(15),
+        stop_signal: spec.stop_signal.or(image_signal).unwrap_or(libc::SIGTERM),
         digest: None,
     })
 }
@@ -2010,7 +2010,7 @@ fn final_from_row(row: &ExecRow) -> Option<ExecObject> {
 fn exit_of(obj: &ExecObject) -> sbx_proto::ExitInfo {
     sbx_proto::ExitInfo {
         status: crate::agent::exit_status(obj.status),
-        exit_code: obj.exit_code.unwrap_or(137),
+        exit_code: obj.exit_code.unwrap_or(128 + libc::SIGKILL),
         signal: obj.signal.as_deref().and_then(sbx_api::signal_number),
         duration_ns: (obj.duration_seconds.unwrap_or(0.0) * 1e9) as u64,
         cpu_ns: obj
@@ -2037,8 +2037,8 @@ fn object_of(m: &Managed, row: &ExecRow, state: Option<&ExecState>, ending: bool
     let meta = meta_of(m, row, Encoding::Utf8);
     let killed = sbx_proto::ExitInfo {
         status: sbx_proto::ExitStatus::Killed,
-        exit_code: 137,
-        signal: Some(9),
+        exit_code: 128 + libc::SIGKILL,
+        signal: Some(libc::SIGKILL),
         duration_ns: 0,
         cpu_ns: 0,
         max_rss_bytes: 0,
@@ -2189,6 +2189,13 @@ async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// sbx-api writes SIGTERM's number out (it has no libc): it is the system's.
+    #[test]
+    fn api_sigterm_is_libc_sigterm() {
+        assert_eq!(sbx_api::exec::SIGTERM, libc::SIGTERM);
+        assert_eq!(Resolved::default().stop_signal, libc::SIGTERM);
+    }
 
     fn spec(image: &str) -> StoredSpec {
         StoredSpec {

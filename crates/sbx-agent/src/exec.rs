@@ -599,14 +599,10 @@ fn deadline(exec: &Rc<Exec>, timeout_ms: Option<u64>) {
                 running
             };
             if running {
-                process::kill_group(me.pid, libc_sigkill());
+                process::kill_group(me.pid, libc::SIGKILL);
             }
         });
     }
-}
-
-fn libc_sigkill() -> i32 {
-    9
 }
 
 #[cfg(test)]
