@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
+use crate::sync::LockExt;
+
 use sbx_api::exec::ExecStatus;
 use sbx_proto::{
     read_frame, AgentMsg, ExitStatus, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION,
@@ -132,9 +134,7 @@ impl AgentConn {
         if !self.clean() {
             return;
         }
-        let Ok(mut idle) = IDLE.lock() else {
-            return;
-        };
+        let mut idle = IDLE.locked();
         // Connections to agents that are gone (their sandbox ended) are dropped now and then
         // (each costs a poll), and whenever the idle set is full.
         let sweep = RELEASES.fetch_add(1, Ordering::Relaxed).is_multiple_of(64);
@@ -190,7 +190,7 @@ impl AgentConn {
 }
 
 fn take_idle(socket: &Path) -> Option<AgentConn> {
-    let mut idle = IDLE.lock().ok()?;
+    let mut idle = IDLE.locked();
     let conns = idle.get_mut(socket)?;
     while let Some(c) = conns.pop() {
         if c.clean() {

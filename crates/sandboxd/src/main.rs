@@ -17,6 +17,7 @@ mod probe;
 mod sandboxes;
 mod secrets;
 mod store;
+mod sync;
 mod templates;
 mod terminal;
 

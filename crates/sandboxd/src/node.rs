@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::agent::AgentConn;
 use crate::image::{Image, ImageError, ImageStore, PullError, Source};
+use crate::sync::LockExt;
 
 /// How long past a run's timeout the node waits for the agent to report its end.
 const RUN_GRACE: Duration = Duration::from_secs(2);
@@ -185,11 +186,8 @@ impl Node {
     /// sandboxes of runs and the warm pool (call after `recover`).
     pub fn reconcile(&self) -> usize {
         let kept = self.kept_ids();
-        let known: std::collections::HashSet<String> = self
-            .managed
-            .lock()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default();
+        let known: std::collections::HashSet<String> =
+            self.managed.locked().keys().cloned().collect();
         let mut n = 0;
         let mut busy = Vec::new();
         for id in self.driver.list_groups() {
@@ -239,7 +237,7 @@ impl Node {
 
     /// Sandboxes in use by runs now (not counting warm ones).
     pub fn sandbox_count(&self) -> usize {
-        self.table.lock().map(|t| t.by_id.len()).unwrap_or(0)
+        self.table.locked().by_id.len()
     }
 
     /// Teardowns still under way.
@@ -248,11 +246,10 @@ impl Node {
     }
 
     fn release(&self, id: &str) {
-        if let Ok(mut t) = self.table.lock() {
-            if let Some(e) = t.by_id.remove(id) {
-                if let Some(n) = e.name {
-                    t.names.remove(&n);
-                }
+        let mut t = self.table.locked();
+        if let Some(e) = t.by_id.remove(id) {
+            if let Some(n) = e.name {
+                t.names.remove(&n);
             }
         }
     }
@@ -270,7 +267,7 @@ impl Node {
                 .with_param("image"));
             }
         }
-        let held = self.sandbox_count() + self.managed.lock().map(|m| m.len()).unwrap_or(0);
+        let held = self.sandbox_count() + self.managed.locked().len();
         if held >= self.cfg.max_sandboxes {
             return Err(ApiError::new(
                 ErrorCode::NoCapacity,
@@ -503,7 +500,7 @@ impl Node {
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
         let can_be_warm = image.is_base() && req.hostname.is_none() && req.tmp == Tmp::Disk;
         let (sandbox_id, warm) = {
-            let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
+            let mut t = self.table.locked();
             if let Some(n) = &req.name {
                 if t.names.contains_key(n) {
                     return Err(ApiError::new(
@@ -556,7 +553,7 @@ impl Node {
         let result = self.run_inner(plan, &tx).await;
         // The name is free before the caller hears the end.
         self.release(&id);
-        let sandbox = self.live.lock().ok().and_then(|mut l| l.remove(&id));
+        let sandbox = self.live.locked().remove(&id);
         match result {
             Ok(Some((exit, output))) => {
                 let _ = tx.send(RunEvent::Exited { exit, output }).await;
@@ -756,20 +753,17 @@ impl Node {
     }
 
     pub(crate) fn live_insert(&self, sb: &Arc<Sandbox>) {
-        if let Ok(mut l) = self.live.lock() {
-            l.insert(sb.id.clone(), sb.clone());
-        }
+        self.live.locked().insert(sb.id.clone(), sb.clone());
     }
 
     pub(crate) fn live_remove(&self, id: &str) {
-        if let Ok(mut l) = self.live.lock() {
-            l.remove(id);
-        }
+        self.live.locked().remove(id);
     }
 
     /// Ends a sandbox of the node's live table now (in the background).
     pub(crate) fn end_run_sandbox(self: &Arc<Self>, id: &str) {
-        if let Some(sb) = self.live.lock().ok().and_then(|mut l| l.remove(id)) {
+        let sb = self.live.locked().remove(id);
+        if let Some(sb) = sb {
             self.teardown(sb);
         }
     }
@@ -778,7 +772,7 @@ impl Node {
     /// it waited) is ended, and the next one is tried.
     fn take_live_warm(&self) -> Option<Warm> {
         loop {
-            let w = self.warm.lock().ok().and_then(|mut w| w.pop())?;
+            let w = self.warm.locked().pop()?;
             if w.sandbox.is_alive() {
                 return Some(w);
             }
@@ -805,7 +799,7 @@ impl Node {
         let Some(n) = name else {
             return Ok(());
         };
-        let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
+        let mut t = self.table.locked();
         match t.names.get(n) {
             Some(other) if other != id => Err(ApiError::new(
                 ErrorCode::NameTaken,
@@ -820,8 +814,8 @@ impl Node {
     }
 
     pub(crate) fn release_name(&self, name: Option<&str>) {
-        if let (Some(n), Ok(mut t)) = (name, self.table.lock()) {
-            t.names.remove(n);
+        if let Some(n) = name {
+            self.table.locked().names.remove(n);
         }
     }
 
@@ -880,9 +874,10 @@ impl Node {
     /// Ids of the warm sandboxes.
     pub fn warm_ids(&self) -> Vec<String> {
         self.warm
-            .lock()
-            .map(|w| w.iter().map(|w| w.sandbox.id.clone()).collect())
-            .unwrap_or_default()
+            .locked()
+            .iter()
+            .map(|w| w.sandbox.id.clone())
+            .collect()
     }
 
     /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
@@ -893,7 +888,7 @@ impl Node {
         let node = self.clone();
         tokio::spawn(async move {
             loop {
-                let have = node.warm.lock().map(|w| w.len()).unwrap_or(usize::MAX);
+                let have = node.warm.locked().len();
                 if have >= node.cfg.warm_pool || node.is_stopping() {
                     break;
                 }
@@ -920,20 +915,19 @@ impl Node {
                 match node.create(spec).await {
                     Ok((sandbox, conn)) => {
                         // `create` put it in `live` too, so that a stopping node ends it.
-                        if let Ok(mut w) = node.warm.lock() {
-                            w.push(Warm {
-                                sandbox,
-                                conn,
-                                limits,
-                            });
-                        }
+                        node.warm.locked().push(Warm {
+                            sandbox,
+                            conn,
+                            limits,
+                        });
                         if node.is_stopping() {
                             // `shutdown` may have run between the check above and now.
                             node.drain_warm();
                         }
                     }
                     Err(_) => {
-                        if let Some(sb) = node.live.lock().ok().and_then(|mut l| l.remove(&id)) {
+                        let sb = node.live.locked().remove(&id);
+                        if let Some(sb) = sb {
                             node.teardown(sb);
                         }
                         // Do not spin on a node that cannot make sandboxes.
@@ -946,18 +940,10 @@ impl Node {
     }
 
     fn drain_warm(self: &Arc<Self>) {
-        let warm: Vec<Warm> = self
-            .warm
-            .lock()
-            .map(|mut w| w.drain(..).collect())
-            .unwrap_or_default();
+        let warm: Vec<Warm> = self.warm.locked().drain(..).collect();
         for w in warm {
-            if let Some(sb) = self
-                .live
-                .lock()
-                .ok()
-                .and_then(|mut l| l.remove(&w.sandbox.id))
-            {
+            let sb = self.live.locked().remove(&w.sandbox.id);
+            if let Some(sb) = sb {
                 self.teardown(sb);
             }
         }
@@ -967,11 +953,7 @@ impl Node {
     pub async fn shutdown(self: &Arc<Self>) {
         self.stopping.store(true, Ordering::SeqCst);
         self.drain_warm();
-        let all: Vec<Arc<Sandbox>> = self
-            .live
-            .lock()
-            .map(|mut l| l.drain().map(|(_, s)| s).collect())
-            .unwrap_or_default();
+        let all: Vec<Arc<Sandbox>> = self.live.locked().drain().map(|(_, s)| s).collect();
         for sb in all {
             self.teardown(sb);
         }

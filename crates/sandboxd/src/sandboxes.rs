@@ -21,6 +21,7 @@ use crate::image::{ImageMeta, Source};
 use crate::node::{Machine, Node, RunEvent};
 use crate::probe::Probe;
 use crate::store::{ExecRow, SandboxRow};
+use crate::sync::LockExt;
 use crate::templates::{self, Plan, Settings, BASE, CANCELLED};
 
 /// The id of the start command's exec.
@@ -248,27 +249,23 @@ impl Managed {
     }
 
     fn resolved(&self) -> Resolved {
-        self.resolved.lock().map(|r| r.clone()).unwrap_or_default()
+        self.resolved.locked().clone()
     }
 
     fn status(&self) -> SandboxStatus {
-        self.row
-            .lock()
-            .ok()
-            .and_then(|r| SandboxStatus::parse(&r.status))
-            .unwrap_or(SandboxStatus::Failed)
+        SandboxStatus::parse(&self.row.locked().status).unwrap_or(SandboxStatus::Failed)
     }
 
     pub(crate) fn boot(&self) -> u32 {
-        self.row.lock().map(|r| r.restarts).unwrap_or(0)
+        self.row.locked().restarts
     }
 
     fn machine(&self) -> Option<Arc<Sandbox>> {
-        self.machine.lock().ok().and_then(|m| m.clone())
+        self.machine.locked().clone()
     }
 
     fn name(&self) -> Option<String> {
-        self.row.lock().ok().and_then(|r| r.name.clone())
+        self.row.locked().name.clone()
     }
 }
 
@@ -317,7 +314,7 @@ pub struct ListQuery {
 
 impl Node {
     pub(crate) fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
-        let m = self.managed.lock().map_err(|_| ApiError::internal())?;
+        let m = self.managed.locked();
         if let Some(s) = m.get(id_or_name) {
             return Ok(s.clone());
         }
@@ -328,20 +325,7 @@ impl Node {
     }
 
     pub fn sandbox_object(&self, m: &Managed) -> SandboxObject {
-        let row = m.row.lock().map(|r| r.clone()).ok();
-        let row = row.unwrap_or_else(|| SandboxRow {
-            id: m.id.clone(),
-            name: None,
-            status: "failed".into(),
-            spec: String::new(),
-            pid: None,
-            start_time: None,
-            created_at_ns: 0,
-            started_at_ns: None,
-            failure_code: None,
-            failure: None,
-            restarts: 0,
-        });
+        let row = m.row.locked().clone();
         SandboxObject {
             id: m.id.clone(),
             object: "sandbox".into(),
@@ -495,9 +479,10 @@ impl Node {
         };
         // `create` put it among the node's run sandboxes; a kept sandbox is its own.
         self.live_remove(&m.id);
-        *m.machine.lock().map_err(|_| ApiError::internal())? = Some(sb.clone());
+        *m.machine.locked() = Some(sb.clone());
         self.watch_agent(m, &sb);
-        if let Ok(mut r) = m.resolved.lock() {
+        {
+            let mut r = m.resolved.locked();
             *r = resolved.clone();
         }
         if let Some(start) = &resolved.start {
@@ -544,7 +529,7 @@ impl Node {
                 return Err(ApiError::new(ErrorCode::SandboxFailed, why));
             }
         }
-        let mut row = m.row.lock().map_err(|_| ApiError::internal())?;
+        let mut row = m.row.locked();
         row.status = "running".into();
         row.pid = Some(sb.pid);
         row.start_time = sb.start_time;
@@ -575,12 +560,10 @@ impl Node {
                     }
                     Err(_) if m.cancel.is_set() => self.templates.cancel(&self.store, builder),
                     Err(e) => {
-                        let (code, why) = m
-                            .row
-                            .lock()
-                            .ok()
-                            .map(|r| (r.failure_code.clone(), r.failure.clone()))
-                            .unwrap_or_default();
+                        let (code, why) = {
+                            let r = m.row.locked();
+                            (r.failure_code.clone(), r.failure.clone())
+                        };
                         self.templates.failed(
                             &self.store,
                             builder,
@@ -746,7 +729,8 @@ impl Node {
     }
 
     fn set_failed(&self, m: &Managed, code: &str, why: &str) {
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.status = "failed".into();
             row.failure_code = Some(code.into());
             row.failure = Some(why.into());
@@ -828,9 +812,7 @@ impl Node {
             return Err(store_err(e));
         }
         let m = Arc::new(Managed::new(row, spec));
-        if let Ok(mut all) = self.managed.lock() {
-            all.insert(id.clone(), m.clone());
-        }
+        self.managed.locked().insert(id.clone(), m.clone());
         if let Some(ms) = expires_in_ms {
             self.expire_at(&m, ms);
         }
@@ -1029,24 +1011,9 @@ impl Node {
 
     /// `GET /v1/sandboxes`.
     pub fn list_sandboxes(&self, q: &ListQuery) -> (Vec<SandboxObject>, Option<String>) {
-        let mut all: Vec<Arc<Managed>> = self
-            .managed
-            .lock()
-            .map(|m| m.values().cloned().collect())
-            .unwrap_or_default();
-        all.sort_by_key(|m| {
-            (
-                m.row.lock().map(|r| r.created_at_ns).unwrap_or(0),
-                m.id.clone(),
-            )
-        });
-        let key = |m: &Managed| {
-            format!(
-                "{:020}.{}",
-                m.row.lock().map(|r| r.created_at_ns).unwrap_or(0),
-                m.id
-            )
-        };
+        let mut all: Vec<Arc<Managed>> = self.managed.locked().values().cloned().collect();
+        all.sort_by_key(|m| (m.row.locked().created_at_ns, m.id.clone()));
+        let key = |m: &Managed| format!("{:020}.{}", m.row.locked().created_at_ns, m.id);
         let mut out: Vec<(String, SandboxObject)> = Vec::new();
         let mut more = false;
         for m in all {
@@ -1101,9 +1068,7 @@ impl Node {
         }
         // What ran in this boot is final now: record it before the agent goes.
         self.record_finals(m, &sb).await;
-        if let Ok(mut x) = m.machine.lock() {
-            x.take();
-        }
+        m.machine.locked().take();
         let driver = self.driver.clone();
         let _ = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
     }
@@ -1124,9 +1089,7 @@ impl Node {
                 let _ = self.store.set_exec_final(&m.id, &row.exec_id, &json);
             }
         }
-        if let Ok(mut r) = m.running.lock() {
-            r.clear();
-        }
+        m.running.locked().clear();
     }
 
     /// `DELETE /v1/sandboxes/{id}`.
@@ -1140,7 +1103,8 @@ impl Node {
         if !m.status().can_delete() {
             return Err(not_found(id));
         }
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.status = "stopping".into();
             let _ = self.store.update_sandbox(&row);
         }
@@ -1148,13 +1112,9 @@ impl Node {
         let dir = self.sandboxes_dir().join(&m.id);
         let _ = tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
         self.store.delete_sandbox(&m.id).map_err(store_err)?;
-        if let Ok(mut all) = self.managed.lock() {
-            all.remove(&m.id);
-        }
+        self.managed.locked().remove(&m.id);
         self.release_name(m.name().as_deref());
-        if let Ok(mut row) = m.row.lock() {
-            row.status = "deleted".into();
-        }
+        m.row.locked().status = "deleted".into();
         Ok(self.sandbox_object(&m))
     }
 
@@ -1167,12 +1127,14 @@ impl Node {
         if !status.can_restart() {
             return Err(wrong_state(status, "be restarted"));
         }
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.status = "stopping".into();
             let _ = self.store.update_sandbox(&row);
         }
         self.end_machine(&m).await;
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.restarts += 1;
             row.status = "starting".into();
             let _ = self.store.update_sandbox(&row);
@@ -1186,7 +1148,7 @@ impl Node {
     pub(crate) fn running_execs(&self, id: &str) -> usize {
         self.managed(id)
             .ok()
-            .and_then(|m| m.running.lock().ok().map(|r| r.len()))
+            .map(|m| m.running.locked().len())
             .unwrap_or(0)
     }
 
@@ -1282,9 +1244,7 @@ impl Node {
                 .insert_exec(&row, !stdin_open)
                 .map_err(store_err)?;
         }
-        if let Ok(mut r) = m.running.lock() {
-            r.insert(exec_id.clone());
-        }
+        m.running.locked().insert(exec_id.clone());
         if !attach {
             // An attached caller reads the end on its own connection (and watches if it
             // stops waiting first).
@@ -1334,9 +1294,7 @@ impl Node {
         tracing::warn!(sandbox = %m.id, why, "agent lost");
         self.set_failed(m, "agent_lost", why);
         self.record_finals(m, sb).await;
-        if let Ok(mut x) = m.machine.lock() {
-            x.take();
-        }
+        m.machine.locked().take();
         let driver = self.driver.clone();
         let (sb, dir) = (sb.clone(), self.sandboxes_dir().join(&m.id));
         let _ = tokio::task::spawn_blocking(move || {
@@ -1361,9 +1319,7 @@ impl Node {
                     let _ = node.store.set_exec_final(&m.id, &row.exec_id, &json);
                 }
             }
-            if let Ok(mut r) = m.running.lock() {
-                r.remove(&row.exec_id);
-            }
+            m.running.locked().remove(&row.exec_id);
         });
     }
 
@@ -1382,7 +1338,7 @@ impl Node {
         let mut reserved = None;
         for pass in 0..2 {
             {
-                let mut running = m.running.lock().map_err(|_| ApiError::internal())?;
+                let mut running = m.running.locked();
                 if running.len() < self.cfg.max_execs_per_sandbox {
                     reserved = Some(running.insert(exec_id.clone()));
                     break;
@@ -1400,7 +1356,8 @@ impl Node {
             // A command that ended may not have given its slot back yet (its watcher records
             // it first), though its end was already answered: the agent knows.
             if let Ok(AgentMsg::Execs { execs }) = one_shot(&sb.socket, &HostMsg::List).await {
-                if let Ok(mut running) = m.running.lock() {
+                {
+                    let mut running = m.running.locked();
                     for s in execs.iter().filter(|s| s.exit.is_some()) {
                         running.remove(&s.exec_id);
                     }
@@ -1440,9 +1397,7 @@ impl Node {
             Ok(s) => s,
             Err(e) => {
                 if reserved {
-                    if let Ok(mut r) = m.running.lock() {
-                        r.remove(&exec_id);
-                    }
+                    m.running.locked().remove(&exec_id);
                 }
                 return Err(e);
             }
@@ -1509,9 +1464,7 @@ impl Node {
             };
             let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)));
             // It ended: its slot is free whether or not its row can be written.
-            if let Ok(mut r) = m.running.lock() {
-                r.remove(&row.exec_id);
-            }
+            m.running.locked().remove(&row.exec_id);
             let json = json.map_err(|_| ApiError::internal())?;
             if row_written {
                 // The row is committed; its end is written after the answer: a node killed
@@ -1904,22 +1857,23 @@ impl Node {
             match alive {
                 Some(sb) => {
                     let sb = Arc::new(sb);
-                    if let Ok(mut mm) = m.machine.lock() {
+                    {
+                        let mut mm = m.machine.locked();
                         *mm = Some(sb.clone());
                     }
                     self.watch_agent(&m, &sb);
-                    if let Ok(mut r) = m.resolved.lock() {
+                    {
+                        let mut r = m.resolved.locked();
                         *r = self.resolve_adopted(&m.spec);
                     }
-                    if let Ok(mut r) = m.row.lock() {
+                    {
+                        let mut r = m.row.locked();
                         r.status = "running".into();
                         let _ = self.store.update_sandbox(&r);
                     }
                     for e in self.store.execs(&row.id).unwrap_or_default() {
                         if e.final_json.is_none() && e.boot == row.restarts {
-                            if let Ok(mut r) = m.running.lock() {
-                                r.insert(e.exec_id.clone());
-                            }
+                            m.running.locked().insert(e.exec_id.clone());
                             self.watch_exec(m.clone(), sb.clone(), e);
                         }
                     }
@@ -1950,9 +1904,7 @@ impl Node {
             if let Some(n) = m.name() {
                 let _ = self.reserve_name(Some(&n), &m.id);
             }
-            if let Ok(mut all) = self.managed.lock() {
-                all.insert(m.id.clone(), m.clone());
-            }
+            self.managed.locked().insert(m.id.clone(), m.clone());
             // Its expiry was a timer of the node that stopped: armed again (at once if it
             // passed meanwhile).
             if let Some(at) = m
@@ -1971,14 +1923,11 @@ impl Node {
     /// Ids of the sandboxes the node keeps whose machine runs.
     pub(crate) fn kept_ids(&self) -> HashSet<String> {
         self.managed
-            .lock()
-            .map(|m| {
-                m.values()
-                    .filter(|s| s.machine().is_some())
-                    .map(|s| s.id.clone())
-                    .collect()
-            })
-            .unwrap_or_default()
+            .locked()
+            .values()
+            .filter(|s| s.machine().is_some())
+            .map(|s| s.id.clone())
+            .collect()
     }
 }
 
