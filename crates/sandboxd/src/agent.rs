@@ -10,10 +10,19 @@ use crate::sync::LockExt;
 
 use sbx_api::exec::ExecStatus;
 use sbx_proto::{
-    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION,
+    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, Program, ProtoError, Stream, PROTO_VERSION,
 };
 use sbx_runtime::sock::{Conn, ReadHalf, WriteHalf};
 use tokio::io::BufReader;
+
+/// What the agent runs for a command of the API: a string through `/bin/sh -c`, a list as argv.
+/// The one conversion, for runs, execs and start commands.
+pub fn program(c: &sbx_api::Command) -> Program {
+    match c {
+        sbx_api::Command::Shell(s) => Program::Shell(s.clone()),
+        sbx_api::Command::Argv(a) => Program::Argv(a.clone()),
+    }
+}
 
 /// The HTTP API's status of a command the agent reports ended. The one conversion from the
 /// protocol's status (sbx-api and sbx-proto do not depend on each other, so it lives here).

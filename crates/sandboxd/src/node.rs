@@ -8,9 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sbx_api::{ApiError, Encoding, ErrorCode, RunRequest, Tmp};
-use sbx_proto::{
-    AgentMsg, ExecFailKind, ExecSpec, ExitInfo, Frame, HostMsg, OutputCounts, Program, Stream,
-};
+use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExitInfo, Frame, HostMsg, OutputCounts, Stream};
 use sbx_runtime::{Driver, Limits, Sandbox, SandboxSpec};
 use tokio::sync::mpsc;
 
@@ -477,13 +475,9 @@ impl Node {
         let exec_id = sbx_api::new_id("exe");
         let mut env: Vec<(String, String)> = req.env.clone().into_iter().collect();
         env.extend(req.secret_env.0.clone());
-        let program = match &req.command {
-            sbx_api::Command::Shell(s) => Program::Shell(s.clone()),
-            sbx_api::Command::Argv(a) => Program::Argv(a.clone()),
-        };
         let exec = ExecSpec {
             exec_id: exec_id.clone(),
-            program,
+            program: crate::agent::program(&req.command),
             env,
             cwd: req.cwd.clone(),
             user: req.user.clone(),

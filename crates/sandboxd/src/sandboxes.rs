@@ -15,7 +15,7 @@ use sbx_runtime::{Limits, Sandbox, SandboxSpec};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::agent::{one_shot, AgentConn, AgentError};
+use crate::agent::{one_shot, program, AgentConn, AgentError};
 use crate::http::{exec_object, ExecMeta, Started, Tail};
 use crate::image::{ImageMeta, Source};
 use crate::node::{Machine, Node, RunEvent};
@@ -294,13 +294,6 @@ fn agent_lost(e: AgentError) -> ApiError {
         ErrorCode::CommandLost,
         format!("the sandbox's agent did not answer: {e}"),
     )
-}
-
-fn program(c: &Command) -> Program {
-    match c {
-        Command::Shell(s) => Program::Shell(s.clone()),
-        Command::Argv(a) => Program::Argv(a.clone()),
-    }
 }
 
 /// Filters and page of `GET /v1/sandboxes`.
