@@ -467,7 +467,7 @@ impl Node {
             limits,
             expires_in_ms,
         } = self.check_machine(&req, false)?;
-        let mut deadline_ms = (req.timeout_seconds * 1000.0).ceil() as u64;
+        let mut deadline_ms = sbx_api::seconds_to_ms(req.timeout_seconds);
         if let Some(left) = expires_in_ms {
             // The sandbox is deleted when it expires: the command ends then at the latest.
             deadline_ms = deadline_ms.min(left);
