@@ -822,7 +822,7 @@ impl Node {
         let driver = self.driver.clone();
         let made = tokio::task::spawn_blocking(move || driver.create(&spec))
             .await
-            .map_err(|_| ApiError::internal())?;
+            .map_err(crate::http::internal("making a sandbox"))?;
         let sandbox = match made {
             Ok(sb) => Arc::new(sb),
             Err(e) => {

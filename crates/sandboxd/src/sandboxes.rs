@@ -776,7 +776,8 @@ impl Node {
             id: id.clone(),
             name: req.name.clone(),
             status: "starting".into(),
-            spec: serde_json::to_string(&spec).map_err(|_| ApiError::internal())?,
+            spec: serde_json::to_string(&spec)
+                .map_err(crate::http::internal("a sandbox's spec as JSON"))?,
             pid: None,
             start_time: None,
             created_at_ns: crate::image::now_ns() as i64,
@@ -1458,7 +1459,7 @@ impl Node {
             let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)));
             // It ended: its slot is free whether or not its row can be written.
             m.running.locked().remove(&row.exec_id);
-            let json = json.map_err(|_| ApiError::internal())?;
+            let json = json.map_err(crate::http::internal("a command's final object as JSON"))?;
             if row_written {
                 // The row is committed; its end is written after the answer: a node killed
                 // before it lands finds the command running at start and asks the agent.
