@@ -4,6 +4,8 @@
 //! life) from /proc/<pid>/status. The node must not hold a file: its peak stays near its idle
 //! RSS whatever the size. Prints a table; exits non-zero when a transfer is short or wrong.
 
+#![forbid(unsafe_code)]
+
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

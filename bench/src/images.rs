@@ -13,6 +13,8 @@
 //! Prints a table. Everything it started and wrote is stopped and removed at the end, also
 //! after an error.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
 //! `sbx-bench run`: `POST /v1/run` of `echo hi` against `runc run` of the same command on the
 //! same root filesystem, at concurrency 1 and 8, in one run. Prints a table.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -6,9 +6,44 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-use sbx_proto::{read_frame, AgentMsg, Frame, HostMsg, ProtoError, Stream, PROTO_VERSION};
+use crate::sync::LockExt;
+
+use sbx_api::exec::ExecStatus;
+use sbx_proto::{
+    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, Program, ProtoError, Stream, PROTO_VERSION,
+};
 use sbx_runtime::sock::{Conn, ReadHalf, WriteHalf};
 use tokio::io::BufReader;
+
+/// What the agent runs for a command of the API: a string through `/bin/sh -c`, a list as argv.
+/// The one conversion, for runs, execs and start commands.
+pub fn program(c: &sbx_api::Command) -> Program {
+    match c {
+        sbx_api::Command::Shell(s) => Program::Shell(s.clone()),
+        sbx_api::Command::Argv(a) => Program::Argv(a.clone()),
+    }
+}
+
+/// The HTTP API's status of a command the agent reports ended. The one conversion from the
+/// protocol's status (sbx-api and sbx-proto do not depend on each other, so it lives here).
+pub fn exec_status(s: ExitStatus) -> ExecStatus {
+    match s {
+        ExitStatus::Exited => ExecStatus::Exited,
+        ExitStatus::TimedOut => ExecStatus::TimedOut,
+        ExitStatus::Killed => ExecStatus::Killed,
+    }
+}
+
+/// The protocol's status of a command the node recorded as ended (a row's final object):
+/// the inverse of [`exec_status`]; `Running`, which an ended command's object never has, reads
+/// as `Exited`.
+pub fn exit_status(s: ExecStatus) -> ExitStatus {
+    match s {
+        ExecStatus::Exited | ExecStatus::Running => ExitStatus::Exited,
+        ExecStatus::TimedOut => ExitStatus::TimedOut,
+        ExecStatus::Killed => ExitStatus::Killed,
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -108,9 +143,7 @@ impl AgentConn {
         if !self.clean() {
             return;
         }
-        let Ok(mut idle) = IDLE.lock() else {
-            return;
-        };
+        let mut idle = IDLE.locked();
         // Connections to agents that are gone (their sandbox ended) are dropped now and then
         // (each costs a poll), and whenever the idle set is full.
         let sweep = RELEASES.fetch_add(1, Ordering::Relaxed).is_multiple_of(64);
@@ -166,7 +199,7 @@ impl AgentConn {
 }
 
 fn take_idle(socket: &Path) -> Option<AgentConn> {
-    let mut idle = IDLE.lock().ok()?;
+    let mut idle = IDLE.locked();
     let conns = idle.get_mut(socket)?;
     while let Some(c) = conns.pop() {
         if c.clean() {
@@ -208,4 +241,24 @@ pub async fn signal(socket: &Path, exec_id: &str, signal: i32) -> Result<(), Age
     .await
     .map_err(|_| AgentError::Timeout)??;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The agent's status and the HTTP API's are the same words, and the two conversions are
+    /// each other's inverse on ended commands.
+    #[test]
+    fn exit_status_conversions() {
+        for s in [ExitStatus::Exited, ExitStatus::TimedOut, ExitStatus::Killed] {
+            let api = exec_status(s);
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", api.as_str())
+            );
+            assert_eq!(exit_status(api), s);
+        }
+        assert_eq!(exit_status(ExecStatus::Running), ExitStatus::Exited);
+    }
 }

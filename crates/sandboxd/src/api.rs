@@ -202,7 +202,7 @@ where
 
 /// An answer object as JSON (for `idempotent`, which keeps it).
 fn to_json<T: serde::Serialize>(o: T) -> Result<Value, ApiError> {
-    serde_json::to_value(o).map_err(|_| ApiError::internal())
+    serde_json::to_value(o).map_err(crate::http::internal("an answer as JSON"))
 }
 
 fn hex(b: &[u8]) -> String {

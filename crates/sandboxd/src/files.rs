@@ -445,7 +445,7 @@ async fn send_body(link: Link, op: FsOp, body: Body) -> Result<FsResult, ApiErro
     let (mtx, mut mrx) = mpsc::channel(4);
     let _reader = TaskGuard(tokio::spawn(read_msgs(rd, mtx)));
     let start = sbx_proto::encode_msg(&HostMsg::Fs { id: OP.into(), op })
-        .map_err(|_| ApiError::internal())?;
+        .map_err(crate::http::internal("encoding a file operation"))?;
     let broke = |e: std::io::Error, mrx: &mut mpsc::Receiver<Result<AgentMsg, String>>| {
         // The agent's own answer says more than a broken pipe, when it sent one.
         match mrx.try_recv() {
@@ -499,7 +499,7 @@ async fn send_body(link: Link, op: FsOp, body: Body) -> Result<FsResult, ApiErro
         }
     }
     let end = sbx_proto::encode_msg(&HostMsg::FsEnd { id: OP.into() })
-        .map_err(|_| ApiError::internal())?;
+        .map_err(crate::http::internal("encoding an upload's end"))?;
     let finish = async {
         write_frames(&mut wr, &buf, &mut pos).await?;
         wr.write_all(&end).await?;

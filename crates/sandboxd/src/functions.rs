@@ -33,6 +33,7 @@ use crate::files;
 use crate::http::{read_body, AppState, RequestId};
 use crate::node::{Node, RunEvent};
 use crate::sandboxes::ListQuery;
+use crate::sync::LockExt;
 
 /// What `sandbox::fs::read` answers inline.
 const INLINE_MAX: u64 = 1 << 20;
@@ -101,27 +102,22 @@ impl Fns {
     }
 
     fn touch(&self, id: &str) {
-        if let Ok(mut a) = self.activity.lock() {
-            if let Some(x) = a.get_mut(id) {
-                x.last = Instant::now();
-            }
+        if let Some(x) = self.activity.locked().get_mut(id) {
+            x.last = Instant::now();
         }
     }
 
     fn mark_stopped(&self, id: &str) {
-        if let Ok(mut a) = self.activity.lock() {
-            a.remove(id);
+        self.activity.locked().remove(id);
+        let mut s = self.stopped.locked();
+        if s.len() >= STOPPED_KEPT {
+            s.clear();
         }
-        if let Ok(mut s) = self.stopped.lock() {
-            if s.len() >= STOPPED_KEPT {
-                s.clear();
-            }
-            s.insert(id.to_string());
-        }
+        s.insert(id.to_string());
     }
 
     fn was_stopped(&self, id: &str) -> bool {
-        self.stopped.lock().map(|s| s.contains(id)).unwrap_or(false)
+        self.stopped.locked().contains(id)
     }
 }
 
@@ -143,17 +139,15 @@ async fn reaper(f: Arc<Fns>, node: Arc<Node>) {
         if node.is_stopping() {
             return;
         }
-        let due: Vec<String> = match f.activity.lock() {
-            Ok(a) => a
-                .iter()
-                .filter(|(id, x)| {
-                    x.idle.is_some_and(|idle| x.last.elapsed() >= idle)
-                        && node.running_execs(id) == 0
-                })
-                .map(|(id, _)| id.clone())
-                .collect(),
-            Err(_) => return,
-        };
+        let due: Vec<String> = f
+            .activity
+            .locked()
+            .iter()
+            .filter(|(id, x)| {
+                x.idle.is_some_and(|idle| x.last.elapsed() >= idle) && node.running_execs(id) == 0
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
         for id in due {
             tracing::info!(sandbox = %id, "idle: stopping");
             f.mark_stopped(&id);
@@ -552,7 +546,8 @@ async fn create(
             format!("the sandbox did not boot: {why}"),
         ));
     }
-    if let Ok(mut a) = f.activity.lock() {
+    {
+        let mut a = f.activity.locked();
         a.insert(
             obj.id.clone(),
             Activity {
@@ -588,13 +583,10 @@ fn list(st: &AppState, f: &Fns) -> Value {
     let max = st.node.cfg.max_execs_per_sandbox;
     let images: HashMap<String, String> = f
         .activity
-        .lock()
-        .map(|a| {
-            a.iter()
-                .map(|(k, v)| (k.clone(), v.image.clone()))
-                .collect()
-        })
-        .unwrap_or_default();
+        .locked()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.image.clone()))
+        .collect();
     let rows: Vec<Value> = st
         .node
         .list_sandboxes(&q)
@@ -852,7 +844,7 @@ async fn run(st: &Arc<AppState>, f: &Arc<Fns>, rid: &str, p: Payload) -> Result<
             },
             RunEvent::Gap { .. } => gap = true,
             RunEvent::Exited { exit, .. } => {
-                let timed_out = exit.status == "timed_out";
+                let timed_out = exit.status == sbx_proto::ExitStatus::TimedOut;
                 return Ok(json!({
                     "stdout": out.text(),
                     "stderr": err.text(),

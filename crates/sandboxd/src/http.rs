@@ -62,6 +62,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// `map_err` for a failure the caller can do nothing about: logged with its cause (`what`
+/// failed), answered 500 internal, whose message sends the reader to the log.
+pub(crate) fn internal<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> ApiError {
+    move |e| {
+        tracing::error!(error = %e, "{what}");
+        ApiError::internal()
+    }
+}
+
 pub(crate) fn error_response(err: &ApiError, request_id: &str, docs: Option<&str>) -> Response {
     let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = sbx_api::error_body(err, request_id, docs);
@@ -559,11 +568,7 @@ pub(crate) fn exec_object(
     let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES as u64;
     let (status, exit_code, signal, duration, usage) = match exit {
         Some(x) => (
-            match x.status.as_str() {
-                "timed_out" => ExecStatus::TimedOut,
-                "killed" => ExecStatus::Killed,
-                _ => ExecStatus::Exited,
-            },
+            crate::agent::exec_status(x.status),
             Some(x.exit_code),
             x.signal.map(sbx_api::signal_name),
             Some(x.duration_ns as f64 / 1e9),

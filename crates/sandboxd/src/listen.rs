@@ -21,6 +21,8 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+use crate::sync::LockExt;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -68,7 +70,7 @@ struct Conn {
 
 impl Conn {
     fn with<T>(&self, f: impl FnOnce(&mut Activity) -> T) -> T {
-        let mut a = self.activity.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = self.activity.locked();
         f(&mut a)
     }
 }

@@ -1,5 +1,7 @@
 //! `sandboxd`: the sbx node daemon.
 
+#![forbid(unsafe_code)]
+
 mod agent;
 mod api;
 mod config;
@@ -15,6 +17,7 @@ mod probe;
 mod sandboxes;
 mod secrets;
 mod store;
+mod sync;
 mod templates;
 mod terminal;
 

@@ -8,20 +8,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sbx_api::{ApiError, Encoding, ErrorCode, RunRequest, Tmp};
-use sbx_proto::{
-    AgentMsg, ExecFailKind, ExecSpec, ExitInfo, Frame, HostMsg, OutputCounts, Program, Stream,
-};
+use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExitInfo, Frame, HostMsg, OutputCounts, Stream};
 use sbx_runtime::{Driver, Limits, Sandbox, SandboxSpec};
 use tokio::sync::mpsc;
 
 use crate::agent::AgentConn;
 use crate::image::{Image, ImageError, ImageStore, PullError, Source};
+use crate::sync::LockExt;
 
 /// How long past a run's timeout the node waits for the agent to report its end.
 const RUN_GRACE: Duration = Duration::from_secs(2);
-
-/// The signal a run that the node ends at its deadline is reported killed by.
-const SIGKILL: i32 = 9;
 
 /// Rounds of a teardown (each kills what is in the sandbox's cgroup for up to 30 s).
 const TEARDOWN_ROUNDS: u32 = 10;
@@ -188,11 +184,8 @@ impl Node {
     /// sandboxes of runs and the warm pool (call after `recover`).
     pub fn reconcile(&self) -> usize {
         let kept = self.kept_ids();
-        let known: std::collections::HashSet<String> = self
-            .managed
-            .lock()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default();
+        let known: std::collections::HashSet<String> =
+            self.managed.locked().keys().cloned().collect();
         let mut n = 0;
         let mut busy = Vec::new();
         for id in self.driver.list_groups() {
@@ -242,7 +235,7 @@ impl Node {
 
     /// Sandboxes in use by runs now (not counting warm ones).
     pub fn sandbox_count(&self) -> usize {
-        self.table.lock().map(|t| t.by_id.len()).unwrap_or(0)
+        self.table.locked().by_id.len()
     }
 
     /// Teardowns still under way.
@@ -251,11 +244,10 @@ impl Node {
     }
 
     fn release(&self, id: &str) {
-        if let Ok(mut t) = self.table.lock() {
-            if let Some(e) = t.by_id.remove(id) {
-                if let Some(n) = e.name {
-                    t.names.remove(&n);
-                }
+        let mut t = self.table.locked();
+        if let Some(e) = t.by_id.remove(id) {
+            if let Some(n) = e.name {
+                t.names.remove(&n);
             }
         }
     }
@@ -273,7 +265,7 @@ impl Node {
                 .with_param("image"));
             }
         }
-        let held = self.sandbox_count() + self.managed.lock().map(|m| m.len()).unwrap_or(0);
+        let held = self.sandbox_count() + self.managed.locked().len();
         if held >= self.cfg.max_sandboxes {
             return Err(ApiError::new(
                 ErrorCode::NoCapacity,
@@ -475,7 +467,7 @@ impl Node {
             limits,
             expires_in_ms,
         } = self.check_machine(&req, false)?;
-        let mut deadline_ms = (req.timeout_seconds * 1000.0).ceil() as u64;
+        let mut deadline_ms = sbx_api::seconds_to_ms(req.timeout_seconds);
         if let Some(left) = expires_in_ms {
             // The sandbox is deleted when it expires: the command ends then at the latest.
             deadline_ms = deadline_ms.min(left);
@@ -483,13 +475,9 @@ impl Node {
         let exec_id = sbx_api::new_id("exe");
         let mut env: Vec<(String, String)> = req.env.clone().into_iter().collect();
         env.extend(req.secret_env.0.clone());
-        let program = match &req.command {
-            sbx_api::Command::Shell(s) => Program::Shell(s.clone()),
-            sbx_api::Command::Argv(a) => Program::Argv(a.clone()),
-        };
         let exec = ExecSpec {
             exec_id: exec_id.clone(),
-            program,
+            program: crate::agent::program(&req.command),
             env,
             cwd: req.cwd.clone(),
             user: req.user.clone(),
@@ -506,7 +494,7 @@ impl Node {
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
         let can_be_warm = image.is_base() && req.hostname.is_none() && req.tmp == Tmp::Disk;
         let (sandbox_id, warm) = {
-            let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
+            let mut t = self.table.locked();
             if let Some(n) = &req.name {
                 if t.names.contains_key(n) {
                     return Err(ApiError::new(
@@ -559,7 +547,7 @@ impl Node {
         let result = self.run_inner(plan, &tx).await;
         // The name is free before the caller hears the end.
         self.release(&id);
-        let sandbox = self.live.lock().ok().and_then(|mut l| l.remove(&id));
+        let sandbox = self.live.locked().remove(&id);
         match result {
             Ok(Some((exit, output))) => {
                 let _ = tx.send(RunEvent::Exited { exit, output }).await;
@@ -691,9 +679,10 @@ impl Node {
                     tracing::warn!(sandbox = %plan.sandbox_id, "the agent did not report the end of a run past its timeout: the sandbox is ended");
                     let since = started.unwrap_or(sent);
                     let exit = ExitInfo {
-                        status: "timed_out".into(),
-                        exit_code: 128 + SIGKILL,
-                        signal: Some(SIGKILL),
+                        status: sbx_proto::ExitStatus::TimedOut,
+                        // Reported killed by SIGKILL, as the agent would have.
+                        exit_code: 128 + libc::SIGKILL,
+                        signal: Some(libc::SIGKILL),
                         duration_ns: since.elapsed().as_nanos() as u64,
                         cpu_ns: 0,
                         max_rss_bytes: 0,
@@ -758,20 +747,17 @@ impl Node {
     }
 
     pub(crate) fn live_insert(&self, sb: &Arc<Sandbox>) {
-        if let Ok(mut l) = self.live.lock() {
-            l.insert(sb.id.clone(), sb.clone());
-        }
+        self.live.locked().insert(sb.id.clone(), sb.clone());
     }
 
     pub(crate) fn live_remove(&self, id: &str) {
-        if let Ok(mut l) = self.live.lock() {
-            l.remove(id);
-        }
+        self.live.locked().remove(id);
     }
 
     /// Ends a sandbox of the node's live table now (in the background).
     pub(crate) fn end_run_sandbox(self: &Arc<Self>, id: &str) {
-        if let Some(sb) = self.live.lock().ok().and_then(|mut l| l.remove(id)) {
+        let sb = self.live.locked().remove(id);
+        if let Some(sb) = sb {
             self.teardown(sb);
         }
     }
@@ -780,7 +766,7 @@ impl Node {
     /// it waited) is ended, and the next one is tried.
     fn take_live_warm(&self) -> Option<Warm> {
         loop {
-            let w = self.warm.lock().ok().and_then(|mut w| w.pop())?;
+            let w = self.warm.locked().pop()?;
             if w.sandbox.is_alive() {
                 return Some(w);
             }
@@ -807,7 +793,7 @@ impl Node {
         let Some(n) = name else {
             return Ok(());
         };
-        let mut t = self.table.lock().map_err(|_| ApiError::internal())?;
+        let mut t = self.table.locked();
         match t.names.get(n) {
             Some(other) if other != id => Err(ApiError::new(
                 ErrorCode::NameTaken,
@@ -822,8 +808,8 @@ impl Node {
     }
 
     pub(crate) fn release_name(&self, name: Option<&str>) {
-        if let (Some(n), Ok(mut t)) = (name, self.table.lock()) {
-            t.names.remove(n);
+        if let Some(n) = name {
+            self.table.locked().names.remove(n);
         }
     }
 
@@ -836,7 +822,7 @@ impl Node {
         let driver = self.driver.clone();
         let made = tokio::task::spawn_blocking(move || driver.create(&spec))
             .await
-            .map_err(|_| ApiError::internal())?;
+            .map_err(crate::http::internal("making a sandbox"))?;
         let sandbox = match made {
             Ok(sb) => Arc::new(sb),
             Err(e) => {
@@ -882,9 +868,10 @@ impl Node {
     /// Ids of the warm sandboxes.
     pub fn warm_ids(&self) -> Vec<String> {
         self.warm
-            .lock()
-            .map(|w| w.iter().map(|w| w.sandbox.id.clone()).collect())
-            .unwrap_or_default()
+            .locked()
+            .iter()
+            .map(|w| w.sandbox.id.clone())
+            .collect()
     }
 
     /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
@@ -895,7 +882,7 @@ impl Node {
         let node = self.clone();
         tokio::spawn(async move {
             loop {
-                let have = node.warm.lock().map(|w| w.len()).unwrap_or(usize::MAX);
+                let have = node.warm.locked().len();
                 if have >= node.cfg.warm_pool || node.is_stopping() {
                     break;
                 }
@@ -922,20 +909,19 @@ impl Node {
                 match node.create(spec).await {
                     Ok((sandbox, conn)) => {
                         // `create` put it in `live` too, so that a stopping node ends it.
-                        if let Ok(mut w) = node.warm.lock() {
-                            w.push(Warm {
-                                sandbox,
-                                conn,
-                                limits,
-                            });
-                        }
+                        node.warm.locked().push(Warm {
+                            sandbox,
+                            conn,
+                            limits,
+                        });
                         if node.is_stopping() {
                             // `shutdown` may have run between the check above and now.
                             node.drain_warm();
                         }
                     }
                     Err(_) => {
-                        if let Some(sb) = node.live.lock().ok().and_then(|mut l| l.remove(&id)) {
+                        let sb = node.live.locked().remove(&id);
+                        if let Some(sb) = sb {
                             node.teardown(sb);
                         }
                         // Do not spin on a node that cannot make sandboxes.
@@ -948,18 +934,10 @@ impl Node {
     }
 
     fn drain_warm(self: &Arc<Self>) {
-        let warm: Vec<Warm> = self
-            .warm
-            .lock()
-            .map(|mut w| w.drain(..).collect())
-            .unwrap_or_default();
+        let warm: Vec<Warm> = self.warm.locked().drain(..).collect();
         for w in warm {
-            if let Some(sb) = self
-                .live
-                .lock()
-                .ok()
-                .and_then(|mut l| l.remove(&w.sandbox.id))
-            {
+            let sb = self.live.locked().remove(&w.sandbox.id);
+            if let Some(sb) = sb {
                 self.teardown(sb);
             }
         }
@@ -969,11 +947,7 @@ impl Node {
     pub async fn shutdown(self: &Arc<Self>) {
         self.stopping.store(true, Ordering::SeqCst);
         self.drain_warm();
-        let all: Vec<Arc<Sandbox>> = self
-            .live
-            .lock()
-            .map(|mut l| l.drain().map(|(_, s)| s).collect())
-            .unwrap_or_default();
+        let all: Vec<Arc<Sandbox>> = self.live.locked().drain().map(|(_, s)| s).collect();
         for sb in all {
             self.teardown(sb);
         }

@@ -15,12 +15,13 @@ use sbx_runtime::{Limits, Sandbox, SandboxSpec};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::agent::{one_shot, AgentConn, AgentError};
+use crate::agent::{one_shot, program, AgentConn, AgentError};
 use crate::http::{exec_object, ExecMeta, Started, Tail};
 use crate::image::{ImageMeta, Source};
 use crate::node::{Machine, Node, RunEvent};
 use crate::probe::Probe;
 use crate::store::{ExecRow, SandboxRow};
+use crate::sync::LockExt;
 use crate::templates::{self, Plan, Settings, BASE, CANCELLED};
 
 /// The id of the start command's exec.
@@ -120,7 +121,7 @@ impl Default for Resolved {
         Resolved {
             start: None,
             ready: None,
-            stop_signal: 15,
+            stop_signal: libc::SIGTERM,
             digest: None,
         }
     }
@@ -172,7 +173,7 @@ pub(crate) fn resolve(spec: &StoredSpec, meta: Option<&ImageMeta>) -> Result<Res
     Ok(Resolved {
         start,
         ready,
-        stop_signal: spec.stop_signal.or(image_signal).unwrap_or(15),
+        stop_signal: spec.stop_signal.or(image_signal).unwrap_or(libc::SIGTERM),
         digest: None,
     })
 }
@@ -248,27 +249,23 @@ impl Managed {
     }
 
     fn resolved(&self) -> Resolved {
-        self.resolved.lock().map(|r| r.clone()).unwrap_or_default()
+        self.resolved.locked().clone()
     }
 
     fn status(&self) -> SandboxStatus {
-        self.row
-            .lock()
-            .ok()
-            .and_then(|r| SandboxStatus::parse(&r.status))
-            .unwrap_or(SandboxStatus::Failed)
+        SandboxStatus::parse(&self.row.locked().status).unwrap_or(SandboxStatus::Failed)
     }
 
     pub(crate) fn boot(&self) -> u32 {
-        self.row.lock().map(|r| r.restarts).unwrap_or(0)
+        self.row.locked().restarts
     }
 
     fn machine(&self) -> Option<Arc<Sandbox>> {
-        self.machine.lock().ok().and_then(|m| m.clone())
+        self.machine.locked().clone()
     }
 
     fn name(&self) -> Option<String> {
-        self.row.lock().ok().and_then(|r| r.name.clone())
+        self.row.locked().name.clone()
     }
 }
 
@@ -299,13 +296,6 @@ fn agent_lost(e: AgentError) -> ApiError {
     )
 }
 
-fn program(c: &Command) -> Program {
-    match c {
-        Command::Shell(s) => Program::Shell(s.clone()),
-        Command::Argv(a) => Program::Argv(a.clone()),
-    }
-}
-
 /// Filters and page of `GET /v1/sandboxes`.
 #[derive(Debug, Default, Clone)]
 pub struct ListQuery {
@@ -317,7 +307,7 @@ pub struct ListQuery {
 
 impl Node {
     pub(crate) fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
-        let m = self.managed.lock().map_err(|_| ApiError::internal())?;
+        let m = self.managed.locked();
         if let Some(s) = m.get(id_or_name) {
             return Ok(s.clone());
         }
@@ -328,20 +318,7 @@ impl Node {
     }
 
     pub fn sandbox_object(&self, m: &Managed) -> SandboxObject {
-        let row = m.row.lock().map(|r| r.clone()).ok();
-        let row = row.unwrap_or_else(|| SandboxRow {
-            id: m.id.clone(),
-            name: None,
-            status: "failed".into(),
-            spec: String::new(),
-            pid: None,
-            start_time: None,
-            created_at_ns: 0,
-            started_at_ns: None,
-            failure_code: None,
-            failure: None,
-            restarts: 0,
-        });
+        let row = m.row.locked().clone();
         SandboxObject {
             id: m.id.clone(),
             object: "sandbox".into(),
@@ -495,9 +472,10 @@ impl Node {
         };
         // `create` put it among the node's run sandboxes; a kept sandbox is its own.
         self.live_remove(&m.id);
-        *m.machine.lock().map_err(|_| ApiError::internal())? = Some(sb.clone());
+        *m.machine.locked() = Some(sb.clone());
         self.watch_agent(m, &sb);
-        if let Ok(mut r) = m.resolved.lock() {
+        {
+            let mut r = m.resolved.locked();
             *r = resolved.clone();
         }
         if let Some(start) = &resolved.start {
@@ -544,7 +522,7 @@ impl Node {
                 return Err(ApiError::new(ErrorCode::SandboxFailed, why));
             }
         }
-        let mut row = m.row.lock().map_err(|_| ApiError::internal())?;
+        let mut row = m.row.locked();
         row.status = "running".into();
         row.pid = Some(sb.pid);
         row.start_time = sb.start_time;
@@ -575,12 +553,10 @@ impl Node {
                     }
                     Err(_) if m.cancel.is_set() => self.templates.cancel(&self.store, builder),
                     Err(e) => {
-                        let (code, why) = m
-                            .row
-                            .lock()
-                            .ok()
-                            .map(|r| (r.failure_code.clone(), r.failure.clone()))
-                            .unwrap_or_default();
+                        let (code, why) = {
+                            let r = m.row.locked();
+                            (r.failure_code.clone(), r.failure.clone())
+                        };
                         self.templates.failed(
                             &self.store,
                             builder,
@@ -746,7 +722,8 @@ impl Node {
     }
 
     fn set_failed(&self, m: &Managed, code: &str, why: &str) {
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.status = "failed".into();
             row.failure_code = Some(code.into());
             row.failure = Some(why.into());
@@ -799,7 +776,8 @@ impl Node {
             id: id.clone(),
             name: req.name.clone(),
             status: "starting".into(),
-            spec: serde_json::to_string(&spec).map_err(|_| ApiError::internal())?,
+            spec: serde_json::to_string(&spec)
+                .map_err(crate::http::internal("a sandbox's spec as JSON"))?,
             pid: None,
             start_time: None,
             created_at_ns: crate::image::now_ns() as i64,
@@ -828,9 +806,7 @@ impl Node {
             return Err(store_err(e));
         }
         let m = Arc::new(Managed::new(row, spec));
-        if let Ok(mut all) = self.managed.lock() {
-            all.insert(id.clone(), m.clone());
-        }
+        self.managed.locked().insert(id.clone(), m.clone());
         if let Some(ms) = expires_in_ms {
             self.expire_at(&m, ms);
         }
@@ -1029,24 +1005,9 @@ impl Node {
 
     /// `GET /v1/sandboxes`.
     pub fn list_sandboxes(&self, q: &ListQuery) -> (Vec<SandboxObject>, Option<String>) {
-        let mut all: Vec<Arc<Managed>> = self
-            .managed
-            .lock()
-            .map(|m| m.values().cloned().collect())
-            .unwrap_or_default();
-        all.sort_by_key(|m| {
-            (
-                m.row.lock().map(|r| r.created_at_ns).unwrap_or(0),
-                m.id.clone(),
-            )
-        });
-        let key = |m: &Managed| {
-            format!(
-                "{:020}.{}",
-                m.row.lock().map(|r| r.created_at_ns).unwrap_or(0),
-                m.id
-            )
-        };
+        let mut all: Vec<Arc<Managed>> = self.managed.locked().values().cloned().collect();
+        all.sort_by_key(|m| (m.row.locked().created_at_ns, m.id.clone()));
+        let key = |m: &Managed| format!("{:020}.{}", m.row.locked().created_at_ns, m.id);
         let mut out: Vec<(String, SandboxObject)> = Vec::new();
         let mut more = false;
         for m in all {
@@ -1101,9 +1062,7 @@ impl Node {
         }
         // What ran in this boot is final now: record it before the agent goes.
         self.record_finals(m, &sb).await;
-        if let Ok(mut x) = m.machine.lock() {
-            x.take();
-        }
+        m.machine.locked().take();
         let driver = self.driver.clone();
         let _ = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
     }
@@ -1124,9 +1083,7 @@ impl Node {
                 let _ = self.store.set_exec_final(&m.id, &row.exec_id, &json);
             }
         }
-        if let Ok(mut r) = m.running.lock() {
-            r.clear();
-        }
+        m.running.locked().clear();
     }
 
     /// `DELETE /v1/sandboxes/{id}`.
@@ -1140,7 +1097,8 @@ impl Node {
         if !m.status().can_delete() {
             return Err(not_found(id));
         }
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.status = "stopping".into();
             let _ = self.store.update_sandbox(&row);
         }
@@ -1148,13 +1106,9 @@ impl Node {
         let dir = self.sandboxes_dir().join(&m.id);
         let _ = tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
         self.store.delete_sandbox(&m.id).map_err(store_err)?;
-        if let Ok(mut all) = self.managed.lock() {
-            all.remove(&m.id);
-        }
+        self.managed.locked().remove(&m.id);
         self.release_name(m.name().as_deref());
-        if let Ok(mut row) = m.row.lock() {
-            row.status = "deleted".into();
-        }
+        m.row.locked().status = "deleted".into();
         Ok(self.sandbox_object(&m))
     }
 
@@ -1167,12 +1121,14 @@ impl Node {
         if !status.can_restart() {
             return Err(wrong_state(status, "be restarted"));
         }
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.status = "stopping".into();
             let _ = self.store.update_sandbox(&row);
         }
         self.end_machine(&m).await;
-        if let Ok(mut row) = m.row.lock() {
+        {
+            let mut row = m.row.locked();
             row.restarts += 1;
             row.status = "starting".into();
             let _ = self.store.update_sandbox(&row);
@@ -1186,7 +1142,7 @@ impl Node {
     pub(crate) fn running_execs(&self, id: &str) -> usize {
         self.managed(id)
             .ok()
-            .and_then(|m| m.running.lock().ok().map(|r| r.len()))
+            .map(|m| m.running.locked().len())
             .unwrap_or(0)
     }
 
@@ -1282,9 +1238,7 @@ impl Node {
                 .insert_exec(&row, !stdin_open)
                 .map_err(store_err)?;
         }
-        if let Ok(mut r) = m.running.lock() {
-            r.insert(exec_id.clone());
-        }
+        m.running.locked().insert(exec_id.clone());
         if !attach {
             // An attached caller reads the end on its own connection (and watches if it
             // stops waiting first).
@@ -1334,9 +1288,7 @@ impl Node {
         tracing::warn!(sandbox = %m.id, why, "agent lost");
         self.set_failed(m, "agent_lost", why);
         self.record_finals(m, sb).await;
-        if let Ok(mut x) = m.machine.lock() {
-            x.take();
-        }
+        m.machine.locked().take();
         let driver = self.driver.clone();
         let (sb, dir) = (sb.clone(), self.sandboxes_dir().join(&m.id));
         let _ = tokio::task::spawn_blocking(move || {
@@ -1361,9 +1313,7 @@ impl Node {
                     let _ = node.store.set_exec_final(&m.id, &row.exec_id, &json);
                 }
             }
-            if let Ok(mut r) = m.running.lock() {
-                r.remove(&row.exec_id);
-            }
+            m.running.locked().remove(&row.exec_id);
         });
     }
 
@@ -1382,7 +1332,7 @@ impl Node {
         let mut reserved = None;
         for pass in 0..2 {
             {
-                let mut running = m.running.lock().map_err(|_| ApiError::internal())?;
+                let mut running = m.running.locked();
                 if running.len() < self.cfg.max_execs_per_sandbox {
                     reserved = Some(running.insert(exec_id.clone()));
                     break;
@@ -1400,7 +1350,8 @@ impl Node {
             // A command that ended may not have given its slot back yet (its watcher records
             // it first), though its end was already answered: the agent knows.
             if let Ok(AgentMsg::Execs { execs }) = one_shot(&sb.socket, &HostMsg::List).await {
-                if let Ok(mut running) = m.running.lock() {
+                {
+                    let mut running = m.running.locked();
                     for s in execs.iter().filter(|s| s.exit.is_some()) {
                         running.remove(&s.exec_id);
                     }
@@ -1416,7 +1367,7 @@ impl Node {
             env,
             cwd: req.cwd.clone().or_else(|| m.spec.cwd.clone()),
             user: req.user.clone().or_else(|| m.spec.user.clone()),
-            timeout_ms: req.timeout_seconds.map(|t| (t * 1000.0).ceil() as u64),
+            timeout_ms: req.timeout_seconds.map(sbx_api::seconds_to_ms),
             stdin_open: req.stdin_open || req.tty,
             stdin_null: false,
             // A call that waits reads the output on the connection that starts the command.
@@ -1440,9 +1391,7 @@ impl Node {
             Ok(s) => s,
             Err(e) => {
                 if reserved {
-                    if let Ok(mut r) = m.running.lock() {
-                        r.remove(&exec_id);
-                    }
+                    m.running.locked().remove(&exec_id);
                 }
                 return Err(e);
             }
@@ -1509,10 +1458,8 @@ impl Node {
             };
             let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)));
             // It ended: its slot is free whether or not its row can be written.
-            if let Ok(mut r) = m.running.lock() {
-                r.remove(&row.exec_id);
-            }
-            let json = json.map_err(|_| ApiError::internal())?;
+            m.running.locked().remove(&row.exec_id);
+            let json = json.map_err(crate::http::internal("a command's final object as JSON"))?;
             if row_written {
                 // The row is committed; its end is written after the answer: a node killed
                 // before it lands finds the command running at start and asks the agent.
@@ -1904,22 +1851,23 @@ impl Node {
             match alive {
                 Some(sb) => {
                     let sb = Arc::new(sb);
-                    if let Ok(mut mm) = m.machine.lock() {
+                    {
+                        let mut mm = m.machine.locked();
                         *mm = Some(sb.clone());
                     }
                     self.watch_agent(&m, &sb);
-                    if let Ok(mut r) = m.resolved.lock() {
+                    {
+                        let mut r = m.resolved.locked();
                         *r = self.resolve_adopted(&m.spec);
                     }
-                    if let Ok(mut r) = m.row.lock() {
+                    {
+                        let mut r = m.row.locked();
                         r.status = "running".into();
                         let _ = self.store.update_sandbox(&r);
                     }
                     for e in self.store.execs(&row.id).unwrap_or_default() {
                         if e.final_json.is_none() && e.boot == row.restarts {
-                            if let Ok(mut r) = m.running.lock() {
-                                r.insert(e.exec_id.clone());
-                            }
+                            m.running.locked().insert(e.exec_id.clone());
                             self.watch_exec(m.clone(), sb.clone(), e);
                         }
                     }
@@ -1950,9 +1898,7 @@ impl Node {
             if let Some(n) = m.name() {
                 let _ = self.reserve_name(Some(&n), &m.id);
             }
-            if let Ok(mut all) = self.managed.lock() {
-                all.insert(m.id.clone(), m.clone());
-            }
+            self.managed.locked().insert(m.id.clone(), m.clone());
             // Its expiry was a timer of the node that stopped: armed again (at once if it
             // passed meanwhile).
             if let Some(at) = m
@@ -1971,14 +1917,11 @@ impl Node {
     /// Ids of the sandboxes the node keeps whose machine runs.
     pub(crate) fn kept_ids(&self) -> HashSet<String> {
         self.managed
-            .lock()
-            .map(|m| {
-                m.values()
-                    .filter(|s| s.machine().is_some())
-                    .map(|s| s.id.clone())
-                    .collect()
-            })
-            .unwrap_or_default()
+            .locked()
+            .values()
+            .filter(|s| s.machine().is_some())
+            .map(|s| s.id.clone())
+            .collect()
     }
 }
 
@@ -2009,8 +1952,8 @@ fn final_from_row(row: &ExecRow) -> Option<ExecObject> {
 
 fn exit_of(obj: &ExecObject) -> sbx_proto::ExitInfo {
     sbx_proto::ExitInfo {
-        status: obj.status.as_str().into(),
-        exit_code: obj.exit_code.unwrap_or(137),
+        status: crate::agent::exit_status(obj.status),
+        exit_code: obj.exit_code.unwrap_or(128 + libc::SIGKILL),
         signal: obj.signal.as_deref().and_then(sbx_api::signal_number),
         duration_ns: (obj.duration_seconds.unwrap_or(0.0) * 1e9) as u64,
         cpu_ns: obj
@@ -2036,9 +1979,9 @@ fn current_object(m: &Managed, row: &ExecRow, state: Option<&ExecState>) -> Exec
 fn object_of(m: &Managed, row: &ExecRow, state: Option<&ExecState>, ending: bool) -> ExecObject {
     let meta = meta_of(m, row, Encoding::Utf8);
     let killed = sbx_proto::ExitInfo {
-        status: "killed".into(),
-        exit_code: 137,
-        signal: Some(9),
+        status: sbx_proto::ExitStatus::Killed,
+        exit_code: 128 + libc::SIGKILL,
+        signal: Some(libc::SIGKILL),
         duration_ns: 0,
         cpu_ns: 0,
         max_rss_bytes: 0,
@@ -2189,6 +2132,13 @@ async fn read_all(sb: &Sandbox, exec_id: &str) -> Result<(ExecState, Tail, Tail,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// sbx-api writes SIGTERM's number out (it has no libc): it is the system's.
+    #[test]
+    fn api_sigterm_is_libc_sigterm() {
+        assert_eq!(sbx_api::exec::SIGTERM, libc::SIGTERM);
+        assert_eq!(Resolved::default().stop_signal, libc::SIGTERM);
+    }
 
     fn spec(image: &str) -> StoredSpec {
         StoredSpec {

@@ -410,7 +410,10 @@ impl Node {
         let key = node_key()?;
         let sealed = key.seal(value.as_bytes(), name.as_bytes())?;
         let hosts = match &allowed_hosts {
-            Some(h) => Some(serde_json::to_string(h).map_err(|_| ApiError::internal())?),
+            Some(h) => Some(
+                serde_json::to_string(h)
+                    .map_err(crate::http::internal("a secret's hosts as JSON"))?,
+            ),
             None => None,
         };
         let now = now_ns();

@@ -4,14 +4,14 @@
 use std::path::Path;
 use std::sync::Mutex;
 
+use crate::sync::LockExt;
+
 use rusqlite::{params, Connection, OptionalExtension};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("state database: {0}")]
     Sql(#[from] rusqlite::Error),
-    #[error("state database lock poisoned")]
-    Poisoned,
     #[error("the state database is in use by another sandboxd (one node per data directory)")]
     InUse,
 }
@@ -201,7 +201,8 @@ impl Store {
     }
 
     fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T, StoreError> {
-        let c = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        // A panic inside `f` unwound through any open Transaction (its drop rolls back).
+        let c = self.conn.locked();
         Ok(f(&c)?)
     }
 

@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use crate::probe::Probe;
 use crate::store::{Store, StoreError};
+use crate::sync::LockExt;
 use sbx_api::Command;
 
 /// The key of the node's base template: the base image, the node's default shape, nothing
@@ -170,7 +171,7 @@ impl Templates {
         if key == BASE {
             return Ok(Plan::Base);
         }
-        let mut building = self.building.lock().map_err(|_| StoreError::Poisoned)?;
+        let mut building = self.building.locked();
         if let Some(rx) = building.get(key) {
             // A build whose builder was dropped unfinished has ended: build again.
             if rx.borrow().is_none() && rx.has_changed().is_ok() {
@@ -227,9 +228,7 @@ impl Templates {
                 tracing::error!(template = %b.key, error = %e, "template row");
             }
         }
-        if let Ok(mut building) = self.building.lock() {
-            building.remove(&b.key);
-        }
+        self.building.locked().remove(&b.key);
         let _ = tx.send(Some(result));
     }
 

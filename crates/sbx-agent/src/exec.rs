@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use sbx_proto::{ExecFailKind, ExecSpec, ExecState, ExitInfo, OutputCounts, Program, Stream};
+use sbx_proto::{
+    ExecFailKind, ExecSpec, ExecState, ExitInfo, ExitStatus, OutputCounts, Program, Stream,
+};
 use sbx_runtime::process::{self, Ended, Reaped, SpawnSpec};
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
@@ -177,7 +179,7 @@ impl Exec {
             let mut st = e.state.borrow_mut();
             st.ring.push(Stream::Stderr, message.as_bytes());
             st.exit = Some(ExitInfo {
-                status: "exited".into(),
+                status: ExitStatus::Exited,
                 exit_code: code,
                 signal: None,
                 duration_ns: 0,
@@ -315,12 +317,12 @@ impl Exec {
         let (status, exit_code, signal) = match r.ended {
             // Its own exit, even when the deadline came before it was reaped (a zombie by
             // then): the kill did not end it, so it did not time out.
-            Ended::Exited(c) => ("exited", c, None),
-            Ended::Signaled(s) if st.timed_out => ("timed_out", 128 + s, Some(s)),
-            Ended::Signaled(s) => ("killed", 128 + s, Some(s)),
+            Ended::Exited(c) => (ExitStatus::Exited, c, None),
+            Ended::Signaled(s) if st.timed_out => (ExitStatus::TimedOut, 128 + s, Some(s)),
+            Ended::Signaled(s) => (ExitStatus::Killed, 128 + s, Some(s)),
         };
         st.exit = Some(ExitInfo {
-            status: status.into(),
+            status,
             exit_code,
             signal,
             duration_ns: self.started.elapsed().as_nanos() as u64,
@@ -597,14 +599,10 @@ fn deadline(exec: &Rc<Exec>, timeout_ms: Option<u64>) {
                 running
             };
             if running {
-                process::kill_group(me.pid, libc_sigkill());
+                process::kill_group(me.pid, libc::SIGKILL);
             }
         });
     }
-}
-
-fn libc_sigkill() -> i32 {
-    9
 }
 
 #[cfg(test)]

@@ -5,6 +5,8 @@
 //! it starts commands, keeps their output in a ring, reaps every zombie, enforces deadlines and
 //! reports exits with usage.
 
+#![forbid(unsafe_code)]
+
 mod exec;
 mod fs;
 mod ring;

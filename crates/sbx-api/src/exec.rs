@@ -162,6 +162,10 @@ pub fn signal_name(n: i32) -> String {
         .unwrap_or_else(|| format!("SIG{n}"))
 }
 
+/// SIGTERM's number (Linux, every architecture): the default signal of a stop or of
+/// `POST …/exec/{exec_id}/signal`. Written out because this crate is pure data, without libc.
+pub const SIGTERM: i32 = 15;
+
 /// The `signal` field of `POST …/exec/{exec_id}/signal`: absent is SIGTERM; a name as
 /// [`signal_number`] takes it, or a whole number from 1 to [`MAX_SIGNAL`]. Anything else (null,
 /// a fraction, a list, 0, an unknown name) is 400 invalid_field: a call that cannot say which
@@ -175,7 +179,7 @@ pub fn signal_field(v: Option<&serde_json::Value>) -> Result<i32, crate::ApiErro
         )
     };
     match v {
-        None => Ok(15),
+        None => Ok(SIGTERM),
         Some(Value::String(name)) => {
             signal_number(name).ok_or_else(|| bad(format!("{name} is not a signal")))
         }

@@ -7,6 +7,8 @@
 //! - [`exec`]: the exec object a run answers with, signal names, RFC 3339 times.
 //! - [`events`]: the kinds of a command's event stream and their framing.
 
+#![forbid(unsafe_code)]
+
 pub mod error;
 pub mod events;
 pub mod exec;
@@ -26,8 +28,8 @@ pub use ids::{
     derived_id, is_id, new_id, new_request_id, request_id_or_new, valid_name, valid_request_id,
 };
 pub use run::{
-    parse_run_request, parse_run_value, validate_idempotency_key, Command, Encoding, Init, Limits,
-    OnExpiry, Ready, Region, RunRequest, SecretEnv, Stop, Tmp, VolumeMount,
+    parse_run_request, parse_run_value, seconds_to_ms, validate_idempotency_key, Command, Encoding,
+    Init, Limits, OnExpiry, Ready, Region, RunRequest, SecretEnv, Stop, Tmp, VolumeMount,
 };
 pub use sandbox::{
     parse_exec_request, parse_sandbox_create, ExecRequest, SandboxCreate, SandboxLimits,

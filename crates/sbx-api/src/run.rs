@@ -94,6 +94,13 @@ pub const MAX_ARG_BYTES: usize = (128 << 10) - 1;
 pub const MAX_CWD_BYTES: usize = 4095;
 /// The shortest `timeout_seconds`: 1 ms (the agent's deadlines are whole milliseconds).
 pub const MIN_TIMEOUT_SECONDS: f64 = 0.001;
+
+/// Seconds (a `timeout_seconds`) as the agent's whole milliseconds: rounded up, so a deadline
+/// is never shorter than asked, and at least 1 (the agent takes no zero deadline). The one
+/// conversion of the node's runs and execs.
+pub fn seconds_to_ms(s: f64) -> u64 {
+    ((s * 1000.0).ceil() as u64).max(1)
+}
 /// command, env (and secret_env) and cwd of one request together. The sandbox's agent takes
 /// them in one message of at most 4 MiB (sbx-proto `MAX_FRAME`): this much stays under it even
 /// escaped as JSON at worst (6 bytes per byte), beside a sandbox's own env of the same size.
@@ -1457,6 +1464,17 @@ pub(crate) fn number_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seconds_to_ms_rounds_up_to_at_least_one() {
+        assert_eq!(seconds_to_ms(MIN_TIMEOUT_SECONDS), 1);
+        assert_eq!(seconds_to_ms(0.0015), 2);
+        assert_eq!(seconds_to_ms(0.5), 500);
+        assert_eq!(seconds_to_ms(DEFAULT_TIMEOUT_SECONDS), 300_000);
+        assert_eq!(seconds_to_ms(MAX_SECONDS), 1_000_000_000_000);
+        assert_eq!(seconds_to_ms(0.0), 1);
+        assert_eq!(seconds_to_ms(1e-9), 1);
+    }
     use serde_json::json;
 
     fn ok(body: Value) -> RunRequest {

@@ -1,5 +1,7 @@
 //! `sbx`: the command line of an sbx node.
 
+#![forbid(unsafe_code)]
+
 mod call;
 mod files;
 mod images;

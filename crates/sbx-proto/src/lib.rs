@@ -13,6 +13,8 @@
 //! (`deny_unknown_fields` is never used here). A change that an old peer would misread bumps the
 //! version. `tests::schema_snapshot` pins the JSON shape of every message.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -160,11 +162,26 @@ pub enum HostMsg {
     FsEnd { id: String },
 }
 
+/// How a command ended, as [`ExitInfo::status`]. On the wire: `"exited"`, `"timed_out"`,
+/// `"killed"`. A status this peer does not know (a newer agent's) is read as
+/// [`ExitStatus::Exited`]: the exit code and signal that come with it still say what happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    /// Its deadline was up and the agent killed it.
+    TimedOut,
+    /// A signal ended it.
+    Killed,
+    /// It ended by itself, with any exit code; also any status this peer does not know
+    /// (serde's `other` must be the last variant).
+    #[serde(other)]
+    Exited,
+}
+
 /// How a command ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExitInfo {
-    /// `exited`, `timed_out` or `killed`.
-    pub status: String,
+    pub status: ExitStatus,
     pub exit_code: i32,
     /// The signal number that ended it, if one did.
     pub signal: Option<i32>,
@@ -470,6 +487,31 @@ mod tests {
         ));
     }
 
+    /// The enum is the old strings on the wire, both ways; an unknown status reads as exited.
+    #[test]
+    fn exit_status_strings() {
+        for (s, text) in [
+            (ExitStatus::Exited, "exited"),
+            (ExitStatus::TimedOut, "timed_out"),
+            (ExitStatus::Killed, "killed"),
+        ] {
+            assert_eq!(serde_json::to_string(&s).unwrap(), format!("\"{text}\""));
+            assert_eq!(
+                serde_json::from_str::<ExitStatus>(&format!("\"{text}\"")).unwrap(),
+                s
+            );
+        }
+        assert_eq!(
+            serde_json::from_str::<ExitStatus>(r#""stopped_by_something_new""#).unwrap(),
+            ExitStatus::Exited
+        );
+        let x: ExitInfo = serde_json::from_str(
+            r#"{"status":"nope","exit_code":3,"signal":null,"duration_ns":1,"cpu_ns":2,"max_rss_bytes":3}"#,
+        )
+        .unwrap();
+        assert_eq!((x.status, x.exit_code), (ExitStatus::Exited, 3));
+    }
+
     /// Pins the wire shape: a change here is a protocol change (see the module doc).
     #[test]
     fn schema_snapshot() {
@@ -490,7 +532,7 @@ mod tests {
         let exited = serde_json::to_string(&AgentMsg::Exited {
             exec_id: "exe-x".into(),
             exit: ExitInfo {
-                status: "exited".into(),
+                status: ExitStatus::Exited,
                 exit_code: 0,
                 signal: None,
                 duration_ns: 1,

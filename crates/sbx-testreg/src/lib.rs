@@ -11,6 +11,8 @@
 //!
 //! Nothing here names a host but loopback: tests and benches never pull from the internet.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Write};
