@@ -10,7 +10,7 @@ install_node_packages
 install_packages docker-registry
 need_cargo
 export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
-# The iii engine for the interop test (tests/iii.rs), when the shared tools have it.
+# The iii engine for the interop test (crates/sandboxd/tests/it/iii.rs), when the shared tools have it.
 if [ -z "${III_BIN:-}" ] && [ -x ../shared/tools/iii ]; then
   export III_BIN="$(cd ../shared/tools && pwd)/iii"
 fi

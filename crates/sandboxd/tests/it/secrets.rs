@@ -3,12 +3,10 @@
 //! (0600), and a node started again over the same data directory still opens what it sealed.
 //! `image_pull_secret` of a run is checked against the secret (404, 403, 400).
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use common::{assert_error, unique, Reply, TestNode};
+use crate::common::{assert_error, unique, Reply, TestNode};
 use serde_json::{json, Value};
 
 fn put(node: &TestNode, name: &str, body: &Value) -> Reply {

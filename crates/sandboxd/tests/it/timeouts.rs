@@ -2,13 +2,11 @@
 //! client that stalls is closed, one that keeps sending (or a stream that keeps answering) is
 //! not, and connections over the cap are answered 503 at once.
 
-mod common;
-
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{assert_error, TestNode};
+use crate::common::{assert_error, TestNode};
 use serde_json::{json, Value};
 
 /// Long enough that a node that never closes fails the test instead of hanging it.

@@ -1,20 +1,14 @@
 //! What `POST /v1/run` answers: exits, signals, timeouts, input, environment, users, output
 //! limits, event streams, request ids and names.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{assert_error, b64_decode, b64_encode, is_id, valid_request_id, TestNode};
-use serde_json::{json, Value};
+use crate::common::{
+    assert_error, b64_decode, b64_encode, is_id, stdout, valid_request_id, TestNode,
+};
+use serde_json::json;
 
 const CLEAN: Duration = Duration::from_secs(10);
-
-fn stdout(v: &Value) -> &str {
-    v["stdout"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no stdout: {v}"))
-}
 
 #[test]
 fn exit_codes_are_results() {

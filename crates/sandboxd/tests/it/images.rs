@@ -4,13 +4,11 @@
 //! layer 1 has /bin/sh and /etc/hidden, layer 2 adds /app/hello.txt and a whiteout over
 //! /etc/hidden; its config sets Env and WorkingDir.
 
-mod common;
-
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{assert_error, TestNode};
+use crate::common::{self, assert_error, TestNode};
 use sbx_testreg::{Compression, Layer, Registry, Tar};
 use serde_json::{json, Value};
 

@@ -1,12 +1,10 @@
 //! The functions interface: `POST /v1/functions/{function_id}` (`sandbox::*`) and `sbx call`,
 //! against a real node (the fixture's), with the config file (`--config`).
 
-mod common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::TestNode;
+use crate::common::{self, TestNode};
 use serde_json::{json, Value};
 
 const DOCS: &str = "https://docs.test/sandbox#";

@@ -1,21 +1,13 @@
 //! A sandbox is kept apart from the host and from other sandboxes: processes, files,
 //! hostname, network, users, memory, processes' count and syscalls.
 
-mod common;
-
 use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
-use common::{unique, TestNode};
+use crate::common::{stdout, unique, TestNode};
 use serde_json::json;
 
 const CLEAN: Duration = Duration::from_secs(10);
-
-fn stdout(v: &serde_json::Value) -> &str {
-    v["stdout"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no stdout: {v}"))
-}
 
 #[test]
 fn sandbox_sees_only_its_own_processes() {

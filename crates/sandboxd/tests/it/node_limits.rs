@@ -1,11 +1,9 @@
 //! The config file's image_allowlist and max_sandboxes hold for the whole node: the HTTP API's
 //! calls as much as the functions interface's.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{assert_error, TestNode};
+use crate::common::{self, assert_error, TestNode};
 use serde_json::json;
 
 fn node_with(config: &str) -> TestNode {

@@ -1,10 +1,8 @@
 //! Terminals: a command on a PTY, driven over the node's WebSocket.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::TestNode;
+use crate::common::TestNode;
 use serde_json::{json, Value};
 use tungstenite::stream::MaybeTlsStream;
 use tungstenite::Message;

@@ -1,11 +1,9 @@
 //! Sandboxes leave nothing behind: no process, mount, cgroup or directory, after many runs,
 //! after a caller hangs up, and when the node stops.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::TestNode;
+use crate::common::TestNode;
 use serde_json::json;
 
 #[test]

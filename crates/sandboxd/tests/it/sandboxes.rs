@@ -2,21 +2,13 @@
 //! exec, wait, output (JSON and events), stdin, signal; idempotency keys; stop signals; the
 //! per-sandbox cap; nothing left after many cycles.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{assert_error, is_id, unique, TestNode};
+use crate::common::{self, assert_error, get_json, is_id, unique, TestNode};
 use serde_json::{json, Value};
 
 const CLEAN: Duration = Duration::from_secs(10);
 const WAIT: Duration = Duration::from_secs(30);
-
-/// `GET path`: the status and the JSON body.
-fn get(node: &TestNode, path: &str) -> (u16, Value) {
-    let r = node.get(path, &[]);
-    (r.status, r.json())
-}
 
 /// Every sandbox of `GET /v1/sandboxes?query`, walking pages of `limit` with `next_cursor`.
 fn list_all(node: &TestNode, query: &str, limit: usize) -> Vec<Value> {
@@ -31,7 +23,7 @@ fn list_all(node: &TestNode, query: &str, limit: usize) -> Vec<Value> {
         if let Some(c) = &cursor {
             path.push_str(&format!("&cursor={c}"));
         }
-        let (status, v) = get(node, &path);
+        let (status, v) = get_json(node, &path);
         assert_eq!(status, 200, "{path}: {v}");
         assert_eq!(v["object"], "list", "{v}");
         let data = v["data"].as_array().expect("data");
@@ -145,7 +137,7 @@ fn create_get_list_and_delete() {
         assert_eq!(v["id"], id_a.as_str(), "{v}");
         assert_eq!(v, a, "get {key} is not the created object");
     }
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{name_b}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{name_b}"));
     assert_eq!(
         (status, v["id"].as_str()),
         (200, Some(id_b.as_str())),
@@ -191,15 +183,15 @@ fn create_get_list_and_delete() {
         ids(&list_all(&node, "metadata.team=red", 1)),
         vec![id_a.clone(), id_c.clone()]
     );
-    let (status, v) = get(&node, "/v1/sandboxes?limit=1");
+    let (status, v) = get_json(&node, "/v1/sandboxes?limit=1");
     assert_eq!(status, 200);
     assert_eq!(v["has_more"], true, "{v}");
     assert!(v["next_cursor"].is_string(), "{v}");
-    let (status, v) = get(&node, "/v1/sandboxes?bogus=1");
+    let (status, v) = get_json(&node, "/v1/sandboxes?bogus=1");
     assert_error(status, &v, 400, "unknown_parameter", Some("bogus"));
-    let (status, v) = get(&node, "/v1/sandboxes?status=sleeping");
+    let (status, v) = get_json(&node, "/v1/sandboxes?status=sleeping");
     assert_error(status, &v, 400, "invalid_field", Some("status"));
-    let (status, v) = get(&node, "/v1/sandboxes?limit=0");
+    let (status, v) = get_json(&node, "/v1/sandboxes?limit=0");
     assert_error(status, &v, 400, "invalid_field", Some("limit"));
 
     // Delete: the object with status deleted, then 404 by id and by name.
@@ -211,7 +203,7 @@ fn create_get_list_and_delete() {
     assert_eq!(v["id"], id_a.as_str(), "{v}");
     assert_eq!(v["secret_env"], json!(["TOKEN"]), "{v}");
     for key in [id_a.as_str(), name_a.as_str()] {
-        let (status, v) = get(&node, &format!("/v1/sandboxes/{key}"));
+        let (status, v) = get_json(&node, &format!("/v1/sandboxes/{key}"));
         assert_error(status, &v, 404, "sandbox_not_found", None);
     }
     let r = node.delete(&format!("/v1/sandboxes/{id_a}"), &[]);
@@ -230,12 +222,12 @@ fn create_get_list_and_delete() {
     let again = node.create_sandbox(&json!({"name": name_a}));
     let id_again = again["id"].as_str().unwrap().to_string();
     assert_ne!(id_again, id_a);
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{name_a}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{name_a}"));
     assert_eq!((status, v["id"].as_str()), (200, Some(id_again.as_str())));
 
     for id in [&id_b, &id_c, &id_again] {
         node.delete_sandbox(id);
-        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+        let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
         assert_error(status, &v, 404, "sandbox_not_found", None);
     }
     assert!(list_all(&node, "", 100).is_empty(), "rows are left");
@@ -264,7 +256,7 @@ fn exec_wait_and_output() {
     assert_eq!(v["output"]["stdout_bytes"], 4, "{v}");
     assert_eq!(v["output"]["stderr_bytes"], 4, "{v}");
     assert_eq!(v["output"]["end"], 8, "{v}");
-    let (status, got) = get(&node, &format!("{exec_path}/{first}"));
+    let (status, got) = get_json(&node, &format!("{exec_path}/{first}"));
     assert_eq!(status, 200, "{got}");
     assert_eq!(
         (
@@ -282,13 +274,13 @@ fn exec_wait_and_output() {
     let slow = v["id"].as_str().unwrap().to_string();
     assert_eq!(v["status"], "running", "{v}");
     assert!(v["exit_code"].is_null(), "{v}");
-    let (status, v) = get(&node, &format!("{exec_path}/{slow}"));
+    let (status, v) = get_json(&node, &format!("{exec_path}/{slow}"));
     assert_eq!(
         (status, v["status"].as_str()),
         (200, Some("running")),
         "{v}"
     );
-    let (status, v) = get(&node, &format!("{exec_path}/{slow}?wait_seconds=20"));
+    let (status, v) = get_json(&node, &format!("{exec_path}/{slow}?wait_seconds=20"));
     let took = t.elapsed();
     assert_eq!(status, 200, "{v}");
     assert_eq!(
@@ -305,7 +297,7 @@ fn exec_wait_and_output() {
     let v = node.exec(&id, &json!({"command": "sleep 5"}));
     let sleeper = v["id"].as_str().unwrap().to_string();
     let t = Instant::now();
-    let (status, v) = get(&node, &format!("{exec_path}/{sleeper}?wait_seconds=0.5"));
+    let (status, v) = get_json(&node, &format!("{exec_path}/{sleeper}?wait_seconds=0.5"));
     let took = t.elapsed();
     assert_eq!(
         (status, v["status"].as_str()),
@@ -333,7 +325,7 @@ fn exec_wait_and_output() {
         );
         assert_error(r.status, &r.json(), 400, "invalid_field", Some("signal"));
     }
-    let (_, v) = get(&node, &format!("{exec_path}/{sleeper}"));
+    let (_, v) = get_json(&node, &format!("{exec_path}/{sleeper}"));
     assert_eq!(v["status"], "running", "{v}");
     // A number is a signal too.
     let r = node.post_json(
@@ -400,7 +392,7 @@ fn exec_wait_and_output() {
     let streamed = exit["id"].as_str().unwrap().to_string();
 
     // The list of commands, oldest first.
-    let (status, v) = get(&node, &exec_path);
+    let (status, v) = get_json(&node, &exec_path);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["object"], "list", "{v}");
     let listed: Vec<&str> = v["data"]
@@ -427,9 +419,9 @@ fn exec_wait_and_output() {
         &json!({"command": "true"}),
     );
     assert_error(r.status, &r.json(), 404, "sandbox_not_found", None);
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{ghost}/exec/{first}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{ghost}/exec/{first}"));
     assert_error(status, &v, 404, "sandbox_not_found", None);
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{ghost}/exec"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{ghost}/exec"));
     assert_error(status, &v, 404, "sandbox_not_found", None);
     let nope = "exe-0000000000000000";
     for path in [
@@ -437,7 +429,7 @@ fn exec_wait_and_output() {
         format!("{exec_path}/{nope}?wait_seconds=1"),
         format!("{exec_path}/{nope}/output"),
     ] {
-        let (status, v) = get(&node, &path);
+        let (status, v) = get_json(&node, &path);
         assert_error(status, &v, 404, "exec_not_found", None);
     }
     let r = node.post_json(&format!("{exec_path}/{nope}/stdin"), &json!({"data": "x"}));
@@ -452,7 +444,7 @@ fn exec_wait_and_output() {
         format!("{exec_path}/{first}/output?bogus=1"),
         format!("{exec_path}/{first}?wait_seconds=1&waitseconds=2"),
     ] {
-        let (status, v) = get(&node, &path);
+        let (status, v) = get_json(&node, &path);
         let bad = if path.contains("waitseconds") {
             "waitseconds"
         } else {
@@ -460,7 +452,7 @@ fn exec_wait_and_output() {
         };
         assert_error(status, &v, 400, "unknown_parameter", Some(bad));
     }
-    let (status, v) = get(&node, &format!("{exec_path}/{first}?wait_seconds=301"));
+    let (status, v) = get_json(&node, &format!("{exec_path}/{first}?wait_seconds=301"));
     assert_error(status, &v, 400, "invalid_field", Some("wait_seconds"));
     let r = node.post_json(&exec_path, &json!({"command": "true", "bogus": 1}));
     assert_error(r.status, &r.json(), 400, "unknown_field", Some("bogus"));
@@ -468,7 +460,7 @@ fn exec_wait_and_output() {
     assert_error(r.status, &r.json(), 400, "missing_command", Some("command"));
 
     node.delete_sandbox(&id);
-    let (status, v) = get(&node, &format!("{exec_path}/{first}"));
+    let (status, v) = get_json(&node, &format!("{exec_path}/{first}"));
     assert_error(status, &v, 404, "sandbox_not_found", None);
     node.assert_clean(CLEAN);
 }
@@ -681,7 +673,7 @@ fn json_output_ranges_slice_exactly() {
     let path = format!("/v1/sandboxes/{id}/exec/{exec_id}/output");
     // (from, to) -> the (stream, position, data) chunks and next.
     let range = |q: &str| -> (Vec<Piece>, u64, Value) {
-        let (status, v) = get(&node, &format!("{path}{q}"));
+        let (status, v) = get_json(&node, &format!("{path}{q}"));
         assert_eq!(status, 200, "{q}: {v}");
         assert_eq!(v["object"], "output", "{v}");
         assert_eq!(v["start"], 0, "{v}");
@@ -739,14 +731,14 @@ fn json_output_ranges_slice_exactly() {
         assert_eq!(next, want_next, "{q}: next: {v}");
     }
     // Base64 slices are the same bytes.
-    let (status, v) = get(&node, &format!("{path}?from=12&to=15&encoding=base64"));
+    let (status, v) = get_json(&node, &format!("{path}?from=12&to=15&encoding=base64"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["chunks"].as_array().unwrap().len(), 1, "{v}");
     assert_eq!(
         common::b64_decode(v["chunks"][0]["data"].as_str().unwrap()),
         b"cde"
     );
-    let (status, v) = get(&node, &format!("{path}?from=x"));
+    let (status, v) = get_json(&node, &format!("{path}?from=x"));
     assert_error(status, &v, 400, "invalid_field", Some("from"));
 
     node.delete_sandbox(&id);
@@ -928,7 +920,7 @@ fn idempotent_creates_make_one_sandbox() {
     // The same key in another sandbox names another command.
     let e3 = exec(&id2);
     assert_ne!(e3["id"], e1["id"]);
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id1}/exec"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id1}/exec"));
     assert_eq!(status, 200);
     assert_eq!(
         v["data"].as_array().unwrap().len(),
@@ -951,7 +943,7 @@ fn delete_stops_the_start_command_with_its_signal_then_grace() {
         "stop": {"signal": "SIGTERM", "grace_ms": 1500},
     }));
     let id = stubborn["id"].as_str().unwrap().to_string();
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/exe-start"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/exe-start"));
     assert_eq!(
         (status, v["status"].as_str()),
         (200, Some("running")),
@@ -994,7 +986,7 @@ fn delete_stops_the_start_command_with_its_signal_then_grace() {
         took >= Duration::from_millis(1400) && took < Duration::from_secs(10),
         "a start command that ignores its stop signal ended after {took:?}, not its grace"
     );
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
     assert_error(status, &v, 404, "sandbox_not_found", None);
 
     // A start command that ends on SIGTERM: the delete does not wait for the grace.
@@ -1094,7 +1086,7 @@ fn a_sandbox_runs_four_commands_at_once() {
         assert_eq!(v["stdout"], format!("{i}\n"), "{v}");
     }
     for s in &sleepers[1..] {
-        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{s}"));
+        let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{s}"));
         assert_eq!(
             (status, v["status"].as_str()),
             (200, Some("running")),
@@ -1137,7 +1129,7 @@ fn a_sandbox_runs_four_commands_at_once() {
         assert_error(*status, v, 409, "too_many_commands", None);
     }
     assert_eq!(started, 4, "{statuses:?}");
-    let (_, v) = get(&node, &format!("/v1/sandboxes/{id}/exec"));
+    let (_, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec"));
     let running = v["data"]
         .as_array()
         .unwrap()
@@ -1158,7 +1150,7 @@ fn restart_boots_again_over_the_same_disk() {
     }));
     let id = sb["id"].as_str().unwrap().to_string();
     let start_path = format!("/v1/sandboxes/{id}/exec/exe-start");
-    let (status, before) = get(&node, &start_path);
+    let (status, before) = get_json(&node, &start_path);
     assert_eq!(
         (status, before["status"].as_str()),
         (200, Some("running")),
@@ -1179,11 +1171,11 @@ fn restart_boots_again_over_the_same_disk() {
     assert_eq!(v["id"], id.as_str(), "{v}");
     assert_eq!(v["status"], "running", "{v}");
     assert_eq!(v["restarts"], 1, "{v}");
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
     assert_eq!((status, v["restarts"].as_i64()), (200, Some(1)), "{v}");
 
     // The start command ran again: a new exe-start.
-    let (status, after) = get(&node, &start_path);
+    let (status, after) = get_json(&node, &start_path);
     assert_eq!(
         (status, after["status"].as_str()),
         (200, Some("running")),
@@ -1200,14 +1192,14 @@ fn restart_boots_again_over_the_same_disk() {
     );
     assert_eq!(v["stdout"], "kept\nboot\nboot\n", "{v}");
     // The commands of the first boot ended with it and keep their final objects.
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{before_exec}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{before_exec}"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(
         (v["status"].as_str(), v["exit_code"].as_i64()),
         (Some("exited"), Some(0)),
         "{v}"
     );
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{running}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{running}"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["status"], "killed", "a command of the first boot: {v}");
     let r = node.post_json(
@@ -1272,7 +1264,7 @@ fn a_sandbox_is_deleted_when_it_expires() {
     }));
     let id = sb["id"].as_str().unwrap().to_string();
     assert_eq!(sb["expires_at"], at.as_str(), "{sb}");
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
     assert_eq!(
         (status, v["status"].as_str()),
         (200, Some("running")),
@@ -1280,7 +1272,7 @@ fn a_sandbox_is_deleted_when_it_expires() {
     );
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+        let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
         if status == 404 {
             assert_error(status, &v, 404, "sandbox_not_found", None);
             break;
@@ -1310,7 +1302,7 @@ fn a_waited_command_is_listed_while_it_runs_and_new_users_are_known_at_once() {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut seen = None;
         while seen.is_none() && Instant::now() < deadline && !waiter.is_finished() {
-            let (status, v) = get(&node, &list_path);
+            let (status, v) = get_json(&node, &list_path);
             assert_eq!(status, 200, "{v}");
             seen = v["data"]
                 .as_array()
@@ -1326,7 +1318,7 @@ fn a_waited_command_is_listed_while_it_runs_and_new_users_are_known_at_once() {
             (Some("exited"), Some("slept\n")),
             "{v}"
         );
-        let (status, got) = get(&node, &format!("{list_path}/{}", v["id"].as_str().unwrap()));
+        let (status, got) = get_json(&node, &format!("{list_path}/{}", v["id"].as_str().unwrap()));
         assert_eq!(
             (status, got["status"].as_str()),
             (200, Some("exited")),

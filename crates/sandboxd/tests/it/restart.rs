@@ -2,23 +2,16 @@
 //! their commands ran on, and it adopts them; a sandbox whose agent went away meanwhile is
 //! `failed` (agent_lost), and nothing of it is left.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{assert_error, TestNode};
-use serde_json::{json, Value};
+use crate::common::{self, assert_error, get_json, TestNode};
+use serde_json::json;
 
 const CLEAN: Duration = Duration::from_secs(10);
 const WAIT: Duration = Duration::from_secs(30);
 
-fn get(node: &TestNode, path: &str) -> (u16, Value) {
-    let r = node.get(path, &[]);
-    (r.status, r.json())
-}
-
 fn list_ids(node: &TestNode) -> Vec<String> {
-    let (status, v) = get(node, "/v1/sandboxes");
+    let (status, v) = get_json(node, "/v1/sandboxes");
     assert_eq!(status, 200, "{v}");
     v["data"]
         .as_array()
@@ -45,7 +38,7 @@ fn commands_run_on_while_the_node_is_down_and_their_output_is_whole() {
         .as_str()
         .unwrap()
         .to_string();
-    let before = get(&node, &format!("/v1/sandboxes/{id}")).1;
+    let before = get_json(&node, &format!("/v1/sandboxes/{id}")).1;
     let v = node.exec(
         &id,
         &json!({"command": "for i in $(seq 1 100); do echo line $i; sleep 0.1; done"}),
@@ -56,7 +49,7 @@ fn commands_run_on_while_the_node_is_down_and_their_output_is_whole() {
 
     // Let it write for a while, then kill the node with SIGKILL.
     std::thread::sleep(Duration::from_millis(1500));
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{exec_id}/output"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{exec_id}/output"));
     assert_eq!(status, 200, "{v}");
     let written_before = v["end"].as_u64().unwrap();
     assert!(written_before > 0, "no output yet: {v}");
@@ -69,13 +62,13 @@ fn commands_run_on_while_the_node_is_down_and_their_output_is_whole() {
     assert!(pid_alive(agent));
     node.restart();
 
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["status"], "running", "the sandbox was not adopted: {v}");
     assert_eq!(v, before, "the adopted sandbox is not the same object");
-    let (status, v) = get(&node, "/v1/sandboxes/survivor");
+    let (status, v) = get_json(&node, "/v1/sandboxes/survivor");
     assert_eq!((status, v["id"].as_str()), (200, Some(id.as_str())), "{v}");
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/{exec_id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{exec_id}"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["status"], "running", "{v}");
     let now = v["output"]["end"].as_u64().unwrap();
@@ -103,7 +96,7 @@ fn commands_run_on_while_the_node_is_down_and_their_output_is_whole() {
     let mut paged = Vec::new();
     let mut from = 0u64;
     while from < expected.len() as u64 {
-        let (status, v) = get(
+        let (status, v) = get_json(
             &node,
             &format!(
                 "/v1/sandboxes/{id}/exec/{exec_id}/output?from={from}&to={}",
@@ -120,7 +113,7 @@ fn commands_run_on_while_the_node_is_down_and_their_output_is_whole() {
     }
     assert_eq!(String::from_utf8_lossy(&paged), expected);
     // Listed, ended.
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["data"][0]["id"], exec_id.as_str(), "{v}");
     assert_eq!(v["data"][0]["status"], "exited", "{v}");
@@ -129,7 +122,7 @@ fn commands_run_on_while_the_node_is_down_and_their_output_is_whole() {
     let v = node.exec(&id, &json!({"command": "echo after", "wait_seconds": 20}));
     assert_eq!(v["stdout"], "after\n", "{v}");
     node.delete_sandbox(&id);
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
     assert_error(status, &v, 404, "sandbox_not_found", None);
     assert!(list_ids(&node).is_empty());
     node.assert_clean(CLEAN);
@@ -173,7 +166,7 @@ fn a_command_running_across_a_restart_keeps_its_stdin_and_signals() {
     assert_error(r.status, &r.json(), 409, "stdin_closed", None);
     assert_eq!(v["signal"], "SIGTERM", "{v}");
     // The start command is the adopted one, still running; delete stops it with its signal.
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}/exec/exe-start"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/exe-start"));
     assert_eq!(
         (status, v["status"].as_str()),
         (200, Some("running")),
@@ -219,18 +212,18 @@ fn a_sandbox_whose_agent_died_while_the_node_was_down_is_failed_and_gone() {
     );
     node.restart();
 
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{lost}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{lost}"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["status"], "failed", "{v}");
     assert_eq!(v["failure_code"], "agent_lost", "{v}");
     assert!(v["failure"].as_str().is_some_and(|f| !f.is_empty()), "{v}");
-    let (status, v) = get(&node, "/v1/sandboxes/lost-one");
+    let (status, v) = get_json(&node, "/v1/sandboxes/lost-one");
     assert_eq!(
         (status, v["id"].as_str()),
         (200, Some(lost.as_str())),
         "{v}"
     );
-    let (status, v) = get(&node, "/v1/sandboxes?status=failed");
+    let (status, v) = get_json(&node, "/v1/sandboxes?status=failed");
     assert_eq!(status, 200);
     assert_eq!(v["data"].as_array().unwrap().len(), 1, "{v}");
     assert_eq!(v["data"][0]["id"], lost.as_str(), "{v}");
@@ -243,23 +236,23 @@ fn a_sandbox_whose_agent_died_while_the_node_was_down_is_failed_and_gone() {
         &json!({"command": "true"}),
     );
     assert_error(r.status, &r.json(), 409, "sandbox_not_running", None);
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{lost}/exec/{lost_exec}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{lost}/exec/{lost_exec}"));
     assert_eq!(status, 200, "{v}");
     assert_ne!(v["status"], "running", "{v}");
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{lost}/exec/{lost_running}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{lost}/exec/{lost_running}"));
     assert_eq!(status, 200, "{v}");
     assert_ne!(
         v["status"], "running",
         "a command of a lost sandbox runs: {v}"
     );
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{lost}/exec"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{lost}/exec"));
     assert_eq!(status, 200, "{v}");
     for e in v["data"].as_array().unwrap() {
         assert_ne!(e["status"], "running", "{e}");
     }
 
     // The other one was adopted.
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{kept}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{kept}"));
     assert_eq!(
         (status, v["status"].as_str()),
         (200, Some("running")),
@@ -271,7 +264,7 @@ fn a_sandbox_whose_agent_died_while_the_node_was_down_is_failed_and_gone() {
     // The failed one can be deleted, and its name is free again.
     let v = node.delete_sandbox(&lost);
     assert_eq!(v["failure_code"], "agent_lost", "{v}");
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{lost}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{lost}"));
     assert_error(status, &v, 404, "sandbox_not_found", None);
     let again = node.create_sandbox(&json!({"name": "lost-one"}));
     let again = again["id"].as_str().unwrap().to_string();
@@ -297,7 +290,7 @@ fn an_expiry_outlives_a_node_restart() {
     let id = sb["id"].as_str().unwrap().to_string();
     node.kill();
     node.restart();
-    let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
     assert_eq!(
         (status, v["status"].as_str()),
         (200, Some("running")),
@@ -306,7 +299,7 @@ fn an_expiry_outlives_a_node_restart() {
     assert_eq!(v["expires_at"], at.as_str(), "{v}");
     let deadline = Instant::now() + Duration::from_secs(25);
     loop {
-        let (status, v) = get(&node, &format!("/v1/sandboxes/{id}"));
+        let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
         if status == 404 {
             break;
         }
@@ -333,7 +326,7 @@ fn an_expiry_outlives_a_node_restart() {
     std::thread::sleep(Duration::from_millis(1500));
     node.restart();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while get(&node, &format!("/v1/sandboxes/{id}")).0 != 404 {
+    while get_json(&node, &format!("/v1/sandboxes/{id}")).0 != 404 {
         assert!(
             Instant::now() < deadline,
             "an expired sandbox outlived the restart"

@@ -2,15 +2,13 @@
 //! leaves nothing; host users cannot reach sandboxes' files; two nodes on one host keep to their
 //! own cgroup folders.
 
-mod common;
-
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::TestNode;
+use crate::common::{self, TestNode};
 use serde_json::json;
 
 /// Forks for ever; each child leaves the command's process group and session (the agent's

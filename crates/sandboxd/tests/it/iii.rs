@@ -11,13 +11,11 @@
 //! sends `invokefunction` and reads the `invocationresult`, then drops the connection and
 //! waits for the worker to come back (`reattach`, then every registration again).
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::TestNode;
+use crate::common::{self, TestNode};
 use serde_json::{json, Value};
 use tungstenite::{Message, WebSocket};
 

@@ -2,11 +2,9 @@
 //! /etc/passwd holds; the output of many commands does not grow the agent; an agent that dies
 //! fails its sandbox at once; deep tar uploads.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{assert_error, TestNode};
+use crate::common::{assert_error, TestNode};
 use serde_json::{json, Value};
 
 const CLEAN: Duration = Duration::from_secs(10);

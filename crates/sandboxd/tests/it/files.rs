@@ -3,15 +3,13 @@
 //! from a real failing operation, escape attempts that must never touch a host file, and
 //! `sbx cp` / `sbx fs`.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{assert_error, unique, TestNode};
+use crate::common::{self, assert_error, unique, TestNode};
 use serde_json::{json, Value};
 
 const CLEAN: Duration = Duration::from_secs(10);

@@ -1,11 +1,9 @@
 //! A node started with `--api-keys FILE` serves only callers with one of its keys; `/healthz`
 //! needs none.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{assert_error, unique, TestNode};
+use crate::common::{assert_error, unique, TestNode};
 use serde_json::json;
 
 #[test]

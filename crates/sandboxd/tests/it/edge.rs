@@ -1,13 +1,11 @@
 //! The node's edge against what a browser page (or a rebinding name) can send, and the answers
 //! the edge gives instead of a route's: every one the project's error body.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{assert_error, unique, TestNode};
+use crate::common::{assert_error, unique, TestNode};
 use serde_json::{json, Value};
 
 const CLEAN: Duration = Duration::from_secs(10);

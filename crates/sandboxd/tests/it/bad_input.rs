@@ -1,11 +1,9 @@
 //! Requests the node refuses: each with its status, its code, the field at fault, and the one
 //! error body of the API. Nothing of a refused request is left on the host.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{assert_error, raw_post, TestNode};
+use crate::common::{assert_error, raw_post, TestNode};
 use serde_json::{json, Value};
 
 const CLEAN: Duration = Duration::from_secs(10);

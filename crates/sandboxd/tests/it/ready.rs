@@ -1,11 +1,9 @@
 //! Ready checks: a sandbox with `ready.command` is answered `starting` and becomes `running`
 //! once the check passes, or `failed` (`boot_failed`) with what the check last got.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{assert_error, TestNode};
+use crate::common::{self, assert_error, TestNode};
 use serde_json::{json, Value};
 
 fn create_starting(node: &TestNode, body: &Value) -> Value {

@@ -1,0 +1,287 @@
+//! What a node leaves on the host: its cgroup folders, the processes in them, its sandboxes'
+//! directories and mounts; the checks that nothing is left, and the clean-up after a node.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::node::TestNode;
+
+/// The v1 controllers the node makes sandboxes' groups in.
+const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "freezer"];
+
+/// Where the node's cgroup folders are: one per hierarchy, as the daemon finds them.
+pub(super) fn node_cgroup_dirs(name: &str) -> Vec<(String, PathBuf)> {
+    let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let own: Vec<(String, String)> = own
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.splitn(3, ':');
+            let _ = it.next()?;
+            Some((it.next()?.to_string(), it.next()?.to_string()))
+        })
+        .collect();
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    // (root, mount point, fstype, super options)
+    let mounts: Vec<(String, PathBuf, String, Vec<String>)> = mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let l: Vec<&str> = left.split(' ').collect();
+            let r: Vec<&str> = right.split(' ').collect();
+            Some((
+                l.get(3)?.to_string(),
+                PathBuf::from(l.get(4)?),
+                r.first()?.to_string(),
+                r.get(2)?.split(',').map(String::from).collect(),
+            ))
+        })
+        .collect();
+    let mut v1 = Vec::new();
+    for ctrl in V1_CONTROLLERS {
+        let mount = mounts
+            .iter()
+            .find(|m| m.2 == "cgroup" && m.3.iter().any(|o| o == ctrl));
+        let path = own
+            .iter()
+            .find(|(c, _)| c.split(',').any(|c| c == ctrl))
+            .map(|(_, p)| p.clone());
+        if let (Some(m), Some(p)) = (mount, path) {
+            let rel = p.trim_start_matches('/');
+            let root = m.0.trim_start_matches('/');
+            let rel = rel
+                .strip_prefix(root)
+                .unwrap_or(rel)
+                .trim_start_matches('/');
+            v1.push((ctrl.to_string(), m.1.join(rel).join(name)));
+        }
+    }
+    if v1.iter().any(|(c, _)| c == "memory") && v1.iter().any(|(c, _)| c == "pids") {
+        return v1;
+    }
+    let Some(unified) = mounts.iter().find(|m| m.2 == "cgroup2") else {
+        return Vec::new();
+    };
+    let path = own
+        .iter()
+        .find(|(c, _)| c.is_empty())
+        .map(|(_, p)| p.clone())
+        .unwrap_or_else(|| "/".into());
+    vec![(
+        "unified".into(),
+        unified.1.join(path.trim_start_matches('/')).join(name),
+    )]
+}
+
+pub(super) fn send_signal(pid: u32, sig: i32) {
+    // SAFETY: kill has no memory effects; an error (the process is gone) is ignored.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// The pids of processes whose cgroup path has the folder `name` in it, with their lines.
+pub(super) fn processes_in(name: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let mut out = Vec::new();
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return out;
+    };
+    let inner = format!("/{name}/");
+    let last = format!("/{name}");
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(cg) = fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+            continue;
+        };
+        if let Some(line) = cg
+            .lines()
+            .find(|l| l.contains(&inner) || l.ends_with(&last))
+        {
+            out.push((pid, line.to_string()));
+        }
+    }
+    out
+}
+
+fn comm(pid: u32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+impl TestNode {
+    /// Ids of the sandboxes the node keeps made ahead (its warm pool): they are the node's,
+    /// not leftovers of a run. Empty when the node does not answer.
+    pub fn warm_ids(&self) -> Vec<String> {
+        if self.child.is_none() {
+            return Vec::new();
+        }
+        let r = match &self.auth {
+            Some(a) => self.get("/internal/node", &[("Authorization", a.as_str())]),
+            None => self.get("/internal/node", &[]),
+        };
+        if r.status != 200 {
+            return Vec::new();
+        }
+        r.json()["warm_pool"]["ready"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// What is left of runs' sandboxes: everything of the node's sandboxes but its warm pool.
+    pub fn leftovers(&self) -> Vec<String> {
+        let warm = self.warm_ids();
+        let mut all = self.all_sandbox_traces();
+        all.retain(|l| !warm.iter().any(|w| l.contains(w.as_str())));
+        all
+    }
+
+    /// Everything of the node's sandboxes on the host, warm ones included.
+    pub fn all_sandbox_traces(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Ok(rd) = fs::read_dir(self.data_dir.join("sandboxes")) {
+            for e in rd.flatten() {
+                out.push(format!("sandbox directory {}", e.path().display()));
+            }
+        }
+        for (_, dir) in &self.cgroup_dirs {
+            for d in subdirs(dir) {
+                out.push(format!("cgroup {}", d.display()));
+            }
+        }
+        let data = self.data_dir.to_string_lossy().into_owned();
+        // The node's own nosuid view of its sandboxes' directory is not a sandbox's.
+        let own = format!(" {}/sandboxes ", data);
+        if let Ok(mounts) = fs::read_to_string("/proc/mounts") {
+            for l in mounts
+                .lines()
+                .filter(|l| l.contains(&data) && !l.contains(&own))
+            {
+                out.push(format!("mount {l}"));
+            }
+        }
+        for (pid, line) in processes_in(&self.cgroup_name) {
+            out.push(format!("process {pid} ({}) in {line}", comm(pid)));
+        }
+        out
+    }
+
+    /// Polls [`TestNode::leftovers`] until it is empty or `timeout` is up; what is left then.
+    pub fn wait_clean(&self, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = self.leftovers();
+            if left.is_empty() || Instant::now() > deadline {
+                return left;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Asserts that nothing of the node's sandboxes is left within `timeout`.
+    pub fn assert_clean(&self, timeout: Duration) {
+        let left = self.wait_clean(timeout);
+        assert!(
+            left.is_empty(),
+            "left on the host after {timeout:?}:\n  {}\n{}",
+            left.join("\n  "),
+            self.log_tail(20)
+        );
+    }
+
+    /// Removes whatever is left of the node's sandboxes (after the node is stopped).
+    pub(super) fn force_clean(&self) {
+        let dirs: Vec<PathBuf> = self.cgroup_dirs.iter().map(|(_, d)| d.clone()).collect();
+        for _ in 0..250 {
+            let mut busy = false;
+            for (pid, _) in processes_in(&self.cgroup_name) {
+                send_signal(pid, libc::SIGKILL);
+                busy = true;
+            }
+            for dir in &dirs {
+                for sub in subdirs(dir) {
+                    let procs = fs::read_to_string(sub.join("cgroup.procs")).unwrap_or_default();
+                    for pid in procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+                        send_signal(pid, libc::SIGKILL);
+                    }
+                    if fs::remove_dir(&sub).is_err() {
+                        busy = true;
+                    }
+                }
+            }
+            if !busy {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for dir in &dirs {
+            let _ = fs::remove_dir(dir);
+        }
+        let data = self.data_dir.to_string_lossy().into_owned();
+        if let Ok(mounts) = fs::read_to_string("/proc/mounts") {
+            let mut points: Vec<&str> = mounts
+                .lines()
+                .filter_map(|l| l.split(' ').nth(1))
+                .filter(|p| p.contains(&data))
+                .collect();
+            points.reverse();
+            for p in points {
+                if let Ok(c) = std::ffi::CString::new(p) {
+                    // SAFETY: umount2 reads the NUL-terminated path, which lives for the call.
+                    unsafe {
+                        libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The host pid of a sandbox's agent: the process of the sandbox's cgroup that is PID 1 of
+    /// its PID namespace.
+    pub fn agent_pid(&self, sandbox_id: &str) -> Option<u32> {
+        processes_in(&self.cgroup_name)
+            .into_iter()
+            .filter(|(_, line)| line.contains(sandbox_id))
+            .map(|(pid, _)| pid)
+            .find(|pid| {
+                fs::read_to_string(format!("/proc/{pid}/status"))
+                    .ok()
+                    .and_then(|s| {
+                        s.lines()
+                            .find_map(|l| l.strip_prefix("NSpid:"))
+                            .map(|v| v.split_whitespace().last() == Some("1"))
+                    })
+                    .unwrap_or(false)
+            })
+    }
+
+    /// What is left on the host of one sandbox: its directory, cgroups and processes.
+    pub fn traces_of(&self, sandbox_id: &str) -> Vec<String> {
+        self.all_sandbox_traces()
+            .into_iter()
+            .filter(|l| l.contains(sandbox_id))
+            .collect()
+    }
+}

@@ -1,0 +1,327 @@
+//! The node of a test: starting it (its own port, data directory and cgroup folder), starting
+//! it again, stopping or killing it, its log; dropping it removes everything it left.
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::host::{node_cgroup_dirs, send_signal};
+
+static NEXT_NODE: AtomicUsize = AtomicUsize::new(0);
+static BUILD_LOCK: Mutex<()> = Mutex::new(());
+
+/// The images directory the tests use: `SBX_TEST_IMAGES`, else the machine's.
+pub fn images_dir() -> PathBuf {
+    std::env::var_os("SBX_TEST_IMAGES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/sbx/images"))
+}
+
+pub fn sandboxd_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_sandboxd"))
+}
+
+fn agent_bin() -> PathBuf {
+    let agent = sandboxd_bin().with_file_name("sbx-agent");
+    if !agent.is_file() {
+        panic!(
+            "the sandbox agent is not built: {} is missing. Build it first with \
+             `cargo build -p sbx-agent` (then run `cargo test -p sandboxd` again)",
+            agent.display()
+        );
+    }
+    agent
+}
+
+/// Makes sure the base image is there (builds it once, ~45 s, when it is not).
+fn ensure_base_image(images: &Path) {
+    if images.join("base/image.json").is_file() {
+        return;
+    }
+    let _g = BUILD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if images.join("base/image.json").is_file() {
+        return;
+    }
+    eprintln!(
+        "no base image in {}: building it (sandboxd build-base, about a minute)",
+        images.display()
+    );
+    let status = Command::new(sandboxd_bin())
+        .arg("--images-dir")
+        .arg(images)
+        .arg("build-base")
+        .status()
+        .expect("run sandboxd build-base");
+    assert!(
+        status.success(),
+        "sandboxd build-base failed ({status}); build the base image by hand with \
+         `target/debug/sandboxd --images-dir {} build-base`",
+        images.display()
+    );
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port on loopback");
+    l.local_addr().expect("local addr").port()
+}
+
+/// A sandboxd node made for a test.
+pub struct TestNode {
+    pub(super) child: Option<Child>,
+    pub addr: String,
+    pub root: PathBuf,
+    pub data_dir: PathBuf,
+    pub images_dir: PathBuf,
+    pub cgroup_name: String,
+    pub(super) cgroup_dirs: Vec<(String, PathBuf)>,
+    pub(super) log: PathBuf,
+    pub(super) http: ureq::Agent,
+    pub(super) agent: PathBuf,
+    pub(super) args: Vec<String>,
+    /// An `Authorization` value the fixture's own calls (`warm_ids`) send.
+    pub auth: Option<String>,
+}
+
+impl TestNode {
+    /// A node with the defaults of the tests.
+    pub fn start() -> TestNode {
+        TestNode::start_with(&[])
+    }
+
+    /// A node with more arguments (`--api-keys FILE`, `--docs-url URL`, ...).
+    pub fn start_with(args: &[&str]) -> TestNode {
+        TestNode::start_opts(args, false)
+    }
+
+    /// A node with an images directory of its own (`<root>/images`, removed with the node):
+    /// the machine's base image (a symlink to it) and an OCI store no other node uses.
+    pub fn start_private_images(args: &[&str]) -> TestNode {
+        TestNode::start_opts(args, true)
+    }
+
+    fn start_opts(args: &[&str], private_images: bool) -> TestNode {
+        let agent = agent_bin();
+        let shared = images_dir();
+        ensure_base_image(&shared);
+        let n = NEXT_NODE.fetch_add(1, Ordering::SeqCst);
+        let pid = std::process::id();
+        let cgroup_name = format!("sbx-test-{pid}-{n}");
+        let root = std::env::temp_dir().join(format!("sbx-test-{pid}-{n}"));
+        let _ = fs::remove_dir_all(&root);
+        let data_dir = root.join("data");
+        fs::create_dir_all(&data_dir).expect("make the node's data directory");
+        let images = if private_images {
+            let own = root.join("images");
+            fs::create_dir_all(&own).expect("make the node's images directory");
+            std::os::unix::fs::symlink(shared.join("base"), own.join("base"))
+                .expect("link the base image");
+            own
+        } else {
+            shared
+        };
+        let log = root.join("node.log");
+        let http = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_secs(5))
+            .timeout_read(Duration::from_secs(120))
+            .timeout_write(Duration::from_secs(120))
+            .build();
+        let mut node = TestNode {
+            child: None,
+            addr: String::new(),
+            root,
+            data_dir,
+            images_dir: images,
+            cgroup_dirs: node_cgroup_dirs(&cgroup_name),
+            cgroup_name,
+            log,
+            http,
+            agent,
+            args: args.iter().map(|a| a.to_string()).collect(),
+            auth: None,
+        };
+        assert!(
+            !node.cgroup_dirs.is_empty(),
+            "found no cgroup hierarchy with memory and pids"
+        );
+        // A port picked here may be taken before the node binds it: try again then.
+        for attempt in 0..3 {
+            node.addr = format!("127.0.0.1:{}", free_port());
+            match node.spawn() {
+                Ok(()) => return node,
+                Err(e) if attempt < 2 && node.log_text().contains("listen on") => {
+                    eprintln!("sandboxd did not start ({e}); trying another port");
+                    node.stop();
+                }
+                Err(e) => panic!("sandboxd did not start: {e}\n{}", node.log_tail(60)),
+            }
+        }
+        unreachable!()
+    }
+
+    /// Starts the daemon with this node's settings and waits for it to be healthy.
+    fn spawn(&mut self) -> Result<(), String> {
+        let logfile = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open the node's log");
+        let child = Command::new(sandboxd_bin())
+            .arg("--listen")
+            .arg(&self.addr)
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--images-dir")
+            .arg(&self.images_dir)
+            .arg("--agent")
+            .arg(&self.agent)
+            .arg("--cgroup-name")
+            .arg(&self.cgroup_name)
+            .arg("--pids-max")
+            .arg("128")
+            .args(&self.args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(logfile.try_clone().expect("log"))
+            .stderr(logfile)
+            .spawn()
+            .expect("start sandboxd");
+        self.child = Some(child);
+        self.wait_healthy(Duration::from_secs(20))
+    }
+
+    /// Kills the daemon with SIGKILL: its sandboxes are left as they are.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the daemon again (after [`TestNode::kill`] or [`TestNode::stop`]) with the same
+    /// data directory, cgroup folder and address.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "the node still runs");
+        if let Err(e) = self.spawn() {
+            panic!("sandboxd did not start again: {e}\n{}", self.log_tail(60));
+        }
+    }
+
+    fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(format!("sandboxd exited with {status}"));
+                }
+            }
+            if let Ok(r) = self.http.get(&self.url("/healthz")).call() {
+                if r.status() == 200 {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(format!("GET /healthz did not answer in {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// The node's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = self.log_text();
+        let all: Vec<&str> = text.lines().collect();
+        let from = all.len().saturating_sub(lines);
+        format!(
+            "--- last lines of the node's log ({}) ---\n{}",
+            self.log.display(),
+            all[from..].join("\n")
+        )
+    }
+
+    /// The node's folder in a hierarchy (`memory`, `pids`, ...), where sandboxes' groups go.
+    pub fn cgroup_dir(&self, controller: &str) -> Option<PathBuf> {
+        self.cgroup_dirs
+            .iter()
+            .find(|(c, _)| c == controller || c == "unified")
+            .map(|(_, d)| d.clone())
+    }
+
+    /// A sandbox's directory on the host.
+    pub fn sandbox_dir(&self, sandbox_id: &str) -> PathBuf {
+        self.data_dir.join("sandboxes").join(sandbox_id)
+    }
+
+    /// Stops the node: SIGTERM, up to 10 s, then SIGKILL. Its exit status (None if it was not
+    /// running).
+    pub fn stop(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        send_signal(child.id(), libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("sandboxd did not stop in 10 s after SIGTERM: killing it");
+        let _ = child.kill();
+        child.wait().ok()
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        let failing = std::thread::panicking();
+        self.stop();
+        if failing {
+            eprintln!("{}", self.log_tail(40));
+        }
+        self.force_clean();
+        let _ = fs::remove_dir_all(&self.root);
+    }
+}
+
+/// The `sbx` CLI built beside sandboxd (`cargo build --workspace`).
+pub fn sbx_bin() -> PathBuf {
+    let p = sandboxd_bin().with_file_name("sbx");
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build --workspace` first",
+        p.display()
+    );
+    p
+}
+
+/// Runs `sbx ARGS…` against `node`: (exit code, stdout, stderr).
+pub fn sbx(node: &TestNode, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(sbx_bin())
+        .args(args)
+        .env("SBX_URL", node.url(""))
+        .env_remove("SBX_API_KEY")
+        .output()
+        .expect("run sbx");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

@@ -1,0 +1,25 @@
+//! sandboxd's integration tests, in one test binary (one compile of the fixture, one link):
+//! the fixture in `common`, one module per area. Each test starts its own node (its own data
+//! directory and cgroup folder), so tests of any modules may run at the same time.
+
+mod common;
+
+mod agent;
+mod auth;
+mod bad_input;
+mod cleanup;
+mod edge;
+mod files;
+mod functions;
+mod iii;
+mod images;
+mod isolation;
+mod node_limits;
+mod ready;
+mod restart;
+mod runtime;
+mod sandboxes;
+mod secrets;
+mod semantics;
+mod terminal;
+mod timeouts;
