@@ -254,38 +254,22 @@ fn check_origin(st: &AppState, req: &Request) -> Result<Option<String>, ApiError
 /// A path and query that are valid UTF-8 once percent-decoded (what every route's extractors
 /// need), so that a bad escape is answered here with the field at fault.
 fn check_uri(uri: &axum::http::Uri) -> Result<(), ApiError> {
-    fn decodes(s: &str, plus: bool) -> bool {
-        let b = s.as_bytes();
-        let mut out = Vec::with_capacity(b.len());
-        let mut i = 0;
-        while i < b.len() {
-            let hex = |c: u8| (c as char).to_digit(16);
-            match b[i] {
-                b'%' if i + 2 < b.len() => match (hex(b[i + 1]), hex(b[i + 2])) {
-                    (Some(h), Some(l)) => {
-                        out.push((h * 16 + l) as u8);
-                        i += 3;
-                        continue;
-                    }
-                    _ => out.push(b'%'),
-                },
-                b'+' if plus => out.push(b' '),
-                c => out.push(c),
-            }
-            i += 1;
-        }
-        std::str::from_utf8(&out).is_ok()
+    // (`+` for a space in a query is ASCII either way: it cannot make the text invalid.)
+    fn decodes(s: &str) -> bool {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .is_ok()
     }
-    if !decodes(uri.path(), false) {
+    if !decodes(uri.path()) {
         return Err(ApiError::invalid_field(
             "path",
             "the path holds a percent-escape that is not UTF-8",
         ));
     }
     if let Some(q) = uri.query() {
-        if let Some(bad) = q.split('&').find(|kv| !decodes(kv, true)) {
+        if let Some(bad) = q.split('&').find(|kv| !decodes(kv)) {
             let name = bad.split('=').next().unwrap_or("");
-            let name = if decodes(name, true) { name } else { "query" };
+            let name = if decodes(name) { name } else { "query" };
             return Err(ApiError::invalid_field(
                 name.to_string(),
                 "the query holds a percent-escape that is not UTF-8",

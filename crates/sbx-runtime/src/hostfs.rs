@@ -197,15 +197,14 @@ fn escape_mount_path(p: &str) -> String {
     out
 }
 
-/// A short, stable hash of `s` (FNV-1a, 64 bits) in hex: names derived from paths stay the
-/// same across builds and Rust versions (std's hasher does not promise that).
+/// A short, stable hash of `s` (the first 8 bytes of its SHA-256) in hex: names derived from
+/// paths stay the same across builds and Rust versions (std's hasher does not promise that).
 pub fn short_hash(s: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    use sha2::Digest;
+    sha2::Sha256::digest(s)[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 #[cfg(test)]
@@ -258,7 +257,7 @@ mod tests {
 
     #[test]
     fn short_hash_is_stable() {
-        assert_eq!(short_hash(b""), "cbf29ce484222325");
-        assert_eq!(short_hash(b"a"), "af63dc4c8601ec8c");
+        assert_eq!(short_hash(b""), "e3b0c44298fc1c14");
+        assert_eq!(short_hash(b"a"), "ca978112ca1bbdca");
     }
 }
