@@ -50,6 +50,9 @@ pub const FINISHED_RECORDS: usize = 1024;
 pub struct Registry {
     execs: RefCell<HashMap<String, Rc<Exec>>>,
     finished: RefCell<VecDeque<Rc<Exec>>>,
+    /// The bytes the finished commands' rings keep together (kept as they change, so that a
+    /// command's end does not add up every finished ring again).
+    finished_kept: Cell<usize>,
 }
 
 impl Registry {
@@ -77,8 +80,8 @@ impl Registry {
     fn retire(&self, e: Rc<Exec>) {
         e.state.borrow_mut().ring.shrink();
         let mut finished = self.finished.borrow_mut();
+        let mut total = self.finished_kept.get() + e.state.borrow().ring.kept();
         finished.push_back(e);
-        let mut total: usize = finished.iter().map(|e| e.state.borrow().ring.kept()).sum();
         for old in finished.iter() {
             if total <= FINISHED_BUDGET {
                 break;
@@ -95,11 +98,13 @@ impl Registry {
             let Some(old) = finished.pop_front() else {
                 break;
             };
+            total -= old.state.borrow().ring.kept();
             let mut execs = self.execs.borrow_mut();
             if execs.get(&old.id).is_some_and(|e| Rc::ptr_eq(e, &old)) {
                 execs.remove(&old.id);
             }
         }
+        self.finished_kept.set(total);
     }
 }
 
@@ -621,6 +626,11 @@ mod tests {
             r.insert(Exec::failed(format!("exe-{i}"), 1, mb.clone(), &r));
         }
         assert!(kept(&r) <= FINISHED_BUDGET, "{}", kept(&r));
+        assert_eq!(
+            r.finished_kept.get(),
+            kept(&r),
+            "the running total is the sum"
+        );
         // The newest are whole; the oldest keep their tail, at their end.
         let newest = r.get("exe-39").unwrap();
         assert_eq!(newest.counts().start, 0);
@@ -638,6 +648,11 @@ mod tests {
             r.insert(Exec::failed(format!("exe-{i}"), 1, "no\n".into(), &r));
         }
         assert_eq!(r.all().len(), FINISHED_RECORDS);
+        assert_eq!(
+            r.finished_kept.get(),
+            kept(&r),
+            "the running total is the sum"
+        );
         assert!(r.get("exe-9").is_none());
         assert!(r.get("exe-10").is_some());
     }
