@@ -27,11 +27,11 @@ use iii_sdk::{register_worker, Error, IIIClient, InitOptions, RegisterFunction};
 use serde_json::{json, Value};
 
 use crate::functions::{self, FUNCTIONS};
-use crate::http::AppState;
+use crate::node::Node;
 
 /// Starts the worker (in the background: the SDK connects, and reconnects, on its own thread).
 /// Call inside the node's runtime.
-pub fn start(url: &str, st: Arc<AppState>) -> IIIClient {
+pub fn start(url: &str, node: Arc<Node>) -> IIIClient {
     let metadata = WorkerMetadata {
         name: "sbx".to_string(),
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -55,10 +55,10 @@ pub fn start(url: &str, st: Arc<AppState>) -> IIIClient {
     );
     let rt = tokio::runtime::Handle::current();
     for id in FUNCTIONS {
-        let (st, rt) = (st.clone(), rt.clone());
+        let (node, rt) = (node.clone(), rt.clone());
         let handler = move |data: Value| {
-            let (st, rt) = (st.clone(), rt.clone());
-            async move { invoke(rt, st, id, data).await }
+            let (node, rt) = (node.clone(), rt.clone());
+            async move { invoke(rt, node, id, data).await }
         };
         let (request, response) = schemas(id);
         worker.register_function(
@@ -76,7 +76,7 @@ pub fn start(url: &str, st: Arc<AppState>) -> IIIClient {
 /// One invocation, run on the node's runtime: the reply, or the S-code error.
 async fn invoke(
     rt: tokio::runtime::Handle,
-    st: Arc<AppState>,
+    node: Arc<Node>,
     id: &'static str,
     data: Value,
 ) -> Result<Value, Error> {
@@ -93,7 +93,7 @@ async fn invoke(
     tracing::info!(request_id = %rid, function = %id, caller_worker_id = %caller, "iii invocation");
     let r = rt
         .spawn(async move {
-            let r = functions::invoke(&st, &rid, id, data).await;
+            let r = functions::invoke(&node, &rid, id, data).await;
             r.map_err(|e| {
                 tracing::info!(request_id = %rid, function = %id, caller_worker_id = %caller, code = e.code.code, message = %e.message, "function failed");
                 (e.code.code, functions::error_body(&e))

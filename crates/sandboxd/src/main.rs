@@ -3,23 +3,16 @@
 #![forbid(unsafe_code)]
 
 mod agent;
-mod api;
 mod config;
-mod files;
 mod functions;
 mod http;
 mod iii;
 mod image;
-mod images_api;
 mod listen;
 mod node;
 mod probe;
-mod sandboxes;
-mod secrets;
 mod store;
 mod sync;
-mod templates;
-mod terminal;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -274,8 +267,8 @@ fn main() -> anyhow::Result<()> {
         max_sandboxes: fn_cfg.max_sandboxes,
     };
     store.idem_tidy().context("tidy idempotency records")?;
-    secrets::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
-    let templates = templates::Templates::open(&store).context("the templates table")?;
+    node::credentials::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
+    let templates = node::templates::Templates::open(&store).context("the templates table")?;
     let node = node::Node::new(cfg, Arc::new(driver), images, store, templates);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -381,7 +374,7 @@ async fn serve(
     });
     let _worker = iii_url
         .filter(|u| !u.trim().is_empty())
-        .map(|u| iii::start(&u, state.clone()));
+        .map(|u| iii::start(&u, state.node.clone()));
     let app = http::router(state);
     let listener = tokio::net::TcpListener::bind(listen)
         .await

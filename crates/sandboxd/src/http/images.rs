@@ -11,8 +11,7 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use sbx_api::{ApiError, ErrorCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -20,13 +19,7 @@ use tokio::sync::mpsc;
 use crate::http::{error_response, read_body, AppState, RequestId};
 use crate::image::{ImageStore, Source};
 
-pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/v1/images", get(list))
-        .route("/v1/images/pull", post(pull))
-}
-
-async fn list(State(st): State<Arc<AppState>>) -> Response {
+pub(super) async fn list(State(st): State<Arc<AppState>>) -> Response {
     let images = st.node.images.clone();
     let all = tokio::task::spawn_blocking(move || images.list())
         .await
@@ -92,7 +85,7 @@ enum Event {
     Error(Value),
 }
 
-async fn pull(
+pub(super) async fn pull(
     State(st): State<Arc<AppState>>,
     Extension(rid): Extension<RequestId>,
     body: Body,

@@ -7,36 +7,18 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use sbx_api::{ApiError, Encoding, ErrorCode, ExecStatus, SandboxStatus};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::http::{error_response, event_stream, read_body, AppState, RequestId, Started};
+use crate::node::sandbox::ListQuery;
 use crate::node::RunEvent;
-use crate::sandboxes::ListQuery;
 use crate::store::IdemBegin;
 
 type St = State<Arc<AppState>>;
 type Rid = Extension<RequestId>;
-
-pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/v1/sandboxes", post(create).get(list))
-        .route(
-            "/internal/templates",
-            post(build_template).get(list_templates),
-        )
-        .route("/v1/sandboxes/{id}", get(get_one).delete(delete))
-        .route("/v1/sandboxes/{id}/restart", post(restart))
-        .route("/v1/sandboxes/{id}/exec", post(exec).get(exec_list))
-        .route("/v1/sandboxes/{id}/run", post(run))
-        .route("/v1/sandboxes/{id}/exec/{exec_id}", get(exec_get))
-        .route("/v1/sandboxes/{id}/exec/{exec_id}/output", get(output))
-        .route("/v1/sandboxes/{id}/exec/{exec_id}/stdin", post(stdin))
-        .route("/v1/sandboxes/{id}/exec/{exec_id}/signal", post(signal))
-}
 
 fn fail(st: &AppState, rid: &RequestId, e: ApiError) -> Response {
     error_response(&e, &rid.0, st.docs_url.as_deref())
@@ -110,7 +92,7 @@ fn wants_stream(headers: &HeaderMap, q: Option<bool>) -> bool {
 /// the first answer; another body is 409 idempotency_key_reused; a first request still running
 /// is 409 idempotency_in_progress. Answers that are worth retrying (5xx, 409 in progress) are
 /// not kept.
-async fn idempotent<F, Fut>(
+pub(super) async fn idempotent<F, Fut>(
     st: &AppState,
     rid: &RequestId,
     headers: &HeaderMap,
@@ -209,7 +191,12 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-async fn create(State(st): St, Extension(rid): Rid, headers: HeaderMap, body: Body) -> Response {
+pub(super) async fn create(
+    State(st): St,
+    Extension(rid): Rid,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let bytes = match read_body(body).await {
         Ok(b) => b,
         Err(e) => return fail(&st, &rid, e),
@@ -236,7 +223,7 @@ async fn create(State(st): St, Extension(rid): Rid, headers: HeaderMap, body: Bo
 
 /// `POST /internal/templates`: a template built ahead (200 when it is built or failed, 202
 /// while it builds).
-async fn build_template(State(st): St, Extension(rid): Rid, body: Body) -> Response {
+pub(super) async fn build_template(State(st): St, Extension(rid): Rid, body: Body) -> Response {
     let bytes = match read_body(body).await {
         Ok(b) => b,
         Err(e) => return fail(&st, &rid, e),
@@ -253,7 +240,7 @@ async fn build_template(State(st): St, Extension(rid): Rid, body: Body) -> Respo
 }
 
 /// `GET /internal/templates`: the node's templates, `base` first.
-async fn list_templates(State(st): St) -> Response {
+pub(super) async fn list_templates(State(st): St) -> Response {
     axum::Json(serde_json::json!({ "object": "list", "data": st.node.template_objects() }))
         .into_response()
 }
@@ -274,7 +261,7 @@ fn list_cursor(c: &str) -> Result<String, ApiError> {
     }
 }
 
-async fn list(
+pub(super) async fn list(
     State(st): St,
     Extension(rid): Rid,
     Query(q): Query<HashMap<String, String>>,
@@ -328,17 +315,21 @@ async fn list(
     reply(&st, &rid, StatusCode::OK, r)
 }
 
-async fn get_one(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
+pub(super) async fn get_one(
+    State(st): St,
+    Extension(rid): Rid,
+    Path(id): Path<String>,
+) -> Response {
     let r = st.node.managed(&id).map(|m| st.node.sandbox_object(&m));
     reply(&st, &rid, StatusCode::OK, r)
 }
 
-async fn delete(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
+pub(super) async fn delete(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
     let r = st.node.delete_sandbox(&id).await;
     reply(&st, &rid, StatusCode::OK, r)
 }
 
-async fn restart(
+pub(super) async fn restart(
     State(st): St,
     Extension(rid): Rid,
     headers: HeaderMap,
@@ -375,7 +366,7 @@ fn exec_id_for(sandbox: &str, call: &str, key: Option<&str>) -> Option<String> {
     Some(sbx_api::derived_id("exe", &seed))
 }
 
-async fn exec(
+pub(super) async fn exec(
     State(st): St,
     Extension(rid): Rid,
     headers: HeaderMap,
@@ -404,7 +395,7 @@ async fn exec(
 
 /// `POST …/run`: starts a command and waits for it, as `/v1/run` does (JSON or events). A
 /// caller that hangs up leaves the command running: it is the sandbox's.
-async fn run(
+pub(super) async fn run(
     State(st): St,
     Extension(rid): Rid,
     headers: HeaderMap,
@@ -448,7 +439,7 @@ async fn run(
     }
 }
 
-async fn forward_with_start(
+pub(super) async fn forward_with_start(
     started: Started,
     mut rx: tokio::sync::mpsc::Receiver<RunEvent>,
     tx: tokio::sync::mpsc::Sender<RunEvent>,
@@ -467,7 +458,11 @@ async fn forward_with_start(
     }
 }
 
-async fn exec_list(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
+pub(super) async fn exec_list(
+    State(st): St,
+    Extension(rid): Rid,
+    Path(id): Path<String>,
+) -> Response {
     let r = st
         .node
         .exec_list(&id)
@@ -476,7 +471,7 @@ async fn exec_list(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -
     reply(&st, &rid, StatusCode::OK, r)
 }
 
-async fn exec_get(
+pub(super) async fn exec_get(
     State(st): St,
     Extension(rid): Rid,
     Path((id, exec_id)): Path<(String, String)>,
@@ -492,7 +487,7 @@ async fn exec_get(
     reply(&st, &rid, StatusCode::OK, r)
 }
 
-async fn output(
+pub(super) async fn output(
     State(st): St,
     Extension(rid): Rid,
     headers: HeaderMap,
@@ -579,7 +574,7 @@ async fn output(
 }
 
 /// A JSON object body whose fields are all among `fields`.
-async fn json_object(
+pub(super) async fn json_object(
     body: Body,
     fields: &[&str],
 ) -> Result<serde_json::Map<String, Value>, ApiError> {
@@ -606,7 +601,7 @@ async fn json_object(
     Ok(obj)
 }
 
-async fn stdin(
+pub(super) async fn stdin(
     State(st): St,
     Extension(rid): Rid,
     Path((id, exec_id)): Path<(String, String)>,
@@ -643,7 +638,7 @@ async fn stdin(
     reply(&st, &rid, StatusCode::OK, r)
 }
 
-async fn signal(
+pub(super) async fn signal(
     State(st): St,
     Extension(rid): Rid,
     Path((id, exec_id)): Path<(String, String)>,

@@ -12,14 +12,8 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use axum::body::Body;
-use axum::extract::{Path as UrlPath, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Extension, Json, Router};
 use base64::Engine;
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
@@ -27,17 +21,21 @@ use rusqlite::{params, OptionalExtension};
 use sbx_api::{ApiError, ErrorCode};
 use serde_json::{json, Value};
 
-use crate::http::{error_response, read_body, AppState, RequestId};
 use crate::node::Node;
 use crate::store::Store;
 
 /// The longest value a secret may hold, in bytes.
 pub const MAX_VALUE_BYTES: usize = 64 << 10;
+
 /// The most hosts a secret's `allowed_hosts` may list.
 pub const MAX_ALLOWED_HOSTS: usize = 64;
+
 const KEY_FILE: &str = "node.key";
+
 const KEY_LEN: usize = 32;
+
 const NONCE_LEN: usize = 12;
+
 /// The first byte of a sealed value: the format (nonce, then ciphertext with its tag).
 const SEAL_V1: u8 = 1;
 
@@ -193,8 +191,6 @@ fn now_ns() -> i64 {
         .unwrap_or(0)
 }
 
-// ---- The secret object and its checks ----
-
 /// A secret as the table keeps it (its value sealed).
 struct SecretRow {
     name: String,
@@ -235,7 +231,7 @@ fn store_failed(e: crate::store::StoreError) -> ApiError {
     ApiError::internal()
 }
 
-fn check_name(name: &str) -> Result<(), ApiError> {
+pub(crate) fn check_name(name: &str) -> Result<(), ApiError> {
     if sbx_api::valid_name(name) {
         return Ok(());
     }
@@ -263,7 +259,7 @@ fn valid_host_pattern(s: &str) -> bool {
         })
 }
 
-fn parse_allowed_hosts(v: Option<&Value>) -> Result<Option<Vec<String>>, ApiError> {
+pub(crate) fn parse_allowed_hosts(v: Option<&Value>) -> Result<Option<Vec<String>>, ApiError> {
     let Some(v) = v.filter(|v| !v.is_null()) else {
         return Ok(None);
     };
@@ -297,7 +293,7 @@ fn parse_allowed_hosts(v: Option<&Value>) -> Result<Option<Vec<String>>, ApiErro
 }
 
 /// The body of a PUT: `{value, allowed_hosts?}`. Messages never quote the body.
-fn parse_put(body: &[u8]) -> Result<(String, Option<Vec<String>>), ApiError> {
+pub(crate) fn parse_put(body: &[u8]) -> Result<(String, Option<Vec<String>>), ApiError> {
     // serde_json's messages may quote the input: only where it failed is said.
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(
@@ -373,9 +369,16 @@ fn split_credentials(value: &str) -> Option<(String, String)> {
     Some((user.to_string(), pass.to_string()))
 }
 
-// ---- The node's side ----
-
 impl Node {
+    /// A secret's object (its value never), 404 secret_not_found.
+    pub fn secret_object(&self, name: &str) -> Result<Value, ApiError> {
+        check_name(name)?;
+        match self.secret_row(name)? {
+            Some(row) => Ok(row.object()),
+            None => Err(not_found(name, None)),
+        }
+    }
+
     fn secret_row(&self, name: &str) -> Result<Option<SecretRow>, ApiError> {
         self.store
             .with_conn(|c| {
@@ -401,7 +404,7 @@ impl Node {
     }
 
     /// Makes or replaces a secret; true when it is new.
-    fn put_secret(
+    pub(crate) fn put_secret(
         &self,
         name: &str,
         value: &str,
@@ -412,7 +415,7 @@ impl Node {
         let hosts = match &allowed_hosts {
             Some(h) => Some(
                 serde_json::to_string(h)
-                    .map_err(crate::http::internal("a secret's hosts as JSON"))?,
+                    .map_err(crate::node::internal("a secret's hosts as JSON"))?,
             ),
             None => None,
         };
@@ -452,7 +455,7 @@ impl Node {
         Ok((created, row.object()))
     }
 
-    fn list_secrets(&self) -> Result<Vec<Value>, ApiError> {
+    pub(crate) fn list_secrets(&self) -> Result<Vec<Value>, ApiError> {
         let rows = self
             .store
             .with_conn(|c| {
@@ -464,7 +467,7 @@ impl Node {
         Ok(rows.iter().map(SecretRow::object).collect())
     }
 
-    fn delete_secret(&self, name: &str) -> Result<Value, ApiError> {
+    pub(crate) fn delete_secret(&self, name: &str) -> Result<Value, ApiError> {
         let n = self
             .store
             .with_conn(|c| c.execute("DELETE FROM secrets WHERE name=?1", params![name]))
@@ -520,7 +523,7 @@ impl Node {
     }
 }
 
-fn not_found(name: &str, param: Option<&str>) -> ApiError {
+pub(crate) fn not_found(name: &str, param: Option<&str>) -> ApiError {
     let e = ApiError::new(ErrorCode::SecretNotFound, format!("no secret {name}"));
     match param {
         Some(p) => e.with_param(p),
@@ -528,73 +531,7 @@ fn not_found(name: &str, param: Option<&str>) -> ApiError {
     }
 }
 
-// ---- HTTP ----
-
-type St = State<Arc<AppState>>;
-type Rid = Extension<RequestId>;
-
-pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/v1/secrets", get(list))
-        .route("/v1/secrets/{name}", get(get_one).put(put).delete(delete))
-}
-
-fn reply(
-    st: &AppState,
-    rid: &RequestId,
-    status: StatusCode,
-    r: Result<Value, ApiError>,
-) -> Response {
-    match r {
-        Ok(v) => (status, Json(v)).into_response(),
-        Err(e) => error_response(&e, &rid.0, st.docs_url.as_deref()),
-    }
-}
-
-async fn put(
-    State(st): St,
-    Extension(rid): Rid,
-    UrlPath(name): UrlPath<String>,
-    body: Body,
-) -> Response {
-    let r = async {
-        check_name(&name)?;
-        let bytes = read_body(body).await?;
-        let (value, hosts) = parse_put(&bytes)?;
-        st.node.put_secret(&name, &value, hosts)
-    }
-    .await;
-    match r {
-        Ok((true, obj)) => reply(&st, &rid, StatusCode::CREATED, Ok(obj)),
-        Ok((false, obj)) => reply(&st, &rid, StatusCode::OK, Ok(obj)),
-        Err(e) => reply(&st, &rid, StatusCode::OK, Err(e)),
-    }
-}
-
-async fn list(State(st): St, Extension(rid): Rid) -> Response {
-    let r = st
-        .node
-        .list_secrets()
-        .map(|data| json!({ "object": "list", "data": data, "has_more": false }));
-    reply(&st, &rid, StatusCode::OK, r)
-}
-
-async fn get_one(State(st): St, Extension(rid): Rid, UrlPath(name): UrlPath<String>) -> Response {
-    let r = check_name(&name).and_then(|()| match st.node.secret_row(&name)? {
-        Some(row) => Ok(row.object()),
-        None => Err(not_found(&name, None)),
-    });
-    reply(&st, &rid, StatusCode::OK, r)
-}
-
-async fn delete(State(st): St, Extension(rid): Rid, UrlPath(name): UrlPath<String>) -> Response {
-    let r = check_name(&name).and_then(|()| st.node.delete_secret(&name));
-    reply(&st, &rid, StatusCode::OK, r)
-}
-
-// ---- secret_env at rest ----
-
-/// `#[serde(with = "crate::secrets::sealed_env")]` for a map of secret variables: each value
+/// `#[serde(with = "crate::node::credentials::sealed_env")]` for a map of secret variables: each value
 /// is written sealed with the node key (`sealed:v1:` + base64), with the variable's name as
 /// associated data; values written in clear by an older node are read as they are.
 pub mod sealed_env {

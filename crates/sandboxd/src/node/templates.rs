@@ -205,7 +205,13 @@ impl Templates {
         }))
     }
 
-    fn finish(&self, store: &Store, b: &mut Builder, result: BuildResult, digest: Option<String>) {
+    pub(crate) fn finish(
+        &self,
+        store: &Store,
+        b: &mut Builder,
+        result: BuildResult,
+        digest: Option<String>,
+    ) {
         let Some(tx) = b.tx.take() else {
             return;
         };
@@ -490,7 +496,7 @@ mod tests {
     }
 
     /// The first create of `s` (it builds) and a second one (it waits).
-    fn build_and_wait(
+    pub(crate) fn build_and_wait(
         t: &Templates,
         store: &Store,
         key: &str,

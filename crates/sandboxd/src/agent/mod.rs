@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use crate::sync::LockExt;
 
+pub mod files;
+
 use sbx_api::exec::ExecStatus;
 use sbx_proto::{
     read_frame, AgentMsg, ExitStatus, Frame, HostMsg, Program, ProtoError, Stream, PROTO_VERSION,
@@ -82,6 +84,8 @@ pub struct AgentConn {
     socket: PathBuf,
     /// The agent takes [`sbx_proto::ExecSpec::stdin_null`] (its hello says so).
     stdin_null: bool,
+    /// The agent serves file operations ([`sbx_proto::FEATURE_FS`]).
+    fs: bool,
 }
 
 /// Connections whose exchanges are all over, by agent socket: the next operation on the same
@@ -104,6 +108,7 @@ impl AgentConn {
             wr,
             socket: socket.to_path_buf(),
             stdin_null: false,
+            fs: false,
         };
         let hello = tokio::time::timeout(timeout, conn.recv())
             .await
@@ -113,6 +118,7 @@ impl AgentConn {
                 version, features, ..
             }) if version == PROTO_VERSION => {
                 conn.stdin_null = features.iter().any(|f| f == sbx_proto::FEATURE_STDIN_NULL);
+                conn.fs = features.iter().any(|f| f == sbx_proto::FEATURE_FS);
                 Ok(conn)
             }
             Frame::Msg(AgentMsg::Hello { version, .. }) => Err(AgentError::Version(version)),
@@ -126,6 +132,16 @@ impl AgentConn {
     /// ([`sbx_proto::ExecSpec::stdin_null`]), so that no `CloseStdin` has to follow.
     pub fn takes_stdin_null(&self) -> bool {
         self.stdin_null
+    }
+
+    /// Whether the agent serves file operations (see [`files`]).
+    pub fn serves_fs(&self) -> bool {
+        self.fs
+    }
+
+    /// The connection's two halves, for a stream that reads and writes at once (an upload).
+    fn into_parts(self) -> (BufReader<ReadHalf>, WriteHalf) {
+        (self.rd, self.wr)
     }
 
     /// An idle connection to the agent at `socket` if there is one (see [`AgentConn::release`]),

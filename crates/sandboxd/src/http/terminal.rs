@@ -20,8 +20,7 @@ use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
-use axum::routing::get;
-use axum::{Extension, Router};
+use axum::Extension;
 use futures_util::{SinkExt, StreamExt};
 use sbx_api::{ApiError, ErrorCode};
 use sbx_proto::{AgentMsg, Frame, HostMsg};
@@ -35,10 +34,6 @@ use crate::node::Node;
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// Frames of the agent read ahead of the client.
 const OUTPUT_QUEUE: usize = 8;
-
-pub fn routes() -> Router<Arc<AppState>> {
-    Router::new().route("/v1/sandboxes/{id}/exec/{exec_id}/terminal", get(terminal))
-}
 
 impl Node {
     /// The agent socket of a command on a terminal that a session can attach to.
@@ -63,7 +58,7 @@ impl Node {
     }
 }
 
-async fn terminal(
+pub(super) async fn terminal(
     State(st): State<Arc<AppState>>,
     Extension(rid): Extension<RequestId>,
     Path((id, exec_id)): Path<(String, String)>,
@@ -132,7 +127,7 @@ fn read_output(
     (AbortOnDrop(task), rx)
 }
 
-async fn session(
+pub(super) async fn session(
     ws: WebSocket,
     socket: PathBuf,
     exec_id: String,

@@ -1,0 +1,222 @@
+//! `sandbox::create`, `stop`, `list`, `catalog::list`: the node's kept sandboxes, with the
+//! interface's allowlist, catalog, sandbox cap and stopped ids.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sbx_api::functions::FnError;
+use sbx_api::SandboxStatus;
+use serde_json::{json, Map, Value};
+
+use super::*;
+use crate::node::sandbox::ListQuery;
+use crate::node::Node;
+use crate::sync::LockExt;
+
+/// The sandbox's id (a name is taken too); S004 for one stopped, S002 for one never seen.
+pub(super) fn resolve(node: &Node, f: &Fns, id: &str) -> Result<String, FnError> {
+    let stopped = || {
+        FnError::new(
+            "S004",
+            format!("the sandbox {id} is stopped; create a new one"),
+        )
+    };
+    match node.managed(id) {
+        // Stopped with wait: false, and not gone yet.
+        Ok(m) if f.was_stopped(&m.id) => Err(stopped()),
+        Ok(m) => Ok(m.id.clone()),
+        Err(_) if f.was_stopped(id) => Err(stopped()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The local image an image name boots as: S100 when it is not allowed or not in the
+/// catalog, S101 for a custom image with no local rootfs.
+pub(super) fn local_image(f: &Fns, name: &str) -> Result<String, FnError> {
+    if !f.cfg.allowed(name) {
+        return Err(FnError::new(
+            "S100",
+            format!("image {name} is not in this node's image_allowlist"),
+        ));
+    }
+    if PRESETS.contains(&name) {
+        return Ok(name.to_string());
+    }
+    match f.cfg.custom_images.iter().find(|c| c.name == name) {
+        Some(c) => match &c.image {
+            Some(local) if PRESETS.contains(&local.as_str()) => Ok(local.clone()),
+            _ => Err(FnError::new(
+                "S101",
+                format!(
+                    "image {name} ({}) has no rootfs on this node, and it pulls no images",
+                    c.oci_ref
+                ),
+            )),
+        },
+        None => Err(FnError::new(
+            "S100",
+            format!("image {name} is not in the catalog (sandbox::catalog::list)"),
+        )),
+    }
+}
+
+pub(super) fn sandboxes_now(node: &Node) -> usize {
+    let q = ListQuery {
+        limit: usize::MAX,
+        ..ListQuery::default()
+    };
+    node.list_sandboxes(&q).0.len() + node.sandbox_count()
+}
+
+pub(super) fn capacity(node: &Node, f: &Fns) -> Result<(), FnError> {
+    let n = sandboxes_now(node);
+    if n >= f.cfg.max_sandboxes {
+        return Err(FnError::new(
+            "S400",
+            format!(
+                "the node holds {n} sandboxes, its max_sandboxes ({})",
+                f.cfg.max_sandboxes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(super) async fn create(
+    node: &Arc<Node>,
+    f: &Arc<Fns>,
+    p: &Payload,
+) -> Result<(String, String), FnError> {
+    let image = p.req_str("image")?;
+    let local = local_image(f, &image)?;
+    if p.bool("network")? == Some(true) {
+        return Err(FnError::new(
+            "S304",
+            "this node gives sandboxes no network (network: true)",
+        ));
+    }
+    let mut body = Map::new();
+    body.insert("image".into(), json!(local));
+    let mut limits = Map::new();
+    if let Some(c) = p.u64("cpus")? {
+        limits.insert("vcpus".into(), json!(c));
+    }
+    if let Some(m) = p.u64("memory_mb")? {
+        limits.insert("memory_bytes".into(), json!(m.saturating_mul(1 << 20)));
+    }
+    if !limits.is_empty() {
+        body.insert("limits".into(), Value::Object(limits));
+    }
+    if let Some(n) = p.str("name")? {
+        body.insert("name".into(), json!(n));
+    }
+    if let Some(env) = p.env()? {
+        body.insert("env".into(), json!(env));
+    }
+    let idle = p
+        .u64("idle_timeout_secs")?
+        .unwrap_or(f.cfg.idle_timeout_secs);
+    let spec =
+        serde_json::to_vec(&Value::Object(body)).map_err(|_| FnError::new("S300", "json"))?;
+    let req = sbx_api::parse_sandbox_create(&spec)?;
+    let _one = f.create_lock.lock().await;
+    capacity(node, f)?;
+    let obj = node.create_sandbox(req).await?;
+    if obj.status != SandboxStatus::Running {
+        let why = obj.failure.clone().unwrap_or_default();
+        let _ = node.delete_sandbox(&obj.id).await;
+        return Err(FnError::new(
+            "S300",
+            format!("the sandbox did not boot: {why}"),
+        ));
+    }
+    {
+        let mut a = f.activity.locked();
+        a.insert(
+            obj.id.clone(),
+            Activity {
+                last: Instant::now(),
+                idle: (idle > 0).then(|| Duration::from_secs(idle)),
+                image: image.clone(),
+            },
+        );
+    }
+    Ok((obj.id, image))
+}
+
+pub(super) async fn stop(
+    node: &Arc<Node>,
+    f: &Arc<Fns>,
+    id: &str,
+    wait: bool,
+) -> Result<(), FnError> {
+    f.mark_stopped(id);
+    if wait {
+        node.delete_sandbox(id).await?;
+    } else {
+        let node = node.clone();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            let _ = node.delete_sandbox(&id).await;
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn list(node: &Node, f: &Fns) -> Value {
+    let q = ListQuery {
+        limit: usize::MAX,
+        ..ListQuery::default()
+    };
+    let now = crate::image::now_ns();
+    let max = node.cfg.max_execs_per_sandbox;
+    let images: HashMap<String, String> = f
+        .activity
+        .locked()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.image.clone()))
+        .collect();
+    let rows: Vec<Value> = node
+        .list_sandboxes(&q)
+        .0
+        .into_iter()
+        .map(|o| {
+            let in_flight = node.running_execs(&o.id);
+            let created = sbx_api::parse_rfc3339(&o.created_at).unwrap_or(now);
+            json!({
+                "sandbox_id": o.id,
+                "name": o.name,
+                "image": images.get(&o.id).cloned().unwrap_or(o.image),
+                "age_secs": ((now - created).max(0) / 1_000_000_000) as u64,
+                "exec_in_progress": in_flight > 0,
+                "exec_in_flight": in_flight,
+                "exec_slots_free": max.saturating_sub(in_flight),
+                "stopped": !matches!(o.status, SandboxStatus::Running | SandboxStatus::Starting),
+                "status": o.status.as_str(),
+            })
+        })
+        .collect();
+    json!({ "sandboxes": rows })
+}
+
+pub(super) fn catalog(node: &Node, f: &Fns) -> Value {
+    let mut images = Vec::new();
+    for name in PRESETS {
+        if !f.cfg.allowed(name) {
+            continue;
+        }
+        let oci_ref = node
+            .images
+            .resolve(Some(name))
+            .map(|i| format!("local/{}", i.meta.name))
+            .unwrap_or_default();
+        images.push(json!({ "name": name, "oci_ref": oci_ref, "kind": "preset" }));
+    }
+    for c in &f.cfg.custom_images {
+        if f.cfg.allowed(&c.name) {
+            images.push(json!({ "name": c.name, "oci_ref": c.oci_ref, "kind": "custom" }));
+        }
+    }
+    json!({ "images": images })
+}

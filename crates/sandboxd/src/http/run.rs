@@ -1,0 +1,96 @@
+//! `POST /v1/run`: parse, plan, then answer the run's events as one exec object or as an event
+//! stream.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use sbx_api::ApiError;
+use sbx_proto::Stream;
+use tokio::sync::mpsc;
+
+use super::sse::sse_response;
+use super::*;
+use crate::node::RunEvent;
+
+pub(super) async fn run(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let docs = st.docs_url.clone();
+    let fail = |e: ApiError| error_response(&e, &rid.0, docs.as_deref());
+    if let Some(key) = headers.get("idempotency-key") {
+        let key = key.to_str().unwrap_or("");
+        if let Err(e) = sbx_api::validate_idempotency_key(key) {
+            return fail(e);
+        }
+    }
+    let bytes = match read_body(body).await {
+        Ok(b) => b,
+        Err(e) => return fail(e),
+    };
+    let req = match sbx_api::parse_run_request(&bytes) {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    let wants_stream = req.stream.unwrap_or_else(|| accepts_event_stream(&headers));
+    let plan = match st.node.plan_run(req) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let meta = ExecMeta {
+        sandbox_id: plan.sandbox_id.clone(),
+        exec_id: plan.exec_id.clone(),
+        command: plan.command.clone(),
+        encoding: plan.encoding,
+        tty: false,
+    };
+    tracing::info!(request_id = %rid.0, sandbox = %meta.sandbox_id, exec = %meta.exec_id, "run");
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(st.node.clone().run(plan, tx));
+    if wants_stream {
+        sse_response(rx, meta, rid.0, docs)
+    } else {
+        json_response(rx, meta, &rid.0, docs.as_deref()).await
+    }
+}
+
+pub(super) async fn json_response(
+    mut rx: mpsc::Receiver<RunEvent>,
+    meta: ExecMeta,
+    rid: &str,
+    docs: Option<&str>,
+) -> Response {
+    let mut started = Started::default();
+    let (mut out, mut err) = (Tail::new(), Tail::new());
+    let mut gap = false;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            RunEvent::Started { pid, started_at_ns } => started = Started { pid, started_at_ns },
+            RunEvent::Output { stream, data, .. } => match stream {
+                Stream::Stderr => err.push(&data),
+                _ => out.push(&data),
+            },
+            RunEvent::Gap { .. } => gap = true,
+            RunEvent::Exited { exit, output } => {
+                let obj = exec_object(
+                    &meta,
+                    &started,
+                    Some(&exit),
+                    output,
+                    &mut out,
+                    &mut err,
+                    gap,
+                );
+                return (StatusCode::OK, axum::Json(obj)).into_response();
+            }
+            RunEvent::Failed(e) => return error_response(&e, rid, docs),
+        }
+    }
+    error_response(&ApiError::internal(), rid, docs)
+}
