@@ -125,23 +125,10 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
         None => BTreeMap::new(),
     };
     let cwd = opt_str(&obj, "cwd")?.map(String::from);
-    if cwd.as_deref().is_some_and(|c| !c.starts_with('/')) {
-        return Err(invalid("cwd", "cwd must be an absolute path"));
-    }
-    let user = opt_str(&obj, "user")?;
-    crate::run::check_user(user)?;
-    let user = user.map(String::from);
+    let user = opt_str(&obj, "user")?.map(String::from);
     let timeout_seconds = given(&obj, "timeout_seconds")
-        .map(|v| {
-            number_in(
-                v,
-                "timeout_seconds",
-                |n| (crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&n),
-                "a number of seconds from 0.001 (1 ms) to 1e9",
-            )
-        })
+        .map(|v| v.as_f64().ok_or_else(|| invalid(TIMEOUT, TIMEOUT_RANGE)))
         .transpose()?;
-    crate::run::check_exec_size(&command, env.iter(), "env", cwd.as_deref())?;
     let encoding = match opt_str(&obj, "encoding")? {
         None | Some("utf8") => Encoding::Utf8,
         Some("base64") => Encoding::Base64,
@@ -170,7 +157,7 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
         )?,
         None => 0.0,
     };
-    Ok(ExecRequest {
+    let req = ExecRequest {
         command,
         env,
         cwd,
@@ -185,7 +172,94 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
         wait_seconds,
         wait_for_reader: opt_bool(&obj, "wait_for_reader")?.unwrap_or(false),
         stream: opt_bool(&obj, "stream")?,
-    })
+    };
+    req.check()?;
+    Ok(req)
+}
+
+/// The rules of a command's value: not empty, at most 1000 arguments, a first argument, no
+/// NUL byte.
+pub(crate) fn check_command(cmd: &Command, param: &str) -> Result<(), ApiError> {
+    let bad = |what: &str| invalid(param, format!("{param} {what}"));
+    let parts: &[String] = match cmd {
+        Command::Shell(s) if s.is_empty() => return Err(bad("is empty")),
+        Command::Shell(s) => std::slice::from_ref(s),
+        Command::Argv(a) if a.is_empty() => return Err(bad("is an empty list")),
+        Command::Argv(a) if a.len() > crate::run::MAX_ARGS => {
+            return Err(bad("has more than 1000 arguments"))
+        }
+        Command::Argv(a) if a[0].is_empty() => return Err(bad("has an empty first argument")),
+        Command::Argv(a) => a,
+    };
+    if parts.iter().any(|p| p.contains('\0')) {
+        return Err(bad("holds a NUL byte"));
+    }
+    Ok(())
+}
+
+const TIMEOUT: &str = "timeout_seconds";
+const TIMEOUT_RANGE: &str = "timeout_seconds must be a number of seconds from 0.001 (1 ms) to 1e9";
+
+impl ExecRequest {
+    /// A request to run `command` with every other field at its default (as a body of only
+    /// `{"command": …}` gives): for callers that build a request by type (the functions
+    /// interface), then [`ExecRequest::check`] it.
+    pub fn new(command: Command) -> ExecRequest {
+        ExecRequest {
+            command,
+            env: BTreeMap::new(),
+            cwd: None,
+            user: None,
+            timeout_seconds: None,
+            stdin: None,
+            stdin_open: false,
+            encoding: Encoding::Utf8,
+            tty: false,
+            rows: 24,
+            cols: 80,
+            wait_seconds: 0.0,
+            wait_for_reader: false,
+            stream: None,
+        }
+    }
+
+    /// The rules of a command request that are about its values, not its JSON: every request
+    /// passes them, parsed or built, with the same codes.
+    pub fn check(&self) -> Result<(), ApiError> {
+        check_command(&self.command, "command")?;
+        for (key, val) in &self.env {
+            let param = format!("env.{key}");
+            let bad = |msg: &str| {
+                ApiError::new(ErrorCode::InvalidEnv, format!("{param} {msg}")).with_param(&param)
+            };
+            if key.is_empty() {
+                return Err(bad("has an empty name"));
+            }
+            if key.contains('=') || key.contains('\0') {
+                return Err(bad("has a name with = or a NUL byte"));
+            }
+            if val.contains('\0') {
+                return Err(bad("has a NUL byte"));
+            }
+        }
+        if self.cwd.as_deref().is_some_and(|c| !c.starts_with('/')) {
+            return Err(invalid("cwd", "cwd must be an absolute path"));
+        }
+        crate::run::check_user(self.user.as_deref())?;
+        if self
+            .timeout_seconds
+            .is_some_and(|t| !(crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&t))
+        {
+            return Err(invalid(TIMEOUT, TIMEOUT_RANGE));
+        }
+        if !(0.0..=MAX_WAIT_SECONDS).contains(&self.wait_seconds) {
+            return Err(invalid(
+                "wait_seconds",
+                "wait_seconds must be a number of seconds from 0 to 300",
+            ));
+        }
+        crate::run::check_exec_size(&self.command, self.env.iter(), "env", self.cwd.as_deref())
+    }
 }
 
 /// Where a sandbox is in its life.

@@ -25,7 +25,7 @@ use sbx_api::{ApiError, ErrorCode};
 use crate::node::Node;
 
 pub(crate) use crate::node::internal;
-pub(crate) use crate::node::output::{exec_object, ExecMeta, Started, Tail};
+pub(crate) use crate::node::output::{ExecMeta, Started};
 pub(crate) use edge::accepts_event_stream;
 pub use router::router;
 pub(crate) use sse::{event_stream, event_stream_answer};

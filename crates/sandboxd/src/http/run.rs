@@ -9,11 +9,12 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use sbx_api::ApiError;
-use sbx_proto::Stream;
+
 use tokio::sync::mpsc;
 
 use super::sse::sse_response;
 use super::*;
+use crate::node::output::Collected;
 use crate::node::RunEvent;
 
 pub(super) async fn run(
@@ -66,30 +67,12 @@ pub(super) async fn json_response(
     rid: &str,
     docs: Option<&str>,
 ) -> Response {
-    let mut started = Started::default();
-    let (mut out, mut err) = (Tail::new(), Tail::new());
-    let mut gap = false;
+    let mut c = Collected::default();
     while let Some(ev) = rx.recv().await {
-        match ev {
-            RunEvent::Started { pid, started_at_ns } => started = Started { pid, started_at_ns },
-            RunEvent::Output { stream, data, .. } => match stream {
-                Stream::Stderr => err.push(&data),
-                _ => out.push(&data),
-            },
-            RunEvent::Gap { .. } => gap = true,
-            RunEvent::Exited { exit, output } => {
-                let obj = exec_object(
-                    &meta,
-                    &started,
-                    Some(&exit),
-                    output,
-                    &mut out,
-                    &mut err,
-                    gap,
-                );
-                return (StatusCode::OK, axum::Json(obj)).into_response();
-            }
-            RunEvent::Failed(e) => return error_response(&e, rid, docs),
+        match c.take(&meta, ev) {
+            Some(Ok(obj)) => return (StatusCode::OK, axum::Json(obj)).into_response(),
+            Some(Err(e)) => return error_response(&e, rid, docs),
+            None => {}
         }
     }
     error_response(&ApiError::internal(), rid, docs)

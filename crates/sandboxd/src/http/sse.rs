@@ -12,6 +12,7 @@ use sbx_proto::{OutputCounts, Stream};
 use tokio::sync::mpsc;
 
 use super::*;
+use crate::node::output::Collected;
 use crate::node::RunEvent;
 
 pub(super) const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
@@ -156,13 +157,11 @@ pub(super) struct SseState {
     meta: ExecMeta,
     rid: String,
     docs: Option<String>,
-    started: Started,
-    out: Tail,
-    err: Tail,
+    /// The output so far, for the exit event's object.
+    c: Collected,
     carry_out: Vec<u8>,
     carry_err: Vec<u8>,
     cursor: u64,
-    gap: bool,
     done: bool,
 }
 
@@ -190,13 +189,10 @@ pub(crate) fn event_stream(
         meta,
         rid,
         docs,
-        started,
-        out: Tail::new(),
-        err: Tail::new(),
+        c: Collected::of(started),
         carry_out: Vec::new(),
         carry_err: Vec::new(),
         cursor: from,
-        gap: false,
         done: false,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
@@ -235,26 +231,18 @@ pub(super) async fn next_sse(s: &mut SseState) -> Bytes {
         };
         match ev {
             RunEvent::Started { pid, started_at_ns } => {
-                s.started = Started { pid, started_at_ns };
-                let obj = exec_object(
-                    &s.meta,
-                    &s.started,
-                    None,
-                    OutputCounts::default(),
-                    &mut Tail::new(),
-                    &mut Tail::new(),
-                    false,
-                );
+                s.c.started = Started { pid, started_at_ns };
+                let obj = Collected::of(s.c.started).object(&s.meta, None, OutputCounts::default());
                 let data = serde_json::to_value(obj).unwrap_or_default();
                 return sbx_api::sse(EventKind::Start, 0, &data).into();
             }
             RunEvent::Output { stream, pos, data } => {
-                let (kind, tail, carry) = match stream {
-                    Stream::Stderr => (EventKind::Stderr, &mut s.err, &mut s.carry_err),
-                    _ => (EventKind::Stdout, &mut s.out, &mut s.carry_out),
+                let (kind, carry) = match stream {
+                    Stream::Stderr => (EventKind::Stderr, &mut s.carry_err),
+                    _ => (EventKind::Stdout, &mut s.carry_out),
                 };
                 let data = Bytes::from(data);
-                tail.push_bytes(data.clone());
+                s.c.push(stream, data.clone());
                 let carried = carry.len() as u64;
                 let (text, emitted) = take_text(carry, &data, s.meta.encoding);
                 if emitted == 0 {
@@ -265,7 +253,7 @@ pub(super) async fn next_sse(s: &mut SseState) -> Bytes {
                 return output_event(kind, s.cursor, from, &text);
             }
             RunEvent::Gap { from, to } => {
-                s.gap = true;
+                s.c.gap = true;
                 s.carry_out.clear();
                 s.carry_err.clear();
                 s.cursor = to;
@@ -296,15 +284,7 @@ pub(super) async fn next_sse(s: &mut SseState) -> Bytes {
                         ));
                     }
                 }
-                let obj = exec_object(
-                    &s.meta,
-                    &s.started,
-                    Some(&exit),
-                    output,
-                    &mut s.out,
-                    &mut s.err,
-                    s.gap,
-                );
+                let obj = s.c.object(&s.meta, Some(&exit), output);
                 let data = serde_json::to_value(obj).unwrap_or_default();
                 tail.push_str(&sbx_api::sse(EventKind::Exit, output.end, &data));
                 return tail.into();

@@ -3,9 +3,11 @@
 
 use std::collections::VecDeque;
 
-use axum::body::Bytes;
-use sbx_api::{Encoding, ExecObject, ExecObjectKind, ExecStatus, ExecUsage, OutputInfo};
-use sbx_proto::{ExitInfo, OutputCounts};
+use bytes::Bytes;
+use sbx_api::{ApiError, Encoding, ExecObject, ExecObjectKind, ExecStatus, ExecUsage, OutputInfo};
+use sbx_proto::{ExitInfo, OutputCounts, Stream};
+
+use super::RunEvent;
 
 /// What every exec object of a command shares.
 #[derive(Clone)]
@@ -23,6 +25,74 @@ pub(crate) struct Started {
     pub started_at_ns: i64,
 }
 
+/// A command's output as it comes, gathered for its exec object: what is known of its start,
+/// the tails of both streams, whether bytes were lost on the way (a gap). Runs (JSON answers and
+/// the functions interface), kept commands that are waited for, and a kept command's object
+/// read back from its agent all gather here.
+#[derive(Default)]
+pub(crate) struct Collected {
+    pub started: Started,
+    out: Tail,
+    err: Tail,
+    pub gap: bool,
+}
+
+impl Collected {
+    /// Gathering for a command whose start is known.
+    pub(crate) fn of(started: Started) -> Collected {
+        Collected {
+            started,
+            ..Collected::default()
+        }
+    }
+
+    pub(crate) fn push(&mut self, stream: Stream, data: Bytes) {
+        match stream {
+            Stream::Stderr => self.err.push_bytes(data),
+            _ => self.out.push_bytes(data),
+        }
+    }
+
+    /// The exec object as it stands: ended when `exit` is given.
+    pub(crate) fn object(
+        &mut self,
+        meta: &ExecMeta,
+        exit: Option<&ExitInfo>,
+        output: OutputCounts,
+    ) -> ExecObject {
+        exec_object(
+            meta,
+            &self.started,
+            exit,
+            output,
+            &mut self.out,
+            &mut self.err,
+            self.gap,
+        )
+    }
+
+    /// Takes a run's next event: its exec object once it has ended, its error if it failed,
+    /// nothing before.
+    pub(crate) fn take(
+        &mut self,
+        meta: &ExecMeta,
+        ev: RunEvent,
+    ) -> Option<Result<ExecObject, ApiError>> {
+        match ev {
+            RunEvent::Started { pid, started_at_ns } => {
+                self.started = Started { pid, started_at_ns };
+            }
+            RunEvent::Output { stream, data, .. } => self.push(stream, Bytes::from(data)),
+            RunEvent::Gap { .. } => self.gap = true,
+            RunEvent::Exited { exit, output } => {
+                return Some(Ok(self.object(meta, Some(&exit), output)))
+            }
+            RunEvent::Failed(e) => return Some(Err(e)),
+        }
+        None
+    }
+}
+
 /// The last bytes of one stream: the latest chunks, shared with whoever else holds them (no
 /// copy per chunk), made contiguous only when asked for.
 pub(crate) struct Tail {
@@ -32,6 +102,12 @@ pub(crate) struct Tail {
     flat: Vec<u8>,
 }
 
+impl Default for Tail {
+    fn default() -> Tail {
+        Tail::new()
+    }
+}
+
 impl Tail {
     pub(crate) fn new() -> Tail {
         Tail {
@@ -39,9 +115,6 @@ impl Tail {
             len: 0,
             flat: Vec::new(),
         }
-    }
-    pub(crate) fn push(&mut self, data: &[u8]) {
-        self.push_bytes(Bytes::copy_from_slice(data));
     }
     pub(crate) fn push_bytes(&mut self, data: Bytes) {
         if data.is_empty() {

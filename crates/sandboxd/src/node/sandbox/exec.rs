@@ -4,12 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sbx_api::{ApiError, ErrorCode, ExecObject, ExecRequest};
-use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExecState, Frame, HostMsg, Stream};
+use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExecState, Frame, HostMsg};
 use sbx_runtime::Sandbox;
 
 use super::*;
 use crate::agent::{one_shot, program, AgentConn};
-use crate::node::output::{exec_object, Started, Tail};
+use crate::node::output::{Collected, Started};
 use crate::node::Node;
 use crate::store::ExecRow;
 use crate::sync::LockExt;
@@ -218,16 +218,13 @@ impl Node {
             return self.exec_get(id, &exec_id, 0.0, req.encoding).await;
         }
         let meta = meta_of(&m, &row, req.encoding);
-        let (mut out, mut err, mut gap) = (Tail::new(), Tail::new(), false);
+        let mut c = Collected::default();
         let (waited, row_written, unrecorded) = {
             let collect = async {
                 loop {
                     match conn.recv().await {
-                        Ok(Frame::Data { stream, bytes, .. }) => match stream {
-                            Stream::Stderr => err.push(&bytes),
-                            _ => out.push(&bytes),
-                        },
-                        Ok(Frame::Msg(AgentMsg::Gap { .. })) => gap = true,
+                        Ok(Frame::Data { stream, bytes, .. }) => c.push(stream, bytes.into()),
+                        Ok(Frame::Msg(AgentMsg::Gap { .. })) => c.gap = true,
                         Ok(Frame::Msg(AgentMsg::Exited { exit, output, .. })) => {
                             return Some((exit, output))
                         }
@@ -262,7 +259,7 @@ impl Node {
             return Err(store_err(e));
         }
         if let Ok(Some((exit, output))) = waited {
-            let started = Started {
+            c.started = Started {
                 pid: state.pid,
                 started_at_ns: state.started_at_ns,
             };
@@ -296,15 +293,7 @@ impl Node {
             }
             // Every frame of the command was read: the connection serves the next call.
             conn.release();
-            return Ok(exec_object(
-                &meta,
-                &started,
-                Some(&exit),
-                output,
-                &mut out,
-                &mut err,
-                gap,
-            ));
+            return Ok(c.object(&meta, Some(&exit), output));
         }
         // Still running when the wait ended, or its agent was lost: a watcher takes it from
         // here (its output may still be streaming on this connection), and a row not written

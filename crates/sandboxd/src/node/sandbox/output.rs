@@ -10,7 +10,9 @@ use tokio::sync::mpsc;
 
 use super::*;
 use crate::agent::{one_shot, AgentConn};
-use crate::node::output::{exec_object, ExecMeta, Started, Tail};
+use bytes::Bytes;
+
+use crate::node::output::{exec_object, Collected, ExecMeta, Started, Tail};
 use crate::node::{Node, RunEvent};
 use crate::store::ExecRow;
 
@@ -64,7 +66,7 @@ impl Node {
             )
             .await;
         }
-        let (state, out, err, gap) = match read_all(&sb, exec_id).await {
+        let (state, mut c) = match read_all(&sb, exec_id).await {
             Ok(x) => x,
             // The machine ended meanwhile (a delete, a restart): what was recorded of it.
             Err(e) => {
@@ -76,19 +78,7 @@ impl Node {
             }
         };
         let meta = meta_of(&m, &row, encoding);
-        let (mut o, mut e) = (out, err);
-        Ok(exec_object(
-            &meta,
-            &Started {
-                pid: state.pid,
-                started_at_ns: state.started_at_ns,
-            },
-            state.exit.as_ref(),
-            state.output,
-            &mut o,
-            &mut e,
-            gap,
-        ))
+        Ok(c.object(&meta, state.exit.as_ref(), state.output))
     }
 
     /// `GET …/exec`: the commands of a sandbox, oldest first (without their output).
@@ -380,24 +370,21 @@ pub(super) async fn start_output(sb: &Sandbox) -> String {
     }
 }
 
-/// Everything the agent keeps of a command: its state and the tails of both streams.
+/// Everything the agent keeps of a command: its state and its output gathered.
 pub(super) async fn read_all(
     sb: &Sandbox,
     exec_id: &str,
-) -> Result<(ExecState, Tail, Tail, bool), ApiError> {
+) -> Result<(ExecState, Collected), ApiError> {
     let (mut conn, state) = status_conn(sb, exec_id).await?;
-    let (mut out, mut err) = (Tail::new(), Tail::new());
+    let mut c = Collected::of(Started {
+        pid: state.pid,
+        started_at_ns: state.started_at_ns,
+    });
     let (start, end) = (state.output.start, state.output.end);
-    let gap = read_range(
-        &mut conn,
-        exec_id,
-        start,
-        end,
-        |stream, _, data| match stream {
-            Stream::Stderr => err.push(data),
-            _ => out.push(data),
-        },
-    )
+    let gap = read_range(&mut conn, exec_id, start, end, |stream, _, data| {
+        c.push(stream, Bytes::copy_from_slice(data))
+    })
     .await?;
-    Ok((state, out, err, start > 0 || gap.is_some()))
+    c.gap = start > 0 || gap.is_some();
+    Ok((state, c))
 }
