@@ -11,7 +11,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! - [`Store`]: `pull`, `get` (local only), `gc`. The layout on disk is described in `store.rs`.
+//! - [`Store`]: `pull`, `get` (local only), `gc`. The layout on disk is described in
+//!   `store/mod.rs`.
 //! - [`Image`]: manifest digest, reference, layer directories bottom first, [`ImageConfig`].
 //! - [`parse_reference`] / [`Reference`]: Docker's normalisation (docker.io, `library/`).
 //! - [`ImageError`]: one variant per stable error code.

@@ -1,0 +1,299 @@
+//! A file's bytes: an upload written to a temporary file that takes the file's place once
+//! complete, a download sent as data frames of [`CHUNK`] bytes.
+
+use std::ffi::OsString;
+use std::fs::{self, File, Metadata, Permissions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{fchown, MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+use sbx_proto::{AgentMsg, FsErrorCode, FsFailure, FsResult, Stream};
+use tokio::sync::mpsc;
+
+use super::path::{aborted, fail, io_of, normalize};
+use super::tree::{check_mode, ensure_dir, entry_of, new_owner, unsupported_kind};
+use super::{Chunk, Ctx, Res, CHUNK};
+
+/// A temporary file beside `target`, removed when dropped unless kept. It is made and renamed
+/// through a handle on the directory opened once: a directory of the path swapped for a
+/// symlink meanwhile does not move where the file lands.
+pub(super) struct Temp {
+    dir: File,
+    name: OsString,
+    keep: bool,
+}
+
+impl Temp {
+    pub(super) fn create(target: &Path) -> io::Result<(Temp, File)> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = File::open(target.parent().unwrap_or(Path::new("/")))?;
+        let base = target.file_name().map(|n| n.as_bytes()).unwrap_or(b"file");
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let mut tmp = b".".to_vec();
+        tmp.extend_from_slice(&base[..base.len().min(180)]);
+        tmp.extend_from_slice(
+            format!(
+                ".sbx-{}-{}-{nanos:x}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            )
+            .as_bytes(),
+        );
+        let name = OsString::from_vec(tmp);
+        let fd = nix::fcntl::openat(
+            &dir,
+            name.as_os_str(),
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o600),
+        )
+        .map_err(io_of)?;
+        Ok((
+            Temp {
+                dir,
+                name,
+                keep: false,
+            },
+            File::from(fd),
+        ))
+    }
+
+    /// Sets owner and mode and puts the file in place of `target` (in the same directory):
+    /// what it is then.
+    pub(super) fn commit(
+        mut self,
+        file: File,
+        target: &Path,
+        ids: Option<(u32, u32)>,
+        mode: u32,
+    ) -> io::Result<Metadata> {
+        if let Some((u, g)) = ids {
+            fchown(&file, Some(u), Some(g))?;
+        }
+        // After the chown, which clears setuid and setgid.
+        file.set_permissions(Permissions::from_mode(mode))?;
+        let name = target.file_name().ok_or_else(|| io_of(Errno::EISDIR))?;
+        nix::fcntl::renameat(&self.dir, self.name.as_os_str(), &self.dir, name).map_err(io_of)?;
+        self.keep = true;
+        file.metadata()
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = nix::unistd::unlinkat(
+                &self.dir,
+                self.name.as_os_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
+    }
+}
+
+pub(super) fn write_file(
+    c: &Ctx,
+    path: &str,
+    mode: Option<u32>,
+    parents: bool,
+    owner: Option<&str>,
+    mut rx: mpsc::Receiver<Chunk>,
+) -> Res<FsResult> {
+    let p = normalize(path, "path")?;
+    check_mode(mode)?;
+    let Some(dir) = p.parent() else {
+        return Err(FsFailure::new(FsErrorCode::WrongType, "/ is a directory").param("path"));
+    };
+    let ids = new_owner(c, owner)?;
+    ensure_dir(dir, parents, ids, "path")?;
+    // Where the bytes go: the file at the path, or the one a symlink there points to.
+    let (target, old) = match fs::symlink_metadata(&p) {
+        Ok(md) if md.file_type().is_symlink() => match fs::metadata(&p) {
+            Ok(t) if t.is_file() => (
+                fs::canonicalize(&p).map_err(|e| fail(&e, &p, "path"))?,
+                Some(t),
+            ),
+            Ok(t) if t.is_dir() => {
+                return Err(FsFailure::new(
+                    FsErrorCode::WrongType,
+                    format!("{} points to a directory", p.display()),
+                )
+                .param("path"))
+            }
+            Ok(t) => return Err(unsupported_kind(&p, &t)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // A dangling symlink: the file it names is made.
+                let link = fs::read_link(&p).map_err(|e| fail(&e, &p, "path"))?;
+                let to = normalize(&dir.join(link).to_string_lossy(), "path")?;
+                if let Some(d) = to.parent() {
+                    ensure_dir(d, false, None, "path")?;
+                }
+                (to, None)
+            }
+            Err(e) => return Err(fail(&e, &p, "path")),
+        },
+        Ok(md) if md.is_dir() => {
+            return Err(FsFailure::new(
+                FsErrorCode::WrongType,
+                format!("{} is a directory", p.display()),
+            )
+            .param("path"))
+        }
+        Ok(md) if md.is_file() => (p.clone(), Some(md)),
+        Ok(md) => return Err(unsupported_kind(&p, &md)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => (p.clone(), None),
+        Err(e) => return Err(fail(&e, &p, "path")),
+    };
+    let (temp, mut file) = Temp::create(&target).map_err(|e| fail(&e, &p, "path"))?;
+    let mut bytes = 0u64;
+    loop {
+        match rx.blocking_recv() {
+            Some(Chunk::Data(b)) => {
+                file.write_all(&b).map_err(|e| fail(&e, &p, "path"))?;
+                bytes += b.len() as u64;
+                c.check()?;
+            }
+            Some(Chunk::End) => break,
+            None => {
+                return Err(aborted(format!(
+                    "the upload of {} was cut off; the file is as it was",
+                    p.display()
+                )))
+            }
+        }
+    }
+    // Owner: the one asked for, else the replaced file's, else the sandbox's user.
+    let ids = match (owner, &old) {
+        (Some(_), _) | (None, None) => ids,
+        (None, Some(m)) => Some((m.uid(), m.gid())),
+    };
+    let mode = mode
+        .or(old.as_ref().map(|m| m.mode() & 0o7777))
+        .unwrap_or(0o644);
+    // The file as written (the path may name something else by now).
+    let md = temp
+        .commit(file, &target, ids, mode)
+        .map_err(|e| fail(&e, &p, "path"))?;
+    Ok(FsResult::Written {
+        entry: entry_of(&p, &md),
+        bytes,
+        created: old.is_none(),
+    })
+}
+
+pub(super) fn read_file(
+    c: &Ctx,
+    path: &str,
+    offset: u64,
+    length: Option<u64>,
+    tail: Option<u64>,
+) -> Res<FsResult> {
+    let p = normalize(path, "path")?;
+    let mut f = File::open(&p).map_err(|e| fail(&e, &p, "path"))?;
+    let md = f.metadata().map_err(|e| fail(&e, &p, "path"))?;
+    if md.is_dir() {
+        return Err(FsFailure::new(
+            FsErrorCode::WrongType,
+            format!(
+                "{} is a directory: fetch it as a tar stream (files/tar)",
+                p.display()
+            ),
+        )
+        .param("path"));
+    }
+    if !md.is_file() {
+        return Err(unsupported_kind(&p, &md));
+    }
+    let size = md.len();
+    let (start, len) = match tail {
+        Some(n) => {
+            let s = size.saturating_sub(n);
+            (s, Some(size - s))
+        }
+        None => {
+            let avail = size.saturating_sub(offset);
+            (offset, Some(length.map_or(avail, |l| l.min(avail))))
+        }
+    };
+    let hdr = sbx_proto::encode_data_header(&c.id, Stream::File, 0, 0).len();
+    let read_chunk = |f: &mut File, want: usize| -> Res<(Vec<u8>, usize)> {
+        let mut buf = vec![0u8; hdr + want];
+        loop {
+            match f.read(&mut buf[hdr..]) {
+                Ok(n) => return Ok((buf, n)),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(fail(&e, &p, "path")),
+            }
+        }
+    };
+    // Files of /proc and the like say 0 bytes and have more: they are read to their end (the
+    // length is not known then). An empty file is told apart by a first read.
+    let mut first = None;
+    let len = if size == 0 && offset == 0 && length.is_none() && tail.is_none() {
+        let (buf, n) = read_chunk(&mut f, CHUNK)?;
+        if n == 0 {
+            Some(0)
+        } else {
+            first = Some((buf, n));
+            None
+        }
+    } else {
+        len
+    };
+    let opened = AgentMsg::FsOpened {
+        id: c.id.clone(),
+        size,
+        offset: start,
+        length: len,
+    };
+    if !c.send(&opened) {
+        return Err(aborted("the node hung up"));
+    }
+    if len == Some(0) {
+        return Ok(FsResult::Read { bytes: 0 });
+    }
+    if start > 0 {
+        f.seek(SeekFrom::Start(start))
+            .map_err(|e| fail(&e, &p, "path"))?;
+    }
+    let mut left = len;
+    let mut pos = start;
+    loop {
+        let want = match left {
+            Some(0) => break,
+            Some(l) => (l as usize).min(CHUNK),
+            None => CHUNK,
+        };
+        let (mut buf, n) = match first.take() {
+            Some(read) => read,
+            None => read_chunk(&mut f, want)?,
+        };
+        if n == 0 {
+            if left.is_some() {
+                return Err(FsFailure::new(
+                    FsErrorCode::Io,
+                    format!("{} shrank while it was read", p.display()),
+                )
+                .param("path"));
+            }
+            break;
+        }
+        let header = sbx_proto::encode_data_header(&c.id, Stream::File, pos, n);
+        buf[..hdr].copy_from_slice(&header);
+        buf.truncate(hdr + n);
+        if c.out.blocking_send(buf).is_err() {
+            return Err(aborted("the node hung up"));
+        }
+        pos += n as u64;
+        left = left.map(|l| l - n as u64);
+    }
+    Ok(FsResult::Read { bytes: pos - start })
+}

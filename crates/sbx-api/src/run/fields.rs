@@ -1,0 +1,314 @@
+//! The parsers and checks of the other fields of a `POST /v1/run` body: egress, runtime,
+//! image, name, limits, env, metadata, volumes, ports, hostname, wake_daily_at.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::error::{ApiError, ErrorCode};
+use crate::ids::{valid_name, RESERVED_NAME_PREFIXES};
+
+use super::json::{
+    given, invalid, object, opt_bool_at, port, reject_unknown, uint_in, unknown_field,
+};
+use super::limits::{
+    MAX_DENY_PORTS, MAX_HOSTNAME_LEN, MAX_IMAGE_LEN, MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_VALUE_CHARS, MAX_VCPUS, MEMORY_STEP_BYTES, MIN_MEMORY_BYTES,
+};
+use super::types::{Limits, VolumeMount};
+
+pub(super) fn check_egress(v: &Value) -> Result<Value, ApiError> {
+    let bad = |param: &str, msg: &str| {
+        ApiError::new(ErrorCode::InvalidEgress, format!("{param} {msg}")).with_param(param)
+    };
+    let Some(obj) = v.as_object() else {
+        return Err(bad("egress", "must be an object or null"));
+    };
+    for (key, val) in obj {
+        let param = format!("egress.{key}");
+        match key.as_str() {
+            "default" => match val {
+                Value::Null => {}
+                Value::String(s) if s == "allow" || s == "deny" => {}
+                _ => return Err(bad(&param, "must be allow, deny or null")),
+            },
+            "allow" | "deny" | "http" | "inject" => {
+                if !val.is_null() && !val.is_array() {
+                    return Err(bad(&param, "must be an array or null"));
+                }
+            }
+            "deny_ports" => match val {
+                Value::Null => {}
+                Value::Array(ports) => {
+                    if ports.len() > MAX_DENY_PORTS {
+                        return Err(bad(&param, "has more than 64 ports"));
+                    }
+                    for (i, p) in ports.iter().enumerate() {
+                        if !p.as_u64().is_some_and(|n| (1..=65_535).contains(&n)) {
+                            return Err(bad(
+                                &format!("egress.deny_ports[{i}]"),
+                                "must be a port from 1 to 65535",
+                            ));
+                        }
+                    }
+                }
+                _ => return Err(bad(&param, "must be an array or null")),
+            },
+            _ => return Err(bad(&param, "is not a part of egress rules")),
+        }
+    }
+    Ok(v.clone())
+}
+
+pub(super) fn check_runtime(v: &Value) -> Result<Value, ApiError> {
+    let obj = object(v, "runtime")?;
+    reject_unknown(
+        obj,
+        "runtime",
+        &["ulimits", "sysctls", "tmpfs", "dns", "shm_size_bytes"],
+    )?;
+    for key in ["ulimits", "sysctls", "dns"] {
+        if let Some(val) = given(obj, key) {
+            object(val, &format!("runtime.{key}"))?;
+        }
+    }
+    if let Some(val) = given(obj, "tmpfs") {
+        if !val.is_array() {
+            return Err(invalid("runtime.tmpfs", "runtime.tmpfs must be an array"));
+        }
+    }
+    if let Some(val) = given(obj, "shm_size_bytes") {
+        uint_in(val, "runtime.shm_size_bytes", 1 << 20, 1 << 40)?;
+    }
+    Ok(v.clone())
+}
+
+pub(super) fn check_image(s: &str) -> Result<String, ApiError> {
+    if s.is_empty()
+        || s.len() > MAX_IMAGE_LEN
+        || s.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(ApiError::new(
+            ErrorCode::InvalidImage,
+            "image must be an image reference of 1 to 512 characters, without spaces",
+        )
+        .with_param("image"));
+    }
+    Ok(s.to_owned())
+}
+
+pub(super) fn check_name(s: &str) -> Result<String, ApiError> {
+    if valid_name(s) {
+        return Ok(s.to_owned());
+    }
+    let msg = if RESERVED_NAME_PREFIXES.iter().any(|p| s.starts_with(p)) {
+        "name may not start with an id prefix (sbx-, exe-, snap-, vol-, evt-, req-)"
+    } else {
+        "name must be 1 to 63 lower-case letters, digits and hyphens, not starting or ending with a hyphen"
+    };
+    Err(ApiError::new(ErrorCode::InvalidName, msg).with_param("name"))
+}
+
+pub(super) fn parse_limits(v: &Value) -> Result<Limits, ApiError> {
+    let obj = object(v, "limits")?;
+    if let Some(key) = obj
+        .keys()
+        .find(|k| !["vcpus", "memory_bytes", "disk_bytes"].contains(&k.as_str()))
+    {
+        return Err(unknown_field(&format!("limits.{key}"), "limits"));
+    }
+    if obj.contains_key("disk_bytes") {
+        return Err(invalid(
+            "limits.disk_bytes",
+            "the disk's size is the node's: limits.disk_bytes cannot be set",
+        ));
+    }
+    let vcpus = match given(obj, "vcpus") {
+        None => None,
+        Some(v) => {
+            let n = uint_in(v, "limits.vcpus", 1, u64::from(MAX_VCPUS))?;
+            Some(u32::try_from(n).map_err(|_| invalid("limits.vcpus", "out of range"))?)
+        }
+    };
+    let memory_bytes = match given(obj, "memory_bytes") {
+        None => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= MIN_MEMORY_BYTES && n % MEMORY_STEP_BYTES == 0 => Some(n),
+            _ => {
+                return Err(invalid(
+                    "limits.memory_bytes",
+                    "limits.memory_bytes must be at least 134217728 (128 MiB) and an even number of MiB",
+                ))
+            }
+        },
+    };
+    Ok(Limits {
+        vcpus,
+        memory_bytes,
+    })
+}
+
+pub(crate) fn parse_env(v: &Value, field: &str) -> Result<BTreeMap<String, String>, ApiError> {
+    let obj = object(v, field)?;
+    let mut out = BTreeMap::new();
+    for (key, val) in obj {
+        let param = format!("{field}.{key}");
+        let bad = |msg: &str| {
+            ApiError::new(ErrorCode::InvalidEnv, format!("{param} {msg}")).with_param(&param)
+        };
+        if key.is_empty() {
+            return Err(bad("has an empty name"));
+        }
+        if key.contains('=') || key.contains('\0') {
+            return Err(bad("has a name with = or a NUL byte"));
+        }
+        let Value::String(s) = val else {
+            return Err(bad("must be a string"));
+        };
+        if s.contains('\0') {
+            return Err(bad("has a NUL byte"));
+        }
+        out.insert(key.clone(), s.clone());
+    }
+    Ok(out)
+}
+
+pub(super) fn parse_metadata(v: &Value) -> Result<BTreeMap<String, String>, ApiError> {
+    let obj = object(v, "metadata")?;
+    let bad =
+        |param: &str, msg: String| ApiError::new(ErrorCode::InvalidMetadata, msg).with_param(param);
+    if obj.len() > MAX_METADATA_KEYS {
+        return Err(bad("metadata", "metadata has more than 64 keys".to_owned()));
+    }
+    let mut out = BTreeMap::new();
+    for (key, val) in obj {
+        let param = format!("metadata.{key}");
+        if !(1..=MAX_METADATA_KEY_CHARS).contains(&key.chars().count()) {
+            return Err(bad(
+                &param,
+                "metadata keys must be 1 to 64 characters".to_owned(),
+            ));
+        }
+        match val {
+            Value::String(s) if s.chars().count() <= MAX_METADATA_VALUE_CHARS => {
+                out.insert(key.clone(), s.clone());
+            }
+            Value::String(_) => {
+                return Err(bad(&param, format!("{param} is over 1024 characters")))
+            }
+            _ => return Err(bad(&param, format!("{param} must be a string"))),
+        }
+    }
+    Ok(out)
+}
+
+pub(super) fn parse_volumes(v: &Value) -> Result<Vec<VolumeMount>, ApiError> {
+    let Value::Array(items) = v else {
+        return Err(invalid("volumes", "volumes must be an array"));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("volumes[{i}]");
+        let obj = object(item, &at)?;
+        reject_unknown(
+            obj,
+            &at,
+            &["path", "volume", "read_only", "copy", "version"],
+        )?;
+        let path_param = format!("{at}.path");
+        let path = match given(obj, "path") {
+            Some(Value::String(p)) => p,
+            Some(_) => {
+                return Err(invalid(
+                    &path_param,
+                    format!("{path_param} must be a string"),
+                ))
+            }
+            None => return Err(invalid(&path_param, format!("{path_param} is required"))),
+        };
+        if !valid_mount_path(path) {
+            return Err(ApiError::new(
+                ErrorCode::InvalidPath,
+                format!("{path_param} must be an absolute path other than /"),
+            )
+            .with_param(path_param));
+        }
+        let volume_param = format!("{at}.volume");
+        let volume = match given(obj, "volume") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(_) => {
+                return Err(invalid(
+                    &volume_param,
+                    format!("{volume_param} must be a volume's id or name"),
+                ))
+            }
+            None => {
+                return Err(invalid(
+                    &volume_param,
+                    format!("{volume_param} is required"),
+                ))
+            }
+        };
+        let read_only = opt_bool_at(obj, "read_only", &format!("{at}.read_only"))?.unwrap_or(false);
+        let copy = opt_bool_at(obj, "copy", &format!("{at}.copy"))?.unwrap_or(false);
+        let version = match given(obj, "version") {
+            Some(v) if !v.is_object() => {
+                let p = format!("{at}.version");
+                return Err(invalid(&p, format!("{p} must be an object or null")));
+            }
+            v => v.cloned(),
+        };
+        out.push(VolumeMount {
+            path: path.clone(),
+            volume,
+            read_only,
+            copy,
+            version,
+        });
+    }
+    Ok(out)
+}
+
+/// Absolute, not `/` (however written), no `.` or `..` part, no NUL.
+fn valid_mount_path(p: &str) -> bool {
+    p.starts_with('/')
+        && !p.contains('\0')
+        && p.split('/').any(|part| !part.is_empty())
+        && p.split('/').all(|part| part != "." && part != "..")
+}
+
+pub(super) fn parse_ports(v: &Value, field: &str) -> Result<Vec<u16>, ApiError> {
+    let Value::Array(items) = v else {
+        return Err(invalid(field, format!("{field} must be an array of ports")));
+    };
+    let mut out: Vec<u16> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let p = port(item, &format!("{field}[{i}]"))?;
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
+pub(super) fn valid_hostname(s: &str) -> bool {
+    let label_ok = |l: &str| {
+        let b = l.as_bytes();
+        let edge = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+        b.first().is_some_and(edge)
+            && b.last().is_some_and(edge)
+            && b.iter().all(|c| edge(c) || *c == b'-')
+    };
+    !s.is_empty() && s.len() <= MAX_HOSTNAME_LEN && s.split('.').all(label_ok)
+}
+
+/// `^([01][0-9]|2[0-3]):[0-5][0-9]$`
+pub(super) fn valid_time_of_day(s: &str) -> bool {
+    match s.as_bytes() {
+        [h1, h2, b':', m1, m2] => {
+            let hour_ok = matches!((h1, h2), (b'0'..=b'1', b'0'..=b'9') | (b'2', b'0'..=b'3'));
+            hour_ok && matches!(m1, b'0'..=b'5') && m2.is_ascii_digit()
+        }
+        _ => false,
+    }
+}
