@@ -177,26 +177,6 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
     Ok(req)
 }
 
-/// The rules of a command's value: not empty, at most 1000 arguments, a first argument, no
-/// NUL byte.
-pub(crate) fn check_command(cmd: &Command, param: &str) -> Result<(), ApiError> {
-    let bad = |what: &str| invalid(param, format!("{param} {what}"));
-    let parts: &[String] = match cmd {
-        Command::Shell(s) if s.is_empty() => return Err(bad("is empty")),
-        Command::Shell(s) => std::slice::from_ref(s),
-        Command::Argv(a) if a.is_empty() => return Err(bad("is an empty list")),
-        Command::Argv(a) if a.len() > crate::run::MAX_ARGS => {
-            return Err(bad("has more than 1000 arguments"))
-        }
-        Command::Argv(a) if a[0].is_empty() => return Err(bad("has an empty first argument")),
-        Command::Argv(a) => a,
-    };
-    if parts.iter().any(|p| p.contains('\0')) {
-        return Err(bad("holds a NUL byte"));
-    }
-    Ok(())
-}
-
 const TIMEOUT: &str = "timeout_seconds";
 const TIMEOUT_RANGE: &str = "timeout_seconds must be a number of seconds from 0.001 (1 ms) to 1e9";
 
@@ -226,22 +206,8 @@ impl ExecRequest {
     /// The rules of a command request that are about its values, not its JSON: every request
     /// passes them, parsed or built, with the same codes.
     pub fn check(&self) -> Result<(), ApiError> {
-        check_command(&self.command, "command")?;
-        for (key, val) in &self.env {
-            let param = format!("env.{key}");
-            let bad = |msg: &str| {
-                ApiError::new(ErrorCode::InvalidEnv, format!("{param} {msg}")).with_param(&param)
-            };
-            if key.is_empty() {
-                return Err(bad("has an empty name"));
-            }
-            if key.contains('=') || key.contains('\0') {
-                return Err(bad("has a name with = or a NUL byte"));
-            }
-            if val.contains('\0') {
-                return Err(bad("has a NUL byte"));
-            }
-        }
+        crate::run::check_command(&self.command, "command")?;
+        crate::run::check_env(&self.env, "env")?;
         if self.cwd.as_deref().is_some_and(|c| !c.starts_with('/')) {
             return Err(invalid("cwd", "cwd must be an absolute path"));
         }

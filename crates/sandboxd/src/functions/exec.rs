@@ -4,11 +4,16 @@ use std::sync::Arc;
 
 use sbx_api::functions::FnError;
 use sbx_api::{ApiError, Encoding, ExecObject, ExecStatus};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use std::time::Duration;
+
+use sbx_api::{Command, ExecRequest, RunRequest};
+
 use super::*;
-use crate::node::{Node, RunEvent};
+use crate::node::output::Collected;
+use crate::node::Node;
 
 /// The argv of `sandbox::exec`: `argv`, `cmd` + `args`, or `cmd` split at whitespace (not a
 /// shell: no variables, quotes or pipes).
@@ -50,13 +55,15 @@ pub(super) fn lang_argv(lang: &str, code: &str) -> Result<Vec<String>, FnError> 
     Ok(vec![bin.to_string(), flag.to_string(), code.to_string()])
 }
 
-pub(super) fn timeout_ms(f: &Fns, p: &Payload) -> Result<u64, FnError> {
+/// A command's `timeout_ms`, capped by the node's `max_exec_timeout_ms` (its default).
+pub(super) fn timeout_ms(f: &Fns, p: &Payload) -> Result<Duration, FnError> {
     let max = f.cfg.max_exec_timeout_ms;
-    match p.u64("timeout_ms")? {
-        Some(0) => Err(FnError::invalid("timeout_ms must be over 0")),
-        Some(t) => Ok(t.min(max)),
-        None => Ok(max),
-    }
+    let ms = match p.u64("timeout_ms")? {
+        Some(0) => return Err(FnError::invalid("timeout_ms must be over 0")),
+        Some(t) => t.min(max),
+        None => max,
+    };
+    Ok(Duration::from_millis(ms))
 }
 
 pub(super) fn truncation(obj: &ExecObject) -> (bool, bool) {
@@ -69,33 +76,33 @@ pub(super) fn truncation(obj: &ExecObject) -> (bool, bool) {
     (o, e)
 }
 
-/// Runs `argv` in sandbox `id` through `Node::exec` and waits for its end. Returns the reply,
-/// whether it timed out, and its timeout.
+/// The command request of `argv` with a payload's `timeout_ms`, `env`, `workdir` and `stdin`
+/// (those it has), checked as the HTTP API checks one.
+pub(super) fn exec_request(
+    f: &Fns,
+    argv: Vec<String>,
+    p: &Payload,
+) -> Result<ExecRequest, FnError> {
+    let limit = timeout_ms(f, p)?;
+    let mut req = ExecRequest::new(Command::Argv(argv));
+    req.timeout_seconds = Some(limit.as_secs_f64());
+    req.wait_seconds = (limit.as_secs_f64() + 5.0).min(sbx_api::sandbox::MAX_WAIT_SECONDS);
+    req.env = p.env()?.unwrap_or_default();
+    req.cwd = p.str("workdir")?;
+    req.stdin = p.str("stdin")?.map(String::into_bytes);
+    req.check()?;
+    Ok(req)
+}
+
+/// Runs a command in sandbox `id` through `Node::exec` and waits for its end. Returns the
+/// reply, whether it timed out, and its timeout.
 pub(super) async fn exec(
     node: &Arc<Node>,
     f: &Arc<Fns>,
     id: &str,
-    argv: Vec<String>,
-    p: &Payload,
-) -> Result<(Value, bool, u64), FnError> {
-    let limit = timeout_ms(f, p)?;
-    let mut body = Map::new();
-    body.insert("command".into(), json!(argv));
-    body.insert("timeout_seconds".into(), json!(limit as f64 / 1000.0));
-    let wait = (limit as f64 / 1000.0 + 5.0).min(sbx_api::sandbox::MAX_WAIT_SECONDS);
-    body.insert("wait_seconds".into(), json!(wait));
-    if let Some(env) = p.env()? {
-        body.insert("env".into(), json!(env));
-    }
-    if let Some(w) = p.str("workdir")? {
-        body.insert("cwd".into(), json!(w));
-    }
-    if let Some(s) = p.str("stdin")? {
-        body.insert("stdin".into(), json!(s));
-    }
-    let bytes =
-        serde_json::to_vec(&Value::Object(body)).map_err(|_| FnError::new("S300", "json"))?;
-    let req = sbx_api::parse_exec_request(&bytes)?;
+    req: ExecRequest,
+) -> Result<(Value, bool, Duration), FnError> {
+    let limit = Duration::from_secs_f64(req.timeout_seconds.unwrap_or(0.0));
     f.touch(id);
     let r = node.exec(id, req, None).await;
     f.touch(id);
@@ -111,57 +118,26 @@ pub(super) async fn exec(
             .await?;
         f.touch(id);
     }
-    let (so, se) = truncation(&obj);
+    let timed_out = obj.status == ExecStatus::TimedOut;
+    Ok((reply(&obj), timed_out, limit))
+}
+
+/// The reply of `sandbox::exec` and `sandbox::run`: a command's ended exec object, its output
+/// the last [`OUTPUT_CAP`] bytes of each stream.
+fn reply(obj: &ExecObject) -> Value {
+    let (so, se) = truncation(obj);
     let timed_out = obj.status == ExecStatus::TimedOut;
     let exit_code = obj.exit_code.unwrap_or(-1);
-    Ok((
-        json!({
-            "stdout": obj.stdout,
-            "stderr": obj.stderr,
-            "exit_code": exit_code,
-            "timed_out": timed_out,
-            "duration_ms": (obj.duration_seconds.unwrap_or(0.0) * 1000.0).round() as u64,
-            "success": exit_code == 0 && !timed_out,
-            "stdout_truncated": so,
-            "stderr_truncated": se,
-        }),
-        timed_out,
-        limit,
-    ))
-}
-
-/// One stream's last [`OUTPUT_CAP`] bytes.
-#[derive(Default)]
-pub(super) struct Capped {
-    buf: Vec<u8>,
-    total: u64,
-}
-
-impl Capped {
-    fn push(&mut self, d: &[u8]) {
-        self.total += d.len() as u64;
-        self.buf.extend_from_slice(d);
-        if self.buf.len() > 2 * OUTPUT_CAP {
-            let over = self.buf.len() - OUTPUT_CAP;
-            self.buf.drain(..over);
-        }
-    }
-    fn text(&self) -> String {
-        let from = self.buf.len().saturating_sub(OUTPUT_CAP);
-        let mut s = &self.buf[from..];
-        if from > 0 {
-            let skip = s
-                .iter()
-                .take(3)
-                .take_while(|b| (**b & 0xC0) == 0x80)
-                .count();
-            s = &s[skip..];
-        }
-        String::from_utf8_lossy(s).into_owned()
-    }
-    fn truncated(&self) -> bool {
-        self.total > OUTPUT_CAP as u64
-    }
+    json!({
+        "stdout": obj.stdout,
+        "stderr": obj.stderr,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "duration_ms": (obj.duration_seconds.unwrap_or(0.0) * 1000.0).round() as u64,
+        "success": exit_code == 0 && !timed_out,
+        "stdout_truncated": so,
+        "stderr_truncated": se,
+    })
 }
 
 pub(super) async fn run(node: &Arc<Node>, f: &Arc<Fns>, p: Payload) -> Result<Value, FnError> {
@@ -189,48 +165,35 @@ pub(super) async fn run(node: &Arc<Node>, f: &Arc<Fns>, p: Payload) -> Result<Va
         Some(_) => return Err(FnError::invalid("files must be a list of {path, content}")),
     };
     if keep || !files.is_empty() {
-        return run_kept(node, f, &p, &image, argv, files, keep).await;
+        let create = CreateArgs {
+            image,
+            cpus: None,
+            memory_mb: None,
+            name: None,
+            env: p.env()?.unwrap_or_default(),
+            idle_timeout_secs: None,
+        };
+        let mut req = exec_request(f, argv, &p)?;
+        // The sandbox has the env; the command, the sandbox's.
+        req.env.clear();
+        return run_kept(node, f, create, req, files, keep).await;
     }
     let limit = timeout_ms(f, &p)?;
-    let mut body = Map::new();
-    body.insert("image".into(), json!(local));
-    body.insert("command".into(), json!(argv));
-    body.insert("timeout_seconds".into(), json!(limit as f64 / 1000.0));
-    if let Some(env) = p.env()? {
-        body.insert("env".into(), json!(env));
-    }
-    if let Some(s) = p.str("stdin")? {
-        body.insert("stdin".into(), json!(s));
-    }
-    let req = sbx_api::parse_run_value(&Value::Object(body))?;
+    let mut req = RunRequest::new(Command::Argv(argv));
+    req.image = Some(local);
+    req.timeout_seconds = limit.as_secs_f64();
+    req.env = p.env()?.unwrap_or_default();
+    req.stdin = p.str("stdin")?.map(String::into_bytes);
+    req.check()?;
     capacity(node, f)?;
     let plan = node.plan_run(req)?;
+    let meta = plan.meta();
     let (tx, mut rx) = mpsc::channel(64);
     tokio::spawn(node.clone().run(plan, tx));
-    let (mut out, mut err) = (Capped::default(), Capped::default());
-    let mut gap = false;
+    let mut c = Collected::default();
     while let Some(ev) = rx.recv().await {
-        match ev {
-            RunEvent::Started { .. } => {}
-            RunEvent::Output { stream, data, .. } => match stream {
-                sbx_proto::Stream::Stderr => err.push(&data),
-                _ => out.push(&data),
-            },
-            RunEvent::Gap { .. } => gap = true,
-            RunEvent::Exited { exit, .. } => {
-                let timed_out = exit.status == sbx_proto::ExitStatus::TimedOut;
-                return Ok(json!({
-                    "stdout": out.text(),
-                    "stderr": err.text(),
-                    "exit_code": exit.exit_code,
-                    "timed_out": timed_out,
-                    "duration_ms": exit.duration_ns / 1_000_000,
-                    "success": exit.exit_code == 0 && !timed_out,
-                    "stdout_truncated": out.truncated() || gap,
-                    "stderr_truncated": err.truncated() || gap,
-                }));
-            }
-            RunEvent::Failed(e) => return Err(e.into()),
+        if let Some(obj) = c.take(&meta, ev) {
+            return Ok(reply(&obj?));
         }
     }
     Err(ApiError::internal().into())
@@ -238,22 +201,15 @@ pub(super) async fn run(node: &Arc<Node>, f: &Arc<Fns>, p: Payload) -> Result<Va
 
 /// `sandbox::run` with files or `keep_sandbox`: create, write the files, exec, stop (unless
 /// kept).
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn run_kept(
     node: &Arc<Node>,
     f: &Arc<Fns>,
-    p: &Payload,
-    image: &str,
-    argv: Vec<String>,
+    create_args: CreateArgs,
+    req: ExecRequest,
     files: Vec<Value>,
     keep: bool,
 ) -> Result<Value, FnError> {
-    let mut c = Map::new();
-    c.insert("image".into(), json!(image));
-    if let Some(env) = p.env()? {
-        c.insert("env".into(), json!(env));
-    }
-    let (id, _) = create(node, f, &Payload(c)).await?;
+    let (id, _) = create(node, f, create_args).await?;
     let r = async {
         for file in files {
             let Value::Object(mut m) = file else {
@@ -263,13 +219,7 @@ pub(super) async fn run_kept(
             m.entry("parents").or_insert(json!(true));
             fs_call(node, "write", &id, Payload(m)).await?;
         }
-        let mut e = Map::new();
-        for k in ["stdin", "timeout_ms"] {
-            if let Some(v) = p.get(k) {
-                e.insert(k.into(), v.clone());
-            }
-        }
-        exec(node, f, &id, argv, &Payload(e)).await
+        exec(node, f, &id, req).await
     }
     .await;
     if !keep || r.is_err() {

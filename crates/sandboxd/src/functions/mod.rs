@@ -219,7 +219,7 @@ async fn dispatch(
                 "idle_timeout_secs",
                 "env",
             ])?;
-            let (id, image) = create(node, f, &p).await?;
+            let (id, image) = create(node, f, CreateArgs::of(&p)?).await?;
             Ok(json!({ "sandbox_id": id, "image": image }))
         }
         "sandbox::exec" => {
@@ -234,12 +234,15 @@ async fn dispatch(
                 "workdir",
             ])?;
             let id = resolve(node, f, &p.req_str("sandbox_id")?)?;
-            let argv = exec_argv(&p)?;
-            let (reply, timed_out, limit) = exec(node, f, &id, argv, &p).await?;
+            let req = exec_request(f, exec_argv(&p)?, &p)?;
+            let (reply, timed_out, limit) = exec(node, f, &id, req).await?;
             if timed_out {
                 return Err(FnError::new(
                     "S200",
-                    format!("the command ran over its timeout_ms ({limit} ms)"),
+                    format!(
+                        "the command ran over its timeout_ms ({} ms)",
+                        limit.as_millis()
+                    ),
                 ));
             }
             Ok(reply)

@@ -1,13 +1,16 @@
 //! `sandbox::create`, `stop`, `list`, `catalog::list`: the node's kept sandboxes, with the
 //! interface's allowlist, catalog, sandbox cap and stopped ids.
 
+use std::collections::BTreeMap;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sbx_api::functions::FnError;
 use sbx_api::SandboxStatus;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
+
+use sbx_api::{Command, RunRequest, SandboxCreate};
 
 use super::*;
 use crate::node::sandbox::ListQuery;
@@ -83,43 +86,53 @@ pub(super) fn capacity(node: &Node, f: &Fns) -> Result<(), FnError> {
     Ok(())
 }
 
+/// What `sandbox::create` makes, read from its payload.
+pub(super) struct CreateArgs {
+    /// The image's name as the caller gave it.
+    pub image: String,
+    pub cpus: Option<u64>,
+    pub memory_mb: Option<u64>,
+    pub name: Option<String>,
+    pub env: BTreeMap<String, String>,
+    /// `None`: the node's `idle_timeout_secs`.
+    pub idle_timeout_secs: Option<u64>,
+}
+
+impl CreateArgs {
+    pub(super) fn of(p: &Payload) -> Result<CreateArgs, FnError> {
+        if p.bool("network")? == Some(true) {
+            return Err(FnError::new(
+                "S304",
+                "this node gives sandboxes no network (network: true)",
+            ));
+        }
+        Ok(CreateArgs {
+            image: p.req_str("image")?,
+            cpus: p.u64("cpus")?,
+            memory_mb: p.u64("memory_mb")?,
+            name: p.str("name")?,
+            env: p.env()?.unwrap_or_default(),
+            idle_timeout_secs: p.u64("idle_timeout_secs")?,
+        })
+    }
+}
+
+/// Makes a sandbox and waits for it to run: its id and image name.
 pub(super) async fn create(
     node: &Arc<Node>,
     f: &Arc<Fns>,
-    p: &Payload,
+    a: CreateArgs,
 ) -> Result<(String, String), FnError> {
-    let image = p.req_str("image")?;
-    let local = local_image(f, &image)?;
-    if p.bool("network")? == Some(true) {
-        return Err(FnError::new(
-            "S304",
-            "this node gives sandboxes no network (network: true)",
-        ));
-    }
-    let mut body = Map::new();
-    body.insert("image".into(), json!(local));
-    let mut limits = Map::new();
-    if let Some(c) = p.u64("cpus")? {
-        limits.insert("vcpus".into(), json!(c));
-    }
-    if let Some(m) = p.u64("memory_mb")? {
-        limits.insert("memory_bytes".into(), json!(m.saturating_mul(1 << 20)));
-    }
-    if !limits.is_empty() {
-        body.insert("limits".into(), Value::Object(limits));
-    }
-    if let Some(n) = p.str("name")? {
-        body.insert("name".into(), json!(n));
-    }
-    if let Some(env) = p.env()? {
-        body.insert("env".into(), json!(env));
-    }
-    let idle = p
-        .u64("idle_timeout_secs")?
-        .unwrap_or(f.cfg.idle_timeout_secs);
-    let spec =
-        serde_json::to_vec(&Value::Object(body)).map_err(|_| FnError::new("S300", "json"))?;
-    let req = sbx_api::parse_sandbox_create(&spec)?;
+    let image = a.image;
+    let mut spec = RunRequest::new(Command::Argv(Vec::new()));
+    spec.image = Some(local_image(f, &image)?);
+    spec.limits.vcpus = a.cpus.map(|c| u32::try_from(c).unwrap_or(u32::MAX));
+    spec.limits.memory_bytes = a.memory_mb.map(|m| m.saturating_mul(1 << 20));
+    spec.name = a.name;
+    spec.env = a.env;
+    spec.check()?;
+    let idle = a.idle_timeout_secs.unwrap_or(f.cfg.idle_timeout_secs);
+    let req = SandboxCreate { spec };
     let _one = f.create_lock.lock().await;
     capacity(node, f)?;
     let obj = node.create_sandbox(req).await?;

@@ -44,13 +44,7 @@ pub(super) async fn run(
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let meta = ExecMeta {
-        sandbox_id: plan.sandbox_id.clone(),
-        exec_id: plan.exec_id.clone(),
-        command: plan.command.clone(),
-        encoding: plan.encoding,
-        tty: false,
-    };
+    let meta = plan.meta();
     tracing::info!(request_id = %rid.0, sandbox = %meta.sandbox_id, exec = %meta.exec_id, "run");
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(st.node.clone().run(plan, tx));

@@ -216,15 +216,15 @@ mod tests {
     #[test]
     fn tail_keeps_the_last_mebibyte() {
         let mut t = Tail::new();
-        t.push(&vec![b'a'; 1 << 20]);
-        t.push(b"bc");
+        t.push_bytes(Bytes::from(vec![b'a'; 1 << 20]));
+        t.push_bytes(Bytes::from_static(b"bc"));
         let b = t.bytes(Encoding::Utf8);
         assert_eq!(b.len(), 1 << 20);
         assert_eq!(&b[b.len() - 2..], b"bc");
         // Binary output is cut where the last mebibyte starts, even inside what would be a
         // UTF-8 character.
         let mut t = Tail::new();
-        t.push(&vec![0x80; (1 << 20) + 5]);
+        t.push_bytes(Bytes::from(vec![0x80; (1 << 20) + 5]));
         assert_eq!(t.bytes(Encoding::Base64).len(), 1 << 20);
         assert_eq!(t.bytes(Encoding::Utf8).len(), (1 << 20) - 3);
     }

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use super::*;
 use crate::image::Source;
+use crate::node::output::ExecMeta;
 use crate::sync::LockExt;
 
 /// How long past a run's timeout the node waits for the agent to report its end.
@@ -34,6 +35,19 @@ pub struct RunPlan {
     pub(super) exec: ExecSpec,
     pub(super) stdin: Option<Vec<u8>>,
     pub(super) warm: Option<Warm>,
+}
+
+impl RunPlan {
+    /// What every exec object of the run's command shares.
+    pub fn meta(&self) -> ExecMeta {
+        ExecMeta {
+            sandbox_id: self.sandbox_id.clone(),
+            exec_id: self.exec_id.clone(),
+            command: self.command.clone(),
+            encoding: self.encoding,
+            tty: false,
+        }
+    }
 }
 
 /// What a run reports, in order: `Started`, output and gaps, then `Exited` or `Failed`.

@@ -10,6 +10,24 @@ use super::json::{given, invalid, object, opt_str_at, port, reject_unknown, uint
 use super::limits::{MAX_ARGS, MAX_GRACE_MS, STOP_SIGNALS};
 use super::types::{Command, Ready, Stop};
 
+/// The rules of a command's value: not empty, at most 1000 arguments, a first argument, no
+/// NUL byte.
+pub(crate) fn check_command(cmd: &Command, param: &str) -> Result<(), ApiError> {
+    let bad = |what: &str| invalid(param, format!("{param} {what}"));
+    let parts: &[String] = match cmd {
+        Command::Shell(s) if s.is_empty() => return Err(bad("is empty")),
+        Command::Shell(s) => std::slice::from_ref(s),
+        Command::Argv(a) if a.is_empty() => return Err(bad("is an empty list")),
+        Command::Argv(a) if a.len() > MAX_ARGS => return Err(bad("has more than 1000 arguments")),
+        Command::Argv(a) if a[0].is_empty() => return Err(bad("has an empty first argument")),
+        Command::Argv(a) => a,
+    };
+    if parts.iter().any(|p| p.contains('\0')) {
+        return Err(bad("holds a NUL byte"));
+    }
+    Ok(())
+}
+
 pub(crate) fn parse_command(
     v: &Value,
     param: &str,
@@ -44,13 +62,11 @@ pub(crate) fn parse_command(
         }
         _ => return Err(bad("must be a string or a list of strings")),
     };
+    check_command(&cmd, param)?;
     let parts: &[String] = match &cmd {
         Command::Shell(s) => std::slice::from_ref(s),
         Command::Argv(args) => args,
     };
-    if parts.iter().any(|p| p.contains('\0')) {
-        return Err(bad("holds a NUL byte"));
-    }
     if let Some(max) = max_bytes {
         if parts.iter().map(String::len).sum::<usize>() > max {
             return Err(bad("is over 64 KiB"));

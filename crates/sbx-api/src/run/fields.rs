@@ -97,7 +97,7 @@ pub(super) fn check_image(s: &str) -> Result<String, ApiError> {
     Ok(s.to_owned())
 }
 
-pub(super) fn check_name(s: &str) -> Result<String, ApiError> {
+pub(crate) fn check_name(s: &str) -> Result<String, ApiError> {
     if valid_name(s) {
         return Ok(s.to_owned());
     }
@@ -132,45 +132,76 @@ pub(super) fn parse_limits(v: &Value) -> Result<Limits, ApiError> {
     };
     let memory_bytes = match given(obj, "memory_bytes") {
         None => None,
-        Some(v) => match v.as_u64() {
-            Some(n) if n >= MIN_MEMORY_BYTES && n % MEMORY_STEP_BYTES == 0 => Some(n),
-            _ => {
-                return Err(invalid(
-                    "limits.memory_bytes",
-                    "limits.memory_bytes must be at least 134217728 (128 MiB) and an even number of MiB",
-                ))
-            }
-        },
+        Some(v) => Some(v.as_u64().ok_or_else(memory_error)?),
     };
-    Ok(Limits {
+    let limits = Limits {
         vcpus,
         memory_bytes,
-    })
+    };
+    check_limits(&limits)?;
+    Ok(limits)
+}
+
+fn memory_error() -> ApiError {
+    invalid(
+        "limits.memory_bytes",
+        "limits.memory_bytes must be at least 134217728 (128 MiB) and an even number of MiB",
+    )
+}
+
+/// The ranges of a shape: 1 to [`MAX_VCPUS`] vCPUs, memory of at least 128 MiB in whole 2 MiB.
+pub(crate) fn check_limits(l: &Limits) -> Result<(), ApiError> {
+    if l.vcpus.is_some_and(|v| !(1..=MAX_VCPUS).contains(&v)) {
+        return Err(invalid(
+            "limits.vcpus",
+            format!("limits.vcpus must be an integer from 1 to {MAX_VCPUS}"),
+        ));
+    }
+    if l.memory_bytes
+        .is_some_and(|n| n < MIN_MEMORY_BYTES || n % MEMORY_STEP_BYTES != 0)
+    {
+        return Err(memory_error());
+    }
+    Ok(())
 }
 
 pub(crate) fn parse_env(v: &Value, field: &str) -> Result<BTreeMap<String, String>, ApiError> {
     let obj = object(v, field)?;
     let mut out = BTreeMap::new();
     for (key, val) in obj {
-        let param = format!("{field}.{key}");
-        let bad = |msg: &str| {
-            ApiError::new(ErrorCode::InvalidEnv, format!("{param} {msg}")).with_param(&param)
-        };
-        if key.is_empty() {
-            return Err(bad("has an empty name"));
-        }
-        if key.contains('=') || key.contains('\0') {
-            return Err(bad("has a name with = or a NUL byte"));
-        }
         let Value::String(s) = val else {
-            return Err(bad("must be a string"));
+            return Err(env_error(field, key, "must be a string"));
         };
-        if s.contains('\0') {
-            return Err(bad("has a NUL byte"));
-        }
+        check_env_entry(field, key, s)?;
         out.insert(key.clone(), s.clone());
     }
     Ok(out)
+}
+
+fn env_error(field: &str, key: &str, msg: &str) -> ApiError {
+    let param = format!("{field}.{key}");
+    ApiError::new(ErrorCode::InvalidEnv, format!("{param} {msg}")).with_param(&param)
+}
+
+/// The rules of one variable of `field` (env, secret_env): a name without `=` or NUL, a value
+/// without NUL.
+fn check_env_entry(field: &str, key: &str, val: &str) -> Result<(), ApiError> {
+    if key.is_empty() {
+        return Err(env_error(field, key, "has an empty name"));
+    }
+    if key.contains('=') || key.contains('\0') {
+        return Err(env_error(field, key, "has a name with = or a NUL byte"));
+    }
+    if val.contains('\0') {
+        return Err(env_error(field, key, "has a NUL byte"));
+    }
+    Ok(())
+}
+
+/// [`parse_env`]'s rules for a map built by type.
+pub(crate) fn check_env(env: &BTreeMap<String, String>, field: &str) -> Result<(), ApiError> {
+    env.iter()
+        .try_for_each(|(k, v)| check_env_entry(field, k, v))
 }
 
 pub(super) fn parse_metadata(v: &Value) -> Result<BTreeMap<String, String>, ApiError> {

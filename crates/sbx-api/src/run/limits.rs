@@ -24,8 +24,9 @@ pub const MIN_TIMEOUT_SECONDS: f64 = 0.001;
 pub fn seconds_to_ms(s: f64) -> u64 {
     ((s * 1000.0).ceil() as u64).max(1)
 }
-/// command, env (and secret_env) and cwd of one request together. The sandbox's agent takes
-/// them in one message of at most 4 MiB (sbx-proto `MAX_FRAME`): this much stays under it even
+
+/// The most bytes of the command, env (and secret_env) and cwd of one request together. The
+/// sandbox's agent takes them in one message of at most 4 MiB (sbx-proto `MAX_FRAME`): this much stays under it even
 /// escaped as JSON at worst (6 bytes per byte), beside a sandbox's own env of the same size.
 pub const MAX_EXEC_BYTES: usize = 256 << 10;
 

@@ -29,6 +29,8 @@ mod json;
 mod limits;
 mod types;
 
+use std::collections::BTreeMap;
+
 use serde_json::Value;
 
 use crate::error::{ApiError, ErrorCode};
@@ -41,8 +43,8 @@ use fields::{
 };
 use json::{opt_nonempty_str, opt_u32};
 
-pub(crate) use command::parse_command;
-pub(crate) use fields::parse_env;
+pub(crate) use command::{check_command, parse_command};
+pub(crate) use fields::{check_env, parse_env};
 pub(crate) use json::{given, invalid, number_in, opt_bool, opt_str, uint_in, unknown_field};
 pub(crate) use limits::{check_exec_size, check_user};
 pub use limits::{
@@ -397,6 +399,88 @@ pub fn parse_run_value(value: &Value) -> Result<RunRequest, ApiError> {
     };
     check_across_fields(&req)?;
     Ok(req)
+}
+
+impl RunRequest {
+    /// A run of `command` with every other field at its default, as a body of only
+    /// `{"command": …}` gives: for callers that build a request by type (the functions
+    /// interface), then [`RunRequest::check`] it.
+    pub fn new(command: Command) -> RunRequest {
+        RunRequest {
+            command,
+            start: None,
+            start_command: None,
+            ready: None,
+            egress: None,
+            guest_mitigations: None,
+            tmp: Tmp::default(),
+            runtime: None,
+            init: None,
+            project_network: false,
+            image: None,
+            image_pull_secret: None,
+            snapshot: None,
+            template: None,
+            limits: Limits::default(),
+            name: None,
+            env: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            volumes: Vec::new(),
+            public_ports: Vec::new(),
+            public_ports_except: None,
+            inbound: None,
+            sleep_after_seconds: None,
+            expires_at: None,
+            on_expiry: OnExpiry::default(),
+            held_asleep: false,
+            sleep_notice_ms: None,
+            sleep_hold_max_ms: None,
+            suspend_after_ms: None,
+            wake_daily_at: None,
+            checkpoint: None,
+            delete_after_idle_ms: None,
+            hostname: None,
+            stop: None,
+            secret_env: SecretEnv::default(),
+            cwd: None,
+            user: None,
+            timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
+            stdin: None,
+            encoding: Encoding::Utf8,
+            stream: None,
+            wait_for_reader: false,
+            region: None,
+        }
+    }
+
+    /// The value rules of the fields a caller sets by type (command, image, name, limits, env,
+    /// cwd, user, timeout) and the checks across fields, with the codes a parsed body gets.
+    /// An empty argv is a create's (no command).
+    pub fn check(&self) -> Result<(), ApiError> {
+        if !matches!(&self.command, Command::Argv(a) if a.is_empty()) {
+            check_command(&self.command, "command")?;
+        }
+        if let Some(image) = &self.image {
+            fields::check_image(image)?;
+        }
+        if let Some(name) = &self.name {
+            fields::check_name(name)?;
+        }
+        fields::check_limits(&self.limits)?;
+        check_env(&self.env, "env")?;
+        if self.cwd.as_deref().is_some_and(|c| !c.starts_with('/')) {
+            return Err(invalid("cwd", "cwd must be an absolute path"));
+        }
+        check_user(self.user.as_deref())?;
+        if !(MIN_TIMEOUT_SECONDS..=MAX_SECONDS).contains(&self.timeout_seconds) {
+            return Err(invalid(
+                "timeout_seconds",
+                "timeout_seconds must be a number from 0.001 (1 ms) to 1000000000",
+            ));
+        }
+        check_exec_size(&self.command, self.env.iter(), "env", self.cwd.as_deref())?;
+        check_across_fields(self)
+    }
 }
 
 /// The checks that take more than one field.

@@ -452,3 +452,75 @@ fn parse_run_value_takes_a_value() {
     assert!(r.is_ok());
     assert_eq!(parse_run_value(&json!([1])).unwrap_err().code, InvalidJson);
 }
+
+#[test]
+fn a_built_request_is_the_parse_of_its_fields() {
+    let cmd = Command::Argv(vec!["echo".into(), "hi".into()]);
+    let parsed = parse_run_value(&json!({ "command": ["echo", "hi"] })).unwrap();
+    assert_eq!(RunRequest::new(cmd.clone()), parsed);
+    let mut built = RunRequest::new(cmd);
+    built.check().unwrap();
+    built.image = Some("base".into());
+    built.name = Some("job-1".into());
+    built.limits.vcpus = Some(2);
+    built.limits.memory_bytes = Some(256 << 20);
+    built.env.insert("A".into(), "1".into());
+    built.timeout_seconds = 1.5;
+    built.check().unwrap();
+    let parsed = parse_run_value(&json!({
+        "command": ["echo", "hi"],
+        "image": "base",
+        "name": "job-1",
+        "limits": { "vcpus": 2, "memory_bytes": 256 << 20 },
+        "env": { "A": "1" },
+        "timeout_seconds": 1.5,
+    }))
+    .unwrap();
+    assert_eq!(built, parsed);
+}
+
+#[test]
+fn a_built_request_is_refused_as_its_body_would_be() {
+    // Each change to a good request, and the same field in a body: one code and param.
+    type Change = fn(&mut RunRequest);
+    let cases: [(Change, Value); 8] = [
+        (
+            |r| r.command = Command::Shell(String::new()),
+            json!({ "command": "" }),
+        ),
+        (
+            |r| r.name = Some("Bad_Name".into()),
+            json!({ "name": "Bad_Name" }),
+        ),
+        (
+            |r| r.limits.vcpus = Some(0),
+            json!({ "limits": { "vcpus": 0 } }),
+        ),
+        (
+            |r| r.limits.memory_bytes = Some(100),
+            json!({ "limits": { "memory_bytes": 100 } }),
+        ),
+        (
+            |r| {
+                r.env.insert("A=B".into(), "1".into());
+            },
+            json!({ "env": { "A=B": "1" } }),
+        ),
+        (|r| r.cwd = Some("rel".into()), json!({ "cwd": "rel" })),
+        (|r| r.timeout_seconds = 0.0, json!({ "timeout_seconds": 0 })),
+        (|r| r.image = Some("a b".into()), json!({ "image": "a b" })),
+    ];
+    for (change, body) in cases {
+        let mut built = RunRequest::new(Command::Shell("true".into()));
+        change(&mut built);
+        let b = built.check().unwrap_err();
+        let mut obj = body.as_object().unwrap().clone();
+        obj.entry("command").or_insert(json!("true"));
+        let p = parse_run_value(&Value::Object(obj)).unwrap_err();
+        assert_eq!(
+            (b.code, b.param.clone()),
+            (p.code, p.param.clone()),
+            "{body}"
+        );
+    }
+}
