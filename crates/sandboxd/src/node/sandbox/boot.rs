@@ -146,7 +146,14 @@ impl Node {
                 cols: 80,
             };
             if let Err(e) = self
-                .start_exec(m, &sb, spec, start.display(), None, false)
+                .start_exec(
+                    m,
+                    &sb,
+                    spec,
+                    start.display(),
+                    None,
+                    ExecSlot::hold(m, START_EXEC),
+                )
                 .await
                 .map(|_| ())
             {

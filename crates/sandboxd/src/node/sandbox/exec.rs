@@ -18,6 +18,50 @@ use crate::sync::LockExt;
 /// with its end).
 pub(super) const ROW_AFTER: Duration = Duration::from_millis(5);
 
+/// A command's place among its sandbox's running commands (`Managed::running`, the cap of
+/// `max_execs_per_sandbox`): held from before the command starts until its end is recorded,
+/// given back when dropped, on every path (it did not start, it ended, its watcher is done).
+pub(crate) struct ExecSlot {
+    m: Arc<Managed>,
+    exec_id: String,
+    /// False when the id was in the set already (not this slot's to give back).
+    owned: bool,
+}
+
+impl ExecSlot {
+    /// A slot if the sandbox runs fewer than `max` commands; else how many it runs.
+    pub(crate) fn take(m: &Arc<Managed>, exec_id: &str, max: usize) -> Result<ExecSlot, usize> {
+        let mut running = m.running.locked();
+        if running.len() >= max {
+            return Err(running.len());
+        }
+        let owned = running.insert(exec_id.to_string());
+        Ok(ExecSlot {
+            m: m.clone(),
+            exec_id: exec_id.to_string(),
+            owned,
+        })
+    }
+
+    /// A slot whatever the cap: a start command, a command found running after a restart.
+    pub(crate) fn hold(m: &Arc<Managed>, exec_id: &str) -> ExecSlot {
+        let owned = m.running.locked().insert(exec_id.to_string());
+        ExecSlot {
+            m: m.clone(),
+            exec_id: exec_id.to_string(),
+            owned,
+        }
+    }
+}
+
+impl Drop for ExecSlot {
+    fn drop(&mut self) {
+        if self.owned {
+            self.m.running.locked().remove(&self.exec_id);
+        }
+    }
+}
+
 /// Whether a command is started with its stdin left open for later input.
 pub(super) fn stdin_open_of(req: &ExecRequest) -> bool {
     req.stdin_open || req.tty
@@ -33,9 +77,10 @@ impl Node {
         spec: ExecSpec,
         command: String,
         stdin: Option<&[u8]>,
-        stdin_open: bool,
-    ) -> Result<(ExecState, AgentConn, ExecRow), ApiError> {
+        slot: ExecSlot,
+    ) -> Result<(ExecState, AgentConn, ExecRow, Option<ExecSlot>), ApiError> {
         let mut spec = spec;
+        let stdin_open = spec.stdin_open;
         let exec_id = spec.exec_id.clone();
         let attach = spec.attach;
         let tty = spec.tty;
@@ -107,17 +152,23 @@ impl Node {
                 .insert_exec(&row, !stdin_open)
                 .map_err(store_err)?;
         }
-        m.running.locked().insert(exec_id.clone());
         if !attach {
             // An attached caller reads the end on its own connection (and watches if it
             // stops waiting first).
-            self.watch_exec(m.clone(), sb.clone(), row.clone());
+            self.watch_exec(m.clone(), sb.clone(), row.clone(), slot);
+            return Ok((state, conn, row, None));
         }
-        Ok((state, conn, row))
+        Ok((state, conn, row, Some(slot)))
     }
 
-    /// Waits for a command to end, then records its final object and frees its slot.
-    pub(crate) fn watch_exec(self: &Arc<Self>, m: Arc<Managed>, sb: Arc<Sandbox>, row: ExecRow) {
+    /// Waits for a command to end, then records its final object and gives back its slot.
+    pub(crate) fn watch_exec(
+        self: &Arc<Self>,
+        m: Arc<Managed>,
+        sb: Arc<Sandbox>,
+        row: ExecRow,
+        slot: ExecSlot,
+    ) {
         let node = self.clone();
         tokio::spawn(async move {
             let wait = HostMsg::Wait {
@@ -129,7 +180,7 @@ impl Node {
                     let _ = node.store.set_exec_final(&m.id, &row.exec_id, &json);
                 }
             }
-            m.running.locked().remove(&row.exec_id);
+            drop(slot);
         });
     }
 
@@ -144,37 +195,26 @@ impl Node {
         let sb = self.running_machine(&m)?;
         let exec_id = exec_id.unwrap_or_else(|| sbx_api::new_id("exe"));
         // The slot is taken here, under the lock: calls at the same time cannot all pass the
-        // check before any of them is counted. Given back if the command does not start.
-        let mut reserved = None;
-        for pass in 0..2 {
-            {
-                let mut running = m.running.locked();
-                if running.len() < self.cfg.max_execs_per_sandbox {
-                    reserved = Some(running.insert(exec_id.clone()));
-                    break;
-                }
-                if pass == 1 {
-                    return Err(ApiError::new(
-                        ErrorCode::TooManyCommands,
-                        format!(
-                            "the sandbox runs {} commands, as many as it may at once",
-                            running.len()
-                        ),
-                    ));
-                }
-            }
+        // check before any of them is counted. Given back (dropped) if the command does not
+        // start.
+        let mut slot = ExecSlot::take(&m, &exec_id, self.cfg.max_execs_per_sandbox);
+        if slot.is_err() {
             // A command that ended may not have given its slot back yet (its watcher records
             // it first), though its end was already answered: the agent knows.
             if let Ok(AgentMsg::Execs { execs }) = one_shot(&sb.socket, &HostMsg::List).await {
-                {
-                    let mut running = m.running.locked();
-                    for s in execs.iter().filter(|s| s.exit.is_some()) {
-                        running.remove(&s.exec_id);
-                    }
+                let mut running = m.running.locked();
+                for s in execs.iter().filter(|s| s.exit.is_some()) {
+                    running.remove(&s.exec_id);
                 }
             }
+            slot = ExecSlot::take(&m, &exec_id, self.cfg.max_execs_per_sandbox);
         }
-        let reserved = reserved.unwrap_or(false);
+        let slot = slot.map_err(|running| {
+            ApiError::new(
+                ErrorCode::TooManyCommands,
+                format!("the sandbox runs {running} commands, as many as it may at once"),
+            )
+        })?;
         let mut env = Self::base_env(&m);
         env.extend(req.env.clone());
         let spec = ExecSpec {
@@ -200,18 +240,10 @@ impl Node {
                 spec,
                 req.command.display(),
                 req.stdin.as_deref(),
-                req.stdin_open || req.tty,
+                slot,
             )
             .await;
-        let (state, mut conn, row) = match started {
-            Ok(s) => s,
-            Err(e) => {
-                if reserved {
-                    m.running.locked().remove(&exec_id);
-                }
-                return Err(e);
-            }
-        };
+        let (state, mut conn, row, slot) = started?;
         let attached = req.wait_seconds > 0.0 && !req.tty;
         if !attached {
             conn.release();
@@ -255,7 +287,9 @@ impl Node {
             // Not recorded: the caller is told; the command is still watched, so that its slot
             // is given back when it ends.
             drop(conn);
-            self.watch_exec(m.clone(), sb.clone(), row);
+            if let Some(slot) = slot {
+                self.watch_exec(m.clone(), sb.clone(), row, slot);
+            }
             return Err(store_err(e));
         }
         if let Ok(Some((exit, output))) = waited {
@@ -271,7 +305,7 @@ impl Node {
             };
             let json = serde_json::to_string(&final_object(&m, &row, Some(&ended)));
             // It ended: its slot is free whether or not its row can be written.
-            m.running.locked().remove(&row.exec_id);
+            drop(slot);
             let json = json.map_err(crate::node::internal("a command's final object as JSON"))?;
             if row_written {
                 // The row is committed; its end is written after the answer: a node killed
@@ -304,7 +338,9 @@ impl Node {
         } else {
             self.store.insert_exec(&row, !stdin_open_of(&req))
         };
-        self.watch_exec(m.clone(), sb.clone(), row);
+        if let Some(slot) = slot {
+            self.watch_exec(m.clone(), sb.clone(), row, slot);
+        }
         written.map_err(store_err)?;
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }

@@ -481,8 +481,8 @@ impl Node {
                     }
                     for e in self.store.execs(&row.id).unwrap_or_default() {
                         if e.final_json.is_none() && e.boot == row.restarts {
-                            m.running.locked().insert(e.exec_id.clone());
-                            self.watch_exec(m.clone(), sb.clone(), e);
+                            let slot = ExecSlot::hold(&m, &e.exec_id);
+                            self.watch_exec(m.clone(), sb.clone(), e, slot);
                         }
                     }
                     adopted += 1;
