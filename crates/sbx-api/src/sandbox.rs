@@ -90,8 +90,8 @@ pub struct ExecRequest {
     pub env: BTreeMap<String, String>,
     pub cwd: Option<String>,
     pub user: Option<String>,
-    /// `None`: no deadline.
-    pub timeout_seconds: Option<f64>,
+    /// `timeout_seconds` in whole milliseconds, rounded up (as a run's); `None`: no deadline.
+    pub timeout: Option<std::time::Duration>,
     pub stdin: Option<Vec<u8>>,
     /// Keep stdin open after `stdin` for `…/stdin` calls.
     pub stdin_open: bool,
@@ -126,8 +126,13 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
     };
     let cwd = opt_str(&obj, "cwd")?.map(String::from);
     let user = opt_str(&obj, "user")?.map(String::from);
-    let timeout_seconds = given(&obj, "timeout_seconds")
-        .map(|v| v.as_f64().ok_or_else(|| invalid(TIMEOUT, TIMEOUT_RANGE)))
+    let timeout = given(&obj, "timeout_seconds")
+        .map(|v| match v.as_f64() {
+            Some(t) if (crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&t) => Ok(
+                std::time::Duration::from_millis(crate::run::seconds_to_ms(t)),
+            ),
+            _ => Err(invalid(TIMEOUT, TIMEOUT_RANGE)),
+        })
         .transpose()?;
     let encoding = match opt_str(&obj, "encoding")? {
         None | Some("utf8") => Encoding::Utf8,
@@ -162,7 +167,7 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
         env,
         cwd,
         user,
-        timeout_seconds,
+        timeout,
         stdin,
         stdin_open: opt_bool(&obj, "stdin_open")?.unwrap_or(false),
         encoding,
@@ -190,7 +195,7 @@ impl ExecRequest {
             env: BTreeMap::new(),
             cwd: None,
             user: None,
-            timeout_seconds: None,
+            timeout: None,
             stdin: None,
             stdin_open: false,
             encoding: Encoding::Utf8,
@@ -213,8 +218,8 @@ impl ExecRequest {
         }
         crate::run::check_user(self.user.as_deref())?;
         if self
-            .timeout_seconds
-            .is_some_and(|t| !(crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&t))
+            .timeout
+            .is_some_and(|t| !(1..=crate::run::seconds_to_ms(1e9)).contains(&crate::run::ms_of(t)))
         {
             return Err(invalid(TIMEOUT, TIMEOUT_RANGE));
         }
@@ -315,6 +320,53 @@ pub struct SandboxObject {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_built_exec_request_is_the_parse_of_its_fields() {
+        let argv = Command::Argv(vec!["ls".into(), "-l".into()]);
+        let parsed = parse_exec_request(br#"{"command":["ls","-l"]}"#).unwrap();
+        assert_eq!(ExecRequest::new(argv.clone()), parsed);
+        let mut built = ExecRequest::new(argv);
+        built.env.insert("A".into(), "1".into());
+        built.cwd = Some("/w".into());
+        built.timeout = Some(std::time::Duration::from_millis(1500));
+        built.wait_seconds = 2.0;
+        built.check().unwrap();
+        let parsed = parse_exec_request(
+            br#"{"command":["ls","-l"],"env":{"A":"1"},"cwd":"/w","timeout_seconds":1.5,"wait_seconds":2}"#,
+        )
+        .unwrap();
+        assert_eq!(built, parsed);
+        // The same refusals, built or parsed.
+        for (change, body) in [
+            (
+                (|r: &mut ExecRequest| r.cwd = Some("w".into())) as fn(&mut ExecRequest),
+                &br#"{"command":"x","cwd":"w"}"#[..],
+            ),
+            (
+                |r| r.timeout = Some(std::time::Duration::ZERO),
+                br#"{"command":"x","timeout_seconds":0}"#,
+            ),
+            (
+                |r| {
+                    r.env.insert("A=B".into(), String::new());
+                },
+                br#"{"command":"x","env":{"A=B":""}}"#,
+            ),
+            (
+                |r| r.wait_seconds = 301.0,
+                br#"{"command":"x","wait_seconds":301}"#,
+            ),
+        ] {
+            let mut built = ExecRequest::new(Command::Shell("x".into()));
+            change(&mut built);
+            let (b, p) = (
+                built.check().unwrap_err(),
+                parse_exec_request(body).unwrap_err(),
+            );
+            assert_eq!((b.code, b.param), (p.code, p.param));
+        }
+    }
 
     #[test]
     fn create_takes_sandbox_fields_only() {

@@ -85,7 +85,7 @@ pub(super) fn exec_request(
 ) -> Result<ExecRequest, FnError> {
     let limit = timeout_ms(f, p)?;
     let mut req = ExecRequest::new(Command::Argv(argv));
-    req.timeout_seconds = Some(limit.as_secs_f64());
+    req.timeout = Some(limit);
     req.wait_seconds = (limit.as_secs_f64() + 5.0).min(sbx_api::sandbox::MAX_WAIT_SECONDS);
     req.env = p.env()?.unwrap_or_default();
     req.cwd = p.str("workdir")?;
@@ -102,7 +102,7 @@ pub(super) async fn exec(
     id: &str,
     req: ExecRequest,
 ) -> Result<(Value, bool, Duration), FnError> {
-    let limit = Duration::from_secs_f64(req.timeout_seconds.unwrap_or(0.0));
+    let limit = req.timeout.unwrap_or_default();
     f.touch(id);
     let r = node.exec(id, req, None).await;
     f.touch(id);
@@ -181,7 +181,7 @@ pub(super) async fn run(node: &Arc<Node>, f: &Arc<Fns>, p: Payload) -> Result<Va
     let limit = timeout_ms(f, &p)?;
     let mut req = RunRequest::new(Command::Argv(argv));
     req.image = Some(local);
-    req.timeout_seconds = limit.as_secs_f64();
+    req.timeout = limit;
     req.env = p.env()?.unwrap_or_default();
     req.stdin = p.str("stdin")?.map(String::into_bytes);
     req.check()?;

@@ -86,7 +86,7 @@ impl Node {
             limits,
             expires_in_ms,
         } = self.check_machine(&req, false)?;
-        let mut deadline_ms = sbx_api::seconds_to_ms(req.timeout_seconds);
+        let mut deadline_ms = sbx_api::run::ms_of(req.timeout);
         if let Some(left) = expires_in_ms {
             // The sandbox is deleted when it expires: the command ends then at the latest.
             deadline_ms = deadline_ms.min(left);

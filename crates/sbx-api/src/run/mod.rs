@@ -319,6 +319,7 @@ pub fn parse_run_value(value: &Value) -> Result<RunRequest, ApiError> {
         })
         .transpose()?
         .unwrap_or(DEFAULT_TIMEOUT_SECONDS);
+    let timeout = std::time::Duration::from_millis(seconds_to_ms(timeout_seconds));
     let stdin_text = opt_str(obj, "stdin")?;
     let encoding = match opt_str(obj, "encoding")? {
         None | Some("utf8") => Encoding::Utf8,
@@ -390,7 +391,7 @@ pub fn parse_run_value(value: &Value) -> Result<RunRequest, ApiError> {
         secret_env,
         cwd,
         user,
-        timeout_seconds,
+        timeout,
         stdin,
         encoding,
         stream,
@@ -444,7 +445,7 @@ impl RunRequest {
             secret_env: SecretEnv::default(),
             cwd: None,
             user: None,
-            timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
+            timeout: std::time::Duration::from_millis(seconds_to_ms(DEFAULT_TIMEOUT_SECONDS)),
             stdin: None,
             encoding: Encoding::Utf8,
             stream: None,
@@ -472,7 +473,7 @@ impl RunRequest {
             return Err(invalid("cwd", "cwd must be an absolute path"));
         }
         check_user(self.user.as_deref())?;
-        if !(MIN_TIMEOUT_SECONDS..=MAX_SECONDS).contains(&self.timeout_seconds) {
+        if !(1..=seconds_to_ms(MAX_SECONDS)).contains(&ms_of(self.timeout)) {
             return Err(invalid(
                 "timeout_seconds",
                 "timeout_seconds must be a number from 0.001 (1 ms) to 1000000000",
@@ -481,6 +482,11 @@ impl RunRequest {
         check_exec_size(&self.command, self.env.iter(), "env", self.cwd.as_deref())?;
         check_across_fields(self)
     }
+}
+
+/// A deadline in whole milliseconds (saturating).
+pub fn ms_of(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The checks that take more than one field.

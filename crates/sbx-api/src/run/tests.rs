@@ -137,8 +137,8 @@ fn timeouts_are_at_least_a_millisecond() {
         );
     }
     assert_eq!(
-        ok(with(json!({ "timeout_seconds": 0.001 }))).timeout_seconds,
-        0.001
+        ok(with(json!({ "timeout_seconds": 0.001 }))).timeout,
+        std::time::Duration::from_millis(1)
     );
 }
 
@@ -146,7 +146,7 @@ fn timeouts_are_at_least_a_millisecond() {
 fn defaults() {
     let r = ok(json!({"command": "echo hi"}));
     assert_eq!(r.command, Command::Shell("echo hi".into()));
-    assert_eq!(r.timeout_seconds, 300.0);
+    assert_eq!(r.timeout, std::time::Duration::from_secs(300));
     assert_eq!(r.encoding, Encoding::Utf8);
     assert_eq!(r.tmp, Tmp::Disk);
     assert_eq!(r.on_expiry, OnExpiry::Delete);
@@ -172,7 +172,7 @@ fn nulls_count_as_not_given() {
     body.insert("command".into(), json!(["ls", "-l"]));
     let r = ok(Value::Object(body));
     assert_eq!(r.command, Command::Argv(vec!["ls".into(), "-l".into()]));
-    assert_eq!(r.timeout_seconds, 300.0);
+    assert_eq!(r.timeout, std::time::Duration::from_secs(300));
     assert_eq!(r.sleep_after_seconds, Some(None));
 }
 
@@ -245,7 +245,7 @@ fn everything_given() {
         })
     );
     assert_eq!(r.stop.as_ref().and_then(Stop::signal_number), Some(2));
-    assert_eq!(r.timeout_seconds, 0.5);
+    assert_eq!(r.timeout, std::time::Duration::from_millis(500));
     assert_eq!(r.stdin, Some(b"hi".to_vec()));
     assert_eq!(r.encoding, Encoding::Base64);
     assert_eq!(r.stream, Some(false));
@@ -465,7 +465,7 @@ fn a_built_request_is_the_parse_of_its_fields() {
     built.limits.vcpus = Some(2);
     built.limits.memory_bytes = Some(256 << 20);
     built.env.insert("A".into(), "1".into());
-    built.timeout_seconds = 1.5;
+    built.timeout = std::time::Duration::from_millis(1500);
     built.check().unwrap();
     let parsed = parse_run_value(&json!({
         "command": ["echo", "hi"],
@@ -507,7 +507,10 @@ fn a_built_request_is_refused_as_its_body_would_be() {
             json!({ "env": { "A=B": "1" } }),
         ),
         (|r| r.cwd = Some("rel".into()), json!({ "cwd": "rel" })),
-        (|r| r.timeout_seconds = 0.0, json!({ "timeout_seconds": 0 })),
+        (
+            |r| r.timeout = std::time::Duration::ZERO,
+            json!({ "timeout_seconds": 0 }),
+        ),
         (|r| r.image = Some("a b".into()), json!({ "image": "a b" })),
     ];
     for (change, body) in cases {

@@ -295,9 +295,11 @@ pub struct RunRequest {
     pub cwd: Option<String>,
     /// A user name, a uid, or uid:gid (1 to 64 characters). `None`: the image's user.
     pub user: Option<String>,
-    /// Greater than 0, at most 1e9; default
-    /// [`DEFAULT_TIMEOUT_SECONDS`](crate::run::DEFAULT_TIMEOUT_SECONDS).
-    pub timeout_seconds: f64,
+    /// The command's deadline: `timeout_seconds` (0.001 to 1e9; default
+    /// [`DEFAULT_TIMEOUT_SECONDS`](crate::run::DEFAULT_TIMEOUT_SECONDS)) in the agent's whole
+    /// milliseconds, rounded up ([`seconds_to_ms`](crate::run::seconds_to_ms)): decided here,
+    /// once.
+    pub timeout: std::time::Duration,
     /// The input's bytes (decoded from base64 when encoding is base64).
     pub stdin: Option<Vec<u8>>,
     /// Default [`Encoding::Utf8`].

@@ -223,7 +223,7 @@ impl Node {
             env,
             cwd: req.cwd.clone().or_else(|| m.spec.cwd.clone()),
             user: req.user.clone().or_else(|| m.spec.user.clone()),
-            timeout_ms: req.timeout_seconds.map(sbx_api::seconds_to_ms),
+            timeout_ms: req.timeout.map(sbx_api::run::ms_of),
             stdin_open: req.stdin_open || req.tty,
             stdin_null: false,
             // A call that waits reads the output on the connection that starts the command.

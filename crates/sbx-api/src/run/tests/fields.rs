@@ -487,13 +487,21 @@ fn timeouts() {
         );
     }
     assert_eq!(
-        ok(with(json!({"timeout_seconds": 1e9}))).timeout_seconds,
-        1e9
+        ok(with(json!({"timeout_seconds": 1e9}))).timeout,
+        std::time::Duration::from_secs(1_000_000_000)
     );
-    assert_eq!(ok(with(json!({"timeout_seconds": 5}))).timeout_seconds, 5.0);
     assert_eq!(
-        ok(with(json!({"timeout_seconds": 0.001}))).timeout_seconds,
-        0.001
+        ok(with(json!({"timeout_seconds": 5}))).timeout,
+        std::time::Duration::from_secs(5)
+    );
+    assert_eq!(
+        ok(with(json!({"timeout_seconds": 0.001}))).timeout,
+        std::time::Duration::from_millis(1)
+    );
+    // Rounded up to whole milliseconds: never shorter than asked.
+    assert_eq!(
+        ok(with(json!({"timeout_seconds": 0.0015}))).timeout,
+        std::time::Duration::from_millis(2)
     );
 }
 
