@@ -28,35 +28,11 @@ use serde_json::{json, Value};
 
 use crate::agent::AgentConn;
 use crate::http::{error_response, AppState, RequestId};
-use crate::node::Node;
 
 /// The most bytes of one message from the client, all its fragments together.
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// Frames of the agent read ahead of the client.
 const OUTPUT_QUEUE: usize = 8;
-
-impl Node {
-    /// The agent socket of a command on a terminal that a session can attach to.
-    fn terminal_socket(&self, id: &str, exec_id: &str) -> Result<PathBuf, ApiError> {
-        let m = self.managed(id)?;
-        let row = self.exec_row(&m, exec_id)?;
-        if !row.tty {
-            return Err(ApiError::new(
-                ErrorCode::InvalidField,
-                format!("{exec_id} does not run on a terminal (start it with tty: true)"),
-            )
-            .with_param("exec_id"));
-        }
-        let sb = self.running_machine(&m)?;
-        if row.boot != m.boot() || row.final_json.is_some() {
-            return Err(ApiError::new(
-                ErrorCode::StdinClosed,
-                format!("{exec_id} has ended"),
-            ));
-        }
-        Ok(sb.socket.clone())
-    }
-}
 
 pub(super) async fn terminal(
     State(st): State<Arc<AppState>>,

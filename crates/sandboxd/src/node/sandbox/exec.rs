@@ -345,6 +345,27 @@ impl Node {
         self.exec_get(id, &exec_id, 0.0, req.encoding).await
     }
 
+    /// The agent socket of a command on a terminal that a session can attach to.
+    pub fn terminal_socket(&self, id: &str, exec_id: &str) -> Result<std::path::PathBuf, ApiError> {
+        let m = self.managed(id)?;
+        let row = self.exec_row(&m, exec_id)?;
+        if !row.tty {
+            return Err(ApiError::new(
+                ErrorCode::InvalidField,
+                format!("{exec_id} does not run on a terminal (start it with tty: true)"),
+            )
+            .with_param("exec_id"));
+        }
+        let sb = self.running_machine(&m)?;
+        if row.boot != m.boot() || row.final_json.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::StdinClosed,
+                format!("{exec_id} has ended"),
+            ));
+        }
+        Ok(sb.socket.clone())
+    }
+
     /// `POST …/exec/{exec_id}/stdin`: appends `data` (in order with earlier calls), then
     /// closes stdin when `close`.
     pub async fn exec_stdin(
