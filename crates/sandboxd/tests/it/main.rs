@@ -8,6 +8,7 @@ mod agent;
 mod auth;
 mod bad_input;
 mod cleanup;
+mod commands;
 mod edge;
 mod files;
 mod functions;
