@@ -2,12 +2,16 @@
 //! interface and the CLI) run. Handlers parse and validate; this module acts.
 
 pub mod credentials;
+#[cfg(test)]
+mod fake;
 pub mod files;
 mod machine;
 pub mod output;
 mod run;
 pub mod sandbox;
 pub mod templates;
+#[cfg(test)]
+mod tests;
 mod warm;
 
 use std::collections::HashMap;
