@@ -75,6 +75,59 @@ async fn max_sandboxes_counts_runs_and_kept_sandboxes() {
     assert_eq!(world.creates(), 4, "refusals make nothing");
 }
 
+/// Creates and runs that come at once cannot both take the last place: the check and the
+/// entry are one step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_sandboxes_holds_for_creates_and_runs_that_come_at_once() {
+    for _ in 0..3 {
+        let dir = TempDir::new("capkept");
+        let world = World::new();
+        let node = node_in(dir.path(), &world, |c| c.max_sandboxes = 2);
+        let creates: Vec<_> = (0..8)
+            .map(|_| {
+                let node = node.clone();
+                tokio::spawn(async move { create(&node, "{}").await })
+            })
+            .collect();
+        let mut made = 0;
+        for c in creates {
+            match c.await.expect("a create") {
+                Ok(_) => made += 1,
+                Err(e) => assert_eq!(e.code, ErrorCode::NoCapacity),
+            }
+        }
+        assert_eq!(made, 2, "kept sandboxes made at once");
+        assert_eq!(world.creates(), 2);
+    }
+    let dir = TempDir::new("capruns");
+    let world = World::new();
+    let node = node_in(dir.path(), &world, |c| c.max_sandboxes = 2);
+    for _ in 0..10 {
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let plans: Vec<_> = (0..8)
+            .map(|_| {
+                let (node, start) = (node.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    node.plan_run(run_request(r#"{"command":"true"}"#))
+                        .map(|p| p.sandbox_id.clone())
+                })
+            })
+            .collect();
+        let mut planned = Vec::new();
+        for p in plans {
+            match p.join().expect("a plan") {
+                Ok(id) => planned.push(id),
+                Err(e) => assert_eq!(e.code, ErrorCode::NoCapacity),
+            }
+        }
+        assert_eq!(planned.len(), 2, "runs planned at once");
+        for id in planned {
+            node.release(&id);
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_exec_cap_refuses_the_next_command_and_a_command_that_ends_frees_its_slot() {
     let dir = TempDir::new("execcap");
