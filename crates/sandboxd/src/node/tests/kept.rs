@@ -368,6 +368,33 @@ async fn listings_filter_by_status_and_metadata() {
     assert_eq!(ids(&q), [b.id.as_str()], "the next page");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_is_deleted_when_it_expires() {
+    let dir = TempDir::new("expiry");
+    let world = World::new();
+    let node = node_in(dir.path(), &world, |_| {});
+    let at = expires_in(60);
+    let s = create(&node, &format!(r#"{{"name":"brief","expires_at":"{at}"}}"#))
+        .await
+        .expect("create");
+    assert_eq!(
+        (s.status, s.expires_at.as_deref()),
+        (SandboxStatus::Running, Some(at.as_str()))
+    );
+    until("it is deleted", || node.managed(&s.id).is_err()).await;
+    assert!(world.alive().is_empty() && dir_gone(dir.path(), &s.id));
+    create(&node, r#"{"name":"brief"}"#)
+        .await
+        .expect("its name is free");
+    let e = create(
+        &node,
+        &format!(r#"{{"expires_at":"{}"}}"#, expires_in(-1000)),
+    )
+    .await
+    .expect_err("in the past");
+    assert_eq!(e.code, ErrorCode::ExpiresInThePast);
+}
+
 pub(super) fn list_all() -> crate::node::sandbox::ListQuery {
     crate::node::sandbox::ListQuery {
         limit: 100,

@@ -2,11 +2,16 @@
 //! ([`super::fake`]): no root, no image, no cgroup; each test in its own data directory, in
 //! well under a second.
 //!
-//! - [`kept`]: names, capacity, the exec cap, command ids, agents that die, restarts, deletes;
+//! - [`kept`]: names, capacity, the exec cap, command ids, agents that die, restarts, deletes,
+//!   expiry;
+//! - [`commands`]: a kept sandbox's commands: stdin, signals, output;
 //! - [`runs`]: one-shot runs, the warm pool, a stopping node;
 //! - [`templates`]: creates that wait on one build, failed and cancelled builds;
-//! - [`restart`]: a node that starts again adopts what runs and fails what was lost.
+//! - [`restart`]: a node that starts again adopts what runs and fails what was lost;
+//! - [`http`]: Idempotency-Key (the HTTP layer's) on creates and commands.
 
+mod commands;
+mod http;
 mod kept;
 mod restart;
 mod runs;
@@ -201,6 +206,11 @@ pub(super) async fn stop(node: &Arc<Node>) {
         !node.refilling.load(Ordering::SeqCst) && node.pending_teardowns() == 0
     })
     .await;
+}
+
+/// `expires_at` `ms` milliseconds from now.
+pub(super) fn expires_in(ms: i128) -> String {
+    sbx_api::format_rfc3339_millis(crate::image::now_ns() + ms * 1_000_000)
 }
 
 /// Whether the sandbox's directory is gone.

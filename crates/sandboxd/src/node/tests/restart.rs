@@ -214,3 +214,26 @@ fn a_sandbox_deleted_meanwhile_by_hand_is_failed_and_its_leftovers_removed() {
         assert_eq!(r.status, SandboxStatus::Running);
     });
 }
+
+#[test]
+fn an_expiry_is_armed_again_by_the_next_node() {
+    let dir = TempDir::new("adoptexpiry");
+    let world = World::new();
+    let first = runtime();
+    let id = first.block_on(async {
+        let node = node_in(dir.path(), &world, |_| {});
+        let body = format!(r#"{{"expires_at":"{}"}}"#, expires_in(150));
+        create(&node, &body).await.expect("create").id
+    });
+    kill_node(first, dir.path());
+    let second = runtime();
+    second.block_on(async {
+        let node = node_in(dir.path(), &world, |_| {});
+        assert_eq!(node.recover(), (1, 0));
+        until("it expires under the next node", || {
+            node.managed(&id).is_err()
+        })
+        .await;
+        assert!(world.alive().is_empty());
+    });
+}
