@@ -34,6 +34,22 @@ async fn a_kept_name_is_unique_until_its_sandbox_is_deleted() {
         .await
         .expect("the name is free once its sandbox is deleted");
     assert_ne!(a.id, b.id);
+
+    // Creates of one name at once: one has it.
+    let creates: Vec<_> = (0..6)
+        .map(|_| {
+            let node = node.clone();
+            tokio::spawn(async move { create(&node, r#"{"name":"race"}"#).await })
+        })
+        .collect();
+    let mut named = 0;
+    for c in creates {
+        match c.await.expect("a create") {
+            Ok(_) => named += 1,
+            Err(e) => assert_eq!(e.code, ErrorCode::NameTaken),
+        }
+    }
+    assert_eq!(named, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -217,3 +217,32 @@ async fn a_template_built_ahead_keeps_no_sandbox_and_serves_creates_that_name_it
         .expect_err("an unknown template");
     assert_eq!(e.code, sbx_api::ErrorCode::TemplateNotFound);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_deleted_while_it_waits_goes_at_once_and_the_build_goes_on() {
+    let dir = TempDir::new("tplwaitdel");
+    let world = World::new();
+    let node = node_in(dir.path(), &world, |_| {});
+    let a = create(&node, GATED).await.expect("the builder");
+    let b = create(&node, GATED).await.expect("a waiter");
+    until("the builder's machine runs", || machine_of(&node, &a.id)).await;
+    let t0 = Instant::now();
+    node.delete_sandbox(&b.id).await.expect("delete the waiter");
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(node.managed(&b.id).is_err());
+    assert_eq!(world.creates(), 1, "the waiter never made a machine");
+    world.open_gate("built");
+    until("the builder runs", || {
+        state(&node, &a.id).0 == SandboxStatus::Running
+    })
+    .await;
+    let key = a.template.clone().expect("a template");
+    assert_eq!(
+        template_status(&node, &key).map(|t| t.0),
+        Some("ready".into())
+    );
+}
