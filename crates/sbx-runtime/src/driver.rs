@@ -45,6 +45,23 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
+    /// A sandbox whose agent is the process `pid` and whose directory is `dir` (its agent's
+    /// socket `dir/agent.sock`), with no cgroup: for a driver that makes none, such as a test's
+    /// fake driver (limits are not applied; OOM kills and memory peaks read as none). The
+    /// process is held by a pidfd, so that a reused pid is never taken for it.
+    pub fn for_process(id: &str, pid: u32, dir: &Path) -> std::io::Result<Sandbox> {
+        let pidfd = PidFd::open(pid)?;
+        Ok(Sandbox {
+            id: id.to_string(),
+            pid,
+            start_time: crate::process::start_time(pid),
+            socket: dir.join("agent.sock"),
+            dir: dir.to_path_buf(),
+            group: Group::none(),
+            pidfd: Some(pidfd),
+        })
+    }
+
     /// A handle on the sandbox's agent (a pidfd) for [`crate::netns::in_netns_of_handle`]:
     /// it names this agent's namespaces even if its pid is reused later.
     pub fn netns_handle(&self) -> std::io::Result<std::os::fd::OwnedFd> {
@@ -289,5 +306,33 @@ pub fn remove_dir(dir: &Path) -> std::io::Result<()> {
     match std::fs::remove_dir_all(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         r => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sandbox of a plain process (no cgroup): alive while it runs, no limits to set, no OOM.
+    #[test]
+    fn a_sandbox_of_a_process_follows_it() {
+        let mut child = Command::new("sleep").arg("30").spawn().expect("sleep");
+        let dir = std::env::temp_dir().join("sbx-for-process");
+        let sb = Sandbox::for_process("sbx-a", child.id(), &dir).expect("pidfd");
+        assert_eq!(sb.socket, dir.join("agent.sock"));
+        assert!(sb.is_alive());
+        assert!(sb.start_time.is_some());
+        assert!(!sb.oom_killed());
+        assert_eq!(sb.memory_peak(), None);
+        let limits = Limits {
+            memory_bytes: 1 << 20,
+            vcpus: 1,
+            pids: 8,
+        };
+        sb.set_limits(&limits).expect("no cgroup: nothing to set");
+        assert!(sb.netns_handle().is_ok());
+        child.kill().expect("kill");
+        child.wait().expect("reaped");
+        assert!(!sb.is_alive());
     }
 }

@@ -226,6 +226,14 @@ fn take_idle(socket: &Path) -> Option<AgentConn> {
     None
 }
 
+/// Forgets the idle connections to the agents under `dir`: a test that plays a node's restart
+/// in one process starts the next node as a new process would, without the first node's
+/// connections (they belong to its runtime, which is gone).
+#[cfg(test)]
+pub(crate) fn forget_idle_under(dir: &Path) {
+    IDLE.locked().retain(|socket, _| !socket.starts_with(dir));
+}
+
 /// One request and its answer, on an idle connection or a new one (given back after the
 /// answer); the answer within 10 s (`Wait` excepted: its answer comes when the command ends,
 /// and the caller bounds it).

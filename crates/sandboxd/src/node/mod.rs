@@ -2,12 +2,16 @@
 //! interface and the CLI) run. Handlers parse and validate; this module acts.
 
 pub mod credentials;
+#[cfg(test)]
+mod fake;
 pub mod files;
 mod machine;
 pub mod output;
 mod run;
 pub mod sandbox;
 pub mod templates;
+#[cfg(test)]
+mod tests;
 mod warm;
 
 use std::collections::HashMap;
@@ -68,6 +72,10 @@ pub struct Node {
     pub(crate) driver: Arc<dyn Driver>,
     pub(crate) images: ImageStore,
     table: Mutex<Table>,
+    /// Held from a sandbox's capacity check (`max_sandboxes`) to its entry in the table (a
+    /// run's) or among the kept ones: two sandboxes admitted at once cannot both take the last
+    /// place.
+    admission: Mutex<()>,
     live: Mutex<HashMap<String, Arc<Sandbox>>>,
     teardowns: AtomicUsize,
     /// Set when the node stops: no sandbox is made from then on.
@@ -126,6 +134,7 @@ impl Node {
             driver,
             images,
             table: Mutex::new(Table::default()),
+            admission: Mutex::new(()),
             live: Mutex::new(HashMap::new()),
             teardowns: AtomicUsize::new(0),
             stopping: AtomicBool::new(false),

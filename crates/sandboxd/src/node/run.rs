@@ -80,6 +80,8 @@ impl Node {
         if self.is_stopping() {
             return Err(stopping_error());
         }
+        // Until the run is in the table: its place is taken.
+        let _admission = self.admission.locked();
         let Machine {
             image,
             creds,

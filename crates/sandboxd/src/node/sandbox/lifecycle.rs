@@ -27,6 +27,8 @@ impl Node {
             return Err(crate::node::stopping_error());
         }
         let req = c.spec;
+        // Until the sandbox is among the kept ones: its place is taken.
+        let admission = self.admission.locked();
         let Machine {
             image,
             creds: _,
@@ -93,6 +95,7 @@ impl Node {
         }
         let m = Arc::new(Managed::new(row, spec));
         self.managed.locked().insert(id.clone(), m.clone());
+        drop(admission);
         if let Some(ms) = expires_in_ms {
             self.expire_at(&m, ms);
         }
