@@ -861,6 +861,7 @@ impl Node {
             image_env: image.meta.env.clone(),
             image_user: image.meta.user.clone(),
             image_workdir: image.meta.workdir.clone(),
+            netns: None,
         })
         .await
     }
@@ -905,6 +906,7 @@ impl Node {
                     image_env: image.meta.env.clone(),
                     image_user: image.meta.user.clone(),
                     image_workdir: image.meta.workdir.clone(),
+                    netns: None,
                 };
                 match node.create(spec).await {
                     Ok((sandbox, conn)) => {
