@@ -357,8 +357,12 @@ impl Inner {
         let addr = self.address(slot);
         let ifname = self.ifname(slot);
         let (ns, mut inside) = ns::make(|| {
-            // Before eth0 exists, so that it never has an IPv6 address.
-            ns::sysctl("net/ipv6/conf/default/disable_ipv6", "1")?;
+            // Before eth0 exists, so that it never has an IPv6 address (a kernel without
+            // IPv6 has no such file, and no IPv6).
+            match ns::sysctl("net/ipv6/conf/default/disable_ipv6", "1") {
+                Err(e) if e.errno() == Some(libc::ENOENT) => {}
+                r => r?,
+            }
             ns::sysctl("net/ipv4/ping_group_range", "0 2147483647")?;
             ns::sysctl("net/ipv4/ip_unprivileged_port_start", "0")
         })?;

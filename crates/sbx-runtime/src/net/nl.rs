@@ -11,7 +11,7 @@ use std::io;
 
 use netlink_packet_core::{
     NetlinkBuffer, NetlinkDeserializable, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-    NetlinkSerializable, NlasIterator, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST,
+    NetlinkSerializable, NlasIterator, NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
 };
 use netlink_sys::{Socket, SocketAddr};
 
@@ -208,8 +208,23 @@ impl Conn {
         self.transact(what, vec![(inner, 0, true)])
     }
 
-    /// Dumps what `inner` asks for.
+    /// Dumps what `inner` asks for. A dump the kernel marks as interrupted (what it lists
+    /// changed meanwhile: NLM_F_DUMP_INTR) is done again, up to three times.
     pub(crate) fn dump<I>(&mut self, what: &str, inner: I) -> Result<Vec<I>, NetError>
+    where
+        I: NetlinkSerializable + NetlinkDeserializable + Debug + Clone,
+    {
+        let mut tries = 0;
+        loop {
+            let (items, interrupted) = self.dump_once(what, inner.clone())?;
+            tries += 1;
+            if !interrupted || tries >= 3 {
+                return Ok(items);
+            }
+        }
+    }
+
+    fn dump_once<I>(&mut self, what: &str, inner: I) -> Result<(Vec<I>, bool), NetError>
     where
         I: NetlinkSerializable + NetlinkDeserializable + Debug,
     {
@@ -223,14 +238,16 @@ impl Conn {
         msg.serialize(&mut out);
         self.sock.send(&out, 0).map_err(io_err("netlink send"))?;
         let mut items = Vec::new();
+        let mut interrupted = false;
         loop {
             self.recv(true)?;
             for msg in self.parse::<I>()? {
                 if msg.header.sequence_number != seq {
                     continue;
                 }
+                interrupted |= msg.header.flags & NLM_F_DUMP_INTR != 0;
                 match msg.payload {
-                    NetlinkPayload::Done(_) => return Ok(items),
+                    NetlinkPayload::Done(_) => return Ok((items, interrupted)),
                     NetlinkPayload::Error(ref e) if e.code.is_some() => {
                         return Err(NetError::Netlink {
                             what: what.to_string(),
