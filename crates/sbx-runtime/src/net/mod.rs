@@ -666,20 +666,23 @@ impl Network {
         lease.release()
     }
 
-    /// Leases the namespace of a sandbox that runs already (after the node's restart): `ns` is
-    /// a handle on it (a pidfd of its agent, or its /proc/PID/ns/net opened). Its slot comes
+    /// Leases the namespace of a sandbox that runs already (after the node's restart): `handle`
+    /// names it (a pidfd of its agent, [`crate::Sandbox::netns_handle`], or its
+    /// /proc/PID/ns/net opened). Its slot comes
     /// from the address of its `eth0`; its element is added again.
-    pub fn adopt(&self, ns: OwnedFd) -> Result<Lease, NetError> {
-        let probe = ns.try_clone().map_err(|e| NetError::Io {
-            what: "dup a namespace handle".into(),
-            source: e,
-        })?;
-        let addrs = ns::within(probe, || {
+    pub fn adopt(&self, handle: OwnedFd) -> Result<Lease, NetError> {
+        // The lease holds the namespace itself (a pidfd would not keep it).
+        let (addrs, ns) = ns::within(handle, || {
+            let ns = std::fs::File::open("/proc/thread-self/ns/net").map_err(|e| NetError::Io {
+                what: "open the namespace".into(),
+                source: e,
+            })?;
             let mut conn = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
-            match link::index_of(&mut conn, INNER_IFNAME)? {
-                Some(i) => link::addresses(&mut conn, i),
-                None => Ok(Vec::new()),
-            }
+            let addrs = match link::index_of(&mut conn, INNER_IFNAME)? {
+                Some(i) => link::addresses(&mut conn, i)?,
+                None => Vec::new(),
+            };
+            Ok((addrs, OwnedFd::from(ns)))
         })?;
         let slot = addrs
             .into_iter()

@@ -597,6 +597,19 @@ impl Drop for TempDir {
     }
 }
 
+/// Ends a sandbox when dropped.
+struct Running<'a> {
+    driver: &'a crate::driver::NamespaceDriver,
+    sandbox: crate::driver::Sandbox,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        use crate::driver::Driver;
+        let _ = self.driver.destroy(&self.sandbox);
+    }
+}
+
 #[test]
 fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
     use crate::driver::{Driver, NamespaceDriver, SandboxSpec};
@@ -607,7 +620,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
         eprintln!("skipped: no sbx-agent beside the tests, or no base image");
         return;
     };
-    let lab = lab(config());
+    let mut lab = lab(config());
     let lease = lab.net().take().expect("take");
     let pid = std::process::id();
     let dir = TempDir(std::env::temp_dir().join(format!("sbx-net-test-{pid}")));
@@ -620,6 +633,14 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
         65_536,
     )
     .expect("driver");
+    // Its cgroup folder goes once the sandboxes have.
+    struct Release<'a>(&'a NamespaceDriver);
+    impl Drop for Release<'_> {
+        fn drop(&mut self) {
+            self.0.release();
+        }
+    }
+    let _release = Release(&driver);
     let spec = |id: &str, netns: Option<PathBuf>| SandboxSpec {
         id: id.to_string(),
         lowers: vec![rootfs.clone()],
@@ -637,35 +658,59 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
         netns,
     };
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("ns");
-    let joined = driver
-        .create(&spec("sbnet1", Some(lease.ns_path())))
-        .expect("a sandbox in the lease's namespace");
-    let unshared = driver
-        .create(&spec("sbnet2", None))
-        .expect("a sandbox with a namespace of its own");
+    let joined = Running {
+        driver: &driver,
+        sandbox: driver
+            .create(&spec("sbnet1", Some(lease.ns_path())))
+            .expect("a sandbox in the lease's namespace"),
+    };
+    let unshared = Running {
+        driver: &driver,
+        sandbox: driver
+            .create(&spec("sbnet2", None))
+            .expect("a sandbox with a namespace of its own"),
+    };
     let want = std::fs::read_link(lease.ns_path()).expect("lease ns");
-    let joined_ns = ns_of(joined.pid);
-    let unshared_ns = ns_of(unshared.pid);
-    // The other sandbox's links, seen from inside it: only lo, as before.
-    let links = ns::within(unshared.netns_handle().expect("handle"), || {
-        link::list(&mut Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?)
-    });
-    let eth0 = ns::within(joined.netns_handle().expect("handle"), || {
-        let mut rt = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
-        let i = link::index_of(&mut rt, INNER_IFNAME)?.ok_or(NetError::NotOurs)?;
-        link::addresses(&mut rt, i)
-    });
-    for s in [&joined, &unshared] {
-        driver.destroy(s).expect("destroy");
-    }
-    driver.release();
-    assert_eq!(joined_ns, want, "the agent is in the lease's namespace");
+    assert_eq!(
+        ns_of(joined.sandbox.pid),
+        want,
+        "the agent is in the lease's namespace"
+    );
+    let unshared_ns = ns_of(unshared.sandbox.pid);
     assert_ne!(unshared_ns, want);
     assert_ne!(unshared_ns, ns_of(pid), "not the test's either");
-    let links: Vec<String> = links.expect("links").into_iter().map(|(_, n)| n).collect();
+    // The other sandbox's links, seen from inside it: only lo, as before.
+    let links = ns::within(unshared.sandbox.netns_handle().expect("handle"), || {
+        link::list(&mut Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?)
+    })
+    .expect("links");
+    let links: Vec<String> = links.into_iter().map(|(_, n)| n).collect();
     assert_eq!(links, vec!["lo".to_string()]);
-    assert_eq!(eth0.expect("eth0"), vec![lease.address()]);
-    lab.net().release(lease).expect("release");
+    drop(unshared);
+
+    // The node restarts: the sandbox keeps its namespace, which is adopted by its agent's
+    // pidfd, with its address.
+    let address = lease.address();
+    lease.abandon();
+    lab.net.take();
+    let node = dup(&lab.node);
+    lab.net = Some(within(&node, || Network::new(config())));
+    let adopted = lab
+        .net()
+        .adopt(joined.sandbox.netns_handle().expect("pidfd"))
+        .expect("adopt");
+    assert_eq!(adopted.address(), address);
+    assert_eq!(std::fs::read_link(adopted.ns_path()).expect("ns"), want);
+    let gw = lab.net().gateway();
+    let t = serve_once(listen(&lab.node, sa(gw, OPEN_TCP)));
+    assert_eq!(
+        connect(&adopted.ns_handle().expect("handle"), sa(gw, OPEN_TCP)),
+        Ok(address.to_string())
+    );
+    t.join().expect("server");
+
+    drop(joined);
+    lab.net().release(adopted).expect("release");
     let audit = lab
         .net()
         .audit_settled(Duration::from_secs(20))
