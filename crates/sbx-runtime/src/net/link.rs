@@ -6,7 +6,8 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{
-    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    AfSpecInet6, AfSpecUnspec, In6AddrGenMode, InfoData, InfoKind, InfoVeth, LinkAttribute,
+    LinkFlags, LinkInfo, LinkMessage,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -56,6 +57,22 @@ pub(crate) fn set_up(conn: &mut Conn, index: u32) -> Result<(), NetError> {
     msg.header.change_mask = LinkFlags::Up;
     conn.request(
         &format!("set link {index} up"),
+        RouteNetlinkMessage::SetLink(msg),
+        0,
+    )
+}
+
+/// Turns off IPv6 address generation on link `index` (no link-local address, so no DAD,
+/// router solicitation or MLD from it). Before the link has a carrier: the kernel generates
+/// the link-local address when it gets one.
+pub(crate) fn no_ipv6_addresses(conn: &mut Conn, index: u32) -> Result<(), NetError> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.attributes = vec![LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(
+        vec![AfSpecInet6::AddrGenMode(In6AddrGenMode::None)],
+    )])];
+    conn.request(
+        &format!("no IPv6 addresses on link {index}"),
         RouteNetlinkMessage::SetLink(msg),
         0,
     )

@@ -41,7 +41,8 @@
 //! host answers ARP for `GW` on each veth because `GW` is that veth's own address.
 //!
 //! Inside, IPv6 is off for `eth0` (`net.ipv6.conf.default.disable_ipv6 = 1` before `eth0`
-//! exists; `lo` keeps `::1`, which the sandbox's /etc/hosts names), `lo` is up, ICMP echo
+//! exists; `lo` keeps `::1`, which the sandbox's /etc/hosts names; the host's veth makes no
+//! IPv6 address either), `lo` is up, ICMP echo
 //! sockets are allowed (`ping_group_range`) and ports below 1024 can be bound by the
 //! sandbox's root (`ip_unprivileged_port_start = 0`: its root is not root of the namespace's
 //! owner, the host's user namespace, and the ports are the namespace's own). A namespace made
@@ -373,6 +374,9 @@ impl Inner {
                 what: format!("find {ifname}"),
                 source: std::io::Error::from_raw_os_error(libc::ENODEV),
             })?;
+            // IPv6 is not routed to sandboxes: the host side needs no address of it either
+            // (eth0 has none: no carrier, so no link-local address, until eth0 is up below).
+            link::no_ipv6_addresses(&mut rt, host)?;
             link::add_p2p_address(&mut rt, host, gw, addr)?;
         }
         let eth0 = link::index_of(&mut inside, INNER_IFNAME)?.ok_or_else(|| NetError::Netlink {

@@ -210,6 +210,10 @@ fn a_sandbox_has_its_address_and_route_and_reaches_only_what_is_open() {
     assert!(v6_off, "IPv6 is off on eth0");
     assert!(!v6_addrs.contains(INNER_IFNAME), "{v6_addrs}");
     assert!(v6_addrs.contains(" lo"), "lo keeps ::1: {v6_addrs}");
+    let host_v6 = within(&lab.node, || {
+        io(std::fs::read_to_string("/proc/thread-self/net/if_inet6"))
+    });
+    assert!(!host_v6.contains(a.host_ifname()), "{host_v6}");
     assert_eq!(
         default_route(&ans),
         Some((INNER_IFNAME.to_string(), gw)),
