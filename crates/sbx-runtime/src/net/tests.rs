@@ -777,3 +777,34 @@ fn traffic_of_a_namespace_not_leased_or_of_a_spoofed_address_is_dropped() {
     assert_eq!(got, vec![(b"y".to_vec(), IpAddr::V4(a.address()))]);
     drop(l);
 }
+
+#[test]
+fn leases_are_taken_and_released_from_many_threads() {
+    fn shared<T: Send + Sync>(_: &T) {}
+    if !root() {
+        return;
+    }
+    let mut cfg = config();
+    cfg.pool = 4;
+    let lab = lab(cfg);
+    let net = lab.net();
+    shared(net);
+    let seen = std::sync::Mutex::new(std::collections::HashSet::new());
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..40 {
+                    let lease = net.take().expect("take");
+                    // No two live leases share a slot.
+                    assert!(locked(&seen).insert(lease.slot()), "slot {}", lease.slot());
+                    std::thread::sleep(Duration::from_millis(1));
+                    locked(&seen).remove(&lease.slot());
+                    net.release(lease).expect("release");
+                }
+            });
+        }
+    });
+    let audit = net.audit().expect("audit");
+    assert_eq!(audit.leased, 0);
+    assert!(audit.elements.is_empty(), "{audit:?}");
+}
