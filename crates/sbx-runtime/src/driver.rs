@@ -28,6 +28,9 @@ pub struct SandboxSpec {
     pub image_env: Vec<(String, String)>,
     pub image_user: Option<String>,
     pub image_workdir: Option<String>,
+    /// The network namespace the sandbox starts in (e.g. [`crate::net::Lease::ns_path`]);
+    /// `None`: a new one with only `lo`.
+    pub netns: Option<PathBuf>,
 }
 
 /// A running sandbox.
@@ -178,6 +181,7 @@ impl NamespaceDriver {
             image_env: spec.image_env.clone(),
             image_user: spec.image_user.clone(),
             image_workdir: spec.image_workdir.clone(),
+            netns: spec.netns.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         let io = |what: &str| {

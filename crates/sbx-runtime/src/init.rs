@@ -2,7 +2,8 @@
 //!
 //! Stage 0 runs as host root in the host's namespaces. It joins the sandbox's cgroups, binds the
 //! agent's socket on the host (so the node can connect at once, and again after its own restart),
-//! unshares the mount, UTS, IPC, network, PID and cgroup namespaces, and builds the root: an
+//! unshares the mount, UTS, IPC, network, PID and cgroup namespaces (or, for the network, joins
+//! the one the node prepared: `InitConfig::netns`), and builds the root: an
 //! overlay of the image (lower) and the sandbox's upper directory, a minimal /dev, /sys read-only.
 //! It then forks stage 1, which is PID 1 of the new PID namespace: it mounts /proc, pivots into
 //! the root, unshares a user namespace (stage 0 writes its uid and gid maps: sandbox root is the
@@ -47,6 +48,11 @@ pub struct InitConfig {
     pub image_user: Option<String>,
     #[serde(default)]
     pub image_workdir: Option<String>,
+    /// A network namespace to join (a path to open: a namespace file, or a descriptor of
+    /// the node's in /proc, see [`crate::net::Lease::ns_path`]) instead of unsharing a new
+    /// one with only `lo`.
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +160,15 @@ fn loopback_up() -> Result<(), InitError> {
     Ok(())
 }
 
+/// Joins the network namespace at `path` (before the other namespaces are unshared: the
+/// sandbox's user namespace, made later, does not own it, as it does not own one unshared
+/// here).
+pub(crate) fn join_netns(path: &Path) -> Result<(), InitError> {
+    let ns = fs::File::open(path).ctx(|| format!("open {}", path.display()))?;
+    nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
+        .ctx(|| format!("join the network namespace {}", path.display()))
+}
+
 fn write_new(path: &Path, contents: &str, uid: u32) -> Result<(), InitError> {
     let _ = fs::remove_file(path);
     fs::write(path, contents).ctx(|| format!("write {}", path.display()))?;
@@ -257,15 +272,16 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
     let _ = fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).ctx(|| format!("bind {}", sock.display()))?;
 
-    unshare(
-        CloneFlags::CLONE_NEWNS
-            | CloneFlags::CLONE_NEWUTS
-            | CloneFlags::CLONE_NEWIPC
-            | CloneFlags::CLONE_NEWNET
-            | CloneFlags::CLONE_NEWPID
-            | CloneFlags::CLONE_NEWCGROUP,
-    )
-    .ctx(|| "unshare".into())?;
+    let mut namespaces = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWCGROUP;
+    match &cfg.netns {
+        Some(path) => join_netns(path)?,
+        None => namespaces |= CloneFlags::CLONE_NEWNET,
+    }
+    unshare(namespaces).ctx(|| "unshare".into())?;
     mnt(
         None,
         Path::new("/"),

@@ -7,6 +7,8 @@
 //! - [`seccomp`]: the sandbox's syscall filter;
 //! - [`fsutil`]: ownership shifting of image trees;
 //! - [`hostfs`]: the node's host-side locks and private directories;
+//! - [`net`]: sandbox networking: namespaces with a veth to the node, pooled; the node's
+//!   nftables table; conntrack;
 //! - [`netns`]: sockets made from the host in a sandbox's network namespace;
 //! - [`sock`]: node-agent connections registered for what their task waits on only.
 
@@ -15,6 +17,7 @@ pub mod driver;
 pub mod fsutil;
 pub mod hostfs;
 pub mod init;
+pub mod net;
 pub mod netns;
 pub mod process;
 pub mod seccomp;

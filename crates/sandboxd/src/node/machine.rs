@@ -275,6 +275,7 @@ impl Node {
             image_env: image.meta.env.clone(),
             image_user: image.meta.user.clone(),
             image_workdir: image.meta.workdir.clone(),
+            netns: None,
         })
         .await
     }
