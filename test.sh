@@ -7,7 +7,7 @@ cd "$(dirname "$0")"
 . scripts/lib.sh
 need_root
 install_node_packages
-install_packages docker-registry
+install_packages docker-registry dnsmasq-base iproute2 nftables python3
 need_cargo
 export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
 # The iii engine for the interop test (crates/sandboxd/tests/it/iii.rs), when the shared tools have it.

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use sha2::Digest as _;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -104,6 +105,26 @@ struct Cli {
     /// Default: 512, or a quarter of the open files limit when that is less.
     #[arg(long)]
     max_connections: Option<usize>,
+    /// What the HTTP API's sandboxes reach: `allow`, the internet (through NAT; the host,
+    /// other sandboxes, loopback, link-local and private ranges are always refused), or
+    /// `none`, only `lo` (no network namespace plumbing at all: the fastest). (`deny`, with
+    /// per-sandbox egress rules, is not served yet.)
+    #[arg(long, default_value = "allow", value_parser = ["allow", "none"])]
+    egress_default: String,
+    /// A private range (CIDR) sandboxes may reach after all, e.g. a company network.
+    /// Repeatable.
+    #[arg(long = "egress-allow-cidr", value_name = "CIDR")]
+    egress_allow_cidrs: Vec<ipnet::Ipv4Net>,
+    /// A DNS server (ADDR or ADDR:PORT) the node asks the sandboxes' questions of. Repeatable.
+    /// Default: the host's /etc/resolv.conf.
+    #[arg(long = "dns-upstream", value_name = "ADDR[:PORT]")]
+    dns_upstreams: Vec<String>,
+    /// The node's sandbox network: the gateway is its second address, each sandbox has one of
+    /// the others. Default: 10.250.0.0/16 for the data directory /var/lib/sbx, else a /20 in
+    /// 10.251.0.0/16 chosen by the data directory's hash. It must not overlap the host's
+    /// networks or another node's.
+    #[arg(long, value_name = "CIDR")]
+    net_range: Option<ipnet::Ipv4Net>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -275,6 +296,27 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("tokio runtime")?;
     rt.block_on(async move {
+        let net = if cli.egress_default == "none" {
+            None
+        } else {
+            let range = cli.net_range.unwrap_or_else(|| default_range(&cgroup_name));
+            let upstreams = cli
+                .dns_upstreams
+                .iter()
+                .map(|a| parse_upstream(a))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let n = node::net::NodeNet::start(node::net::NetSettings {
+                table: format!("sbx_{}", cgroup_name.replace('-', "_")),
+                prefix: net_prefix(&cgroup_name),
+                range,
+                allow: cli.egress_allow_cidrs.clone(),
+                dns_upstreams: upstreams,
+                pool: 4,
+            })
+            .context("the sandbox network (--egress-default none runs without one)")?;
+            node.set_net(n.clone());
+            Some(n)
+        };
         let (adopted, lost) = node.recover();
         if adopted + lost > 0 {
             tracing::info!(adopted, lost, "sandboxes of the previous run");
@@ -282,6 +324,9 @@ fn main() -> anyhow::Result<()> {
         let removed = node.reconcile();
         if removed > 0 {
             tracing::info!(removed, "removed what a previous run left");
+        }
+        if let Some(net) = &net {
+            net.remove_leftovers();
         }
         gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
@@ -312,6 +357,38 @@ fn main() -> anyhow::Result<()> {
 /// The connection cap: as given, else 512; at most a quarter of the open files limit unless
 /// given (each connection may hold a descriptor of its own and one to an agent, beside the
 /// sandboxes' sockets and pidfds), with a warning when a given cap is over that.
+/// A DNS upstream: `ADDR` (port 53) or `ADDR:PORT`.
+fn parse_upstream(a: &str) -> anyhow::Result<SocketAddr> {
+    if let Ok(ip) = a.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, 53));
+    }
+    a.parse::<SocketAddr>()
+        .with_context(|| format!("--dns-upstream {a}: not ADDR or ADDR:PORT"))
+}
+
+/// The host-side interfaces' prefix of a node's sandboxes: `sbx` for the cgroup folder `sbx`
+/// (the node of /var/lib/sbx), else `sb` and 4 hex digits of the folder's name (so that two
+/// nodes' interfaces never mix).
+fn net_prefix(cgroup_name: &str) -> String {
+    if cgroup_name == "sbx" {
+        return "sbx".into();
+    }
+    let h = sha2::Sha256::digest(cgroup_name.as_bytes());
+    format!("sb{:02x}{:02x}x", h[0], h[1])
+}
+
+/// The default range of a node: 10.250.0.0/16 for the folder `sbx`, else one of the /20s of
+/// 10.251.0.0/16 by the folder's hash.
+fn default_range(cgroup_name: &str) -> ipnet::Ipv4Net {
+    let fallback = ipnet::Ipv4Net::default();
+    if cgroup_name == "sbx" {
+        return ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 250, 0, 0), 16).unwrap_or(fallback);
+    }
+    let h = sha2::Sha256::digest(cgroup_name.as_bytes());
+    let third = (h[0] & 0x0f) << 4;
+    ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 251, third, 0), 20).unwrap_or(fallback)
+}
+
 fn max_connections(given: Option<usize>) -> usize {
     const DEFAULT: usize = 512;
     let room = sbx_runtime::process::nofile_limit()

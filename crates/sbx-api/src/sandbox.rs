@@ -27,6 +27,9 @@ pub const COMMAND_ONLY_FIELDS: [&str; 6] = [
 #[derive(Clone, Debug, PartialEq)]
 pub struct SandboxCreate {
     pub spec: RunRequest,
+    /// Whether the sandbox is on the node's network; `None` (every HTTP create): the node's
+    /// default (`--egress-default`). The functions interface's `network` sets it.
+    pub network: Option<bool>,
 }
 
 fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -59,7 +62,10 @@ pub fn parse_sandbox_create(body: &[u8]) -> Result<SandboxCreate, ApiError> {
     obj.insert("command".into(), Value::String("true".into()));
     let mut spec = parse_run_value(&Value::Object(obj))?;
     spec.command = Command::Argv(Vec::new());
-    Ok(SandboxCreate { spec })
+    Ok(SandboxCreate {
+        spec,
+        network: None,
+    })
 }
 
 /// The fields of `POST /v1/sandboxes/{id}/exec` and `…/run`.

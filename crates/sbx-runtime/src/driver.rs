@@ -31,6 +31,8 @@ pub struct SandboxSpec {
     /// The network namespace the sandbox starts in (e.g. [`crate::net::Lease::ns_path`]);
     /// `None`: a new one with only `lo`.
     pub netns: Option<PathBuf>,
+    /// The sandbox's /etc/resolv.conf; `None`: the image's.
+    pub resolv_conf: Option<String>,
 }
 
 /// A running sandbox.
@@ -182,6 +184,7 @@ impl NamespaceDriver {
             image_user: spec.image_user.clone(),
             image_workdir: spec.image_workdir.clone(),
             netns: spec.netns.clone(),
+            resolv_conf: spec.resolv_conf.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         let io = |what: &str| {

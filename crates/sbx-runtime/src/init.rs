@@ -53,6 +53,10 @@ pub struct InitConfig {
     /// one with only `lo`.
     #[serde(default)]
     pub netns: Option<PathBuf>,
+    /// The sandbox's /etc/resolv.conf (its DNS servers), written over the image's; `None`:
+    /// the image's.
+    #[serde(default)]
+    pub resolv_conf: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -355,6 +359,9 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
             ),
             cfg.uid_base,
         )?;
+        if let Some(resolv) = &cfg.resolv_conf {
+            write_new(&etc.join("resolv.conf"), resolv, cfg.uid_base)?;
+        }
     }
 
     // Stage 1's pivot_root moves every process of this mount namespace, stage 0 too: keep a

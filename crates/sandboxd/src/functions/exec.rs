@@ -172,6 +172,7 @@ pub(super) async fn run(node: &Arc<Node>, f: &Arc<Fns>, p: Payload) -> Result<Va
             name: None,
             env: p.env()?.unwrap_or_default(),
             idle_timeout_secs: None,
+            network: false,
         };
         let mut req = exec_request(f, argv, &p)?;
         // The sandbox has the env; the command, the sandbox's.

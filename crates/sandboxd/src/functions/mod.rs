@@ -219,7 +219,7 @@ async fn dispatch(
                 "idle_timeout_secs",
                 "env",
             ])?;
-            let (id, image) = create(node, f, CreateArgs::of(&p)?).await?;
+            let (id, image) = create(node, f, CreateArgs::of(node, &p)?).await?;
             Ok(json!({ "sandbox_id": id, "image": image }))
         }
         "sandbox::exec" => {

@@ -96,17 +96,21 @@ pub(super) struct CreateArgs {
     pub env: BTreeMap<String, String>,
     /// `None`: the node's `idle_timeout_secs`.
     pub idle_timeout_secs: Option<u64>,
+    /// On the node's network (default false: `lo` only, the fastest).
+    pub network: bool,
 }
 
 impl CreateArgs {
-    pub(super) fn of(p: &Payload) -> Result<CreateArgs, FnError> {
-        if p.bool("network")? == Some(true) {
+    pub(super) fn of(node: &Node, p: &Payload) -> Result<CreateArgs, FnError> {
+        let network = p.bool("network")?.unwrap_or(false);
+        if network && !node.has_net() {
             return Err(FnError::new(
                 "S304",
-                "this node gives sandboxes no network (network: true)",
+                "this node gives sandboxes no network (it runs with --egress-default none)",
             ));
         }
         Ok(CreateArgs {
+            network,
             image: p.req_str("image")?,
             cpus: p.u64("cpus")?,
             memory_mb: p.u64("memory_mb")?,
@@ -132,7 +136,10 @@ pub(super) async fn create(
     spec.env = a.env;
     spec.check()?;
     let idle = a.idle_timeout_secs.unwrap_or(f.cfg.idle_timeout_secs);
-    let req = SandboxCreate { spec };
+    let req = SandboxCreate {
+        spec,
+        network: Some(a.network),
+    };
     let _one = f.create_lock.lock().await;
     capacity(node, f)?;
     let obj = node.create_sandbox(req).await?;

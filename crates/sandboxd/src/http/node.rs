@@ -28,6 +28,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "teardowns": n.pending_teardowns(),
         "warm_pool": { "target": n.cfg.warm_pool, "ready": n.warm_ids() },
         "templates": n.template_objects(),
+        "network": n.net.get().map(|net| net.info()),
     }))
     .into_response()
 }

@@ -230,16 +230,36 @@ impl Node {
     /// Makes a sandbox (in the node's table of live ones) and connects to its agent.
     pub(crate) async fn create(
         self: &Arc<Self>,
-        spec: SandboxSpec,
+        mut spec: SandboxSpec,
+        network: bool,
     ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
         let id = spec.id.clone();
+        if let (true, Some(net)) = (network, self.net.get()) {
+            let (ns, resolv) = net.take(&id).map_err(|e| {
+                tracing::error!(sandbox = %id, error = %e, "no network namespace");
+                ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("no network for the sandbox: {e}"),
+                )
+            })?;
+            spec.netns = Some(ns);
+            spec.resolv_conf = Some(resolv);
+        }
         let driver = self.driver.clone();
         let made = tokio::task::spawn_blocking(move || driver.create(&spec))
             .await
-            .map_err(crate::node::internal("making a sandbox"))?;
+            .map_err(crate::node::internal("making a sandbox"));
+        let made = match made {
+            Ok(m) => m,
+            Err(e) => {
+                self.release_net(&id);
+                return Err(e);
+            }
+        };
         let sandbox = match made {
             Ok(sb) => Arc::new(sb),
             Err(e) => {
+                self.release_net(&id);
                 tracing::error!(sandbox = %id, error = %e, "sandbox did not start");
                 return Err(ApiError::new(
                     ErrorCode::SandboxFailed,
@@ -265,18 +285,22 @@ impl Node {
         plan: &RunPlan,
         image: &Image,
     ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
-        self.create(SandboxSpec {
-            id: plan.sandbox_id.clone(),
-            lowers: image.lowers.clone(),
-            dir: self.sandboxes_dir().join(&plan.sandbox_id),
-            hostname: plan.hostname.clone(),
-            limits: plan.limits,
-            tmp_memory: plan.tmp_memory,
-            image_env: image.meta.env.clone(),
-            image_user: image.meta.user.clone(),
-            image_workdir: image.meta.workdir.clone(),
-            netns: None,
-        })
+        self.create(
+            SandboxSpec {
+                id: plan.sandbox_id.clone(),
+                lowers: image.lowers.clone(),
+                dir: self.sandboxes_dir().join(&plan.sandbox_id),
+                hostname: plan.hostname.clone(),
+                limits: plan.limits,
+                tmp_memory: plan.tmp_memory,
+                image_env: image.meta.env.clone(),
+                image_user: image.meta.user.clone(),
+                image_workdir: image.meta.workdir.clone(),
+                netns: None,
+                resolv_conf: None,
+            },
+            plan.network,
+        )
         .await
     }
 }

@@ -2,10 +2,12 @@
 //! interface and the CLI) run. Handlers parse and validate; this module acts.
 
 pub mod credentials;
+pub mod dns;
 #[cfg(test)]
 mod fake;
 pub mod files;
 mod machine;
+pub mod net;
 pub mod output;
 mod run;
 pub mod sandbox;
@@ -80,6 +82,8 @@ pub struct Node {
     teardowns: AtomicUsize,
     /// Set when the node stops: no sandbox is made from then on.
     stopping: AtomicBool,
+    /// The node's network (none: every sandbox has `lo` only); set once at start.
+    pub(crate) net: std::sync::OnceLock<Arc<net::NodeNet>>,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -117,6 +121,25 @@ fn not_served(param: &str, what: &str) -> ApiError {
 }
 
 impl Node {
+    /// Gives the node its network (once, at start): sandboxes made from then on that have
+    /// network get a namespace of it.
+    pub fn set_net(&self, net: Arc<net::NodeNet>) {
+        let _ = self.net.set(net);
+    }
+
+    /// Gives back sandbox `id`'s network namespace, if it has one (after its processes are
+    /// gone).
+    pub(crate) fn release_net(&self, id: &str) {
+        if let Some(n) = self.net.get() {
+            n.release(id);
+        }
+    }
+
+    /// Whether sandboxes of the HTTP API have network (the node has one).
+    pub fn has_net(&self) -> bool {
+        self.net.get().is_some()
+    }
+
     pub fn new(
         cfg: NodeConfig,
         driver: Arc<dyn Driver>,
@@ -138,6 +161,7 @@ impl Node {
             live: Mutex::new(HashMap::new()),
             teardowns: AtomicUsize::new(0),
             stopping: AtomicBool::new(false),
+            net: std::sync::OnceLock::new(),
         })
     }
 
@@ -264,7 +288,18 @@ impl Node {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        // Kept sandboxes run on (the next node adopts them): their groups keep the folder.
+        // Kept sandboxes run on (the next node adopts them): their groups keep the folder,
+        // and the network's table keeps them fenced in. With none, nothing of the node stays.
         self.driver.release();
+        if let Some(net) = self.net.get() {
+            let kept_running = self
+                .managed
+                .locked()
+                .values()
+                .any(|m| m.machine.locked().is_some());
+            if !kept_running {
+                net.uninstall();
+            }
+        }
     }
 }

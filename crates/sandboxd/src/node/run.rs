@@ -35,6 +35,8 @@ pub struct RunPlan {
     pub(super) exec: ExecSpec,
     pub(super) stdin: Option<Vec<u8>>,
     pub(super) warm: Option<Warm>,
+    /// Made in a namespace of the node's network.
+    pub(super) network: bool,
 }
 
 impl RunPlan {
@@ -158,6 +160,7 @@ impl Node {
             exec,
             stdin: req.stdin,
             warm,
+            network: self.has_net(),
         })
     }
 
@@ -193,7 +196,10 @@ impl Node {
             // again: the sandbox is never given up while something of it runs.
             for round in 1..=TEARDOWN_ROUNDS {
                 match node.driver.destroy(&sb) {
-                    Ok(()) => break,
+                    Ok(()) => {
+                        node.release_net(&sb.id);
+                        break;
+                    }
                     Err(e) if round < TEARDOWN_ROUNDS => {
                         tracing::warn!(sandbox = %sb.id, error = %e, round, "teardown: trying again");
                         std::thread::sleep(Duration::from_secs(1));

@@ -33,6 +33,7 @@ impl Node {
             if let Err(e) = self.driver.destroy(&w.sandbox) {
                 tracing::warn!(sandbox = %w.sandbox.id, error = %e, "teardown");
             }
+            self.release_net(&w.sandbox.id);
             let _ = sbx_runtime::driver::remove_dir(&w.sandbox.dir);
         }
     }
@@ -86,8 +87,9 @@ impl Node {
                     image_user: image.meta.user.clone(),
                     image_workdir: image.meta.workdir.clone(),
                     netns: None,
+                    resolv_conf: None,
                 };
-                match node.create(spec).await {
+                match node.create(spec, node.has_net()).await {
                     Ok((sandbox, conn)) => {
                         // `create` put it in `live` too, so that a stopping node ends it.
                         node.warm.locked().push(Warm {

@@ -15,6 +15,7 @@ mod functions;
 mod iii;
 mod images;
 mod isolation;
+mod network;
 mod node_limits;
 mod ready;
 mod restart;

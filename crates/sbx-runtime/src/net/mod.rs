@@ -60,9 +60,12 @@
 
 mod ct;
 mod link;
+mod listen;
 mod nft;
 mod nl;
 mod ns;
+
+pub use listen::bind_gateway;
 
 #[cfg(test)]
 mod tests;

@@ -660,6 +660,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
         image_user: None,
         image_workdir: None,
         netns,
+        resolv_conf: None,
     };
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("ns");
     let joined = Running {

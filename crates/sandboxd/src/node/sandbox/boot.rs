@@ -77,6 +77,7 @@ impl Node {
             image_user: image.meta.user.clone(),
             image_workdir: image.meta.workdir.clone(),
             netns: None,
+            resolv_conf: None,
         };
         Ok((spec, resolved))
     }
@@ -104,7 +105,7 @@ impl Node {
             }),
             None => match self.machine_spec(m).await {
                 Ok((spec, resolved)) => self
-                    .create(spec)
+                    .create(spec, m.spec.network)
                     .await
                     .map(|(sb, _conn)| (sb, resolved))
                     .map_err(|e| ("boot_failed", e)),

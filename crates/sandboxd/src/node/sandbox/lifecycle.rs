@@ -26,6 +26,7 @@ impl Node {
         if self.is_stopping() {
             return Err(crate::node::stopping_error());
         }
+        let network = c.network.unwrap_or(self.has_net()) && self.has_net();
         let req = c.spec;
         // Until the sandbox is among the kept ones: its place is taken.
         let admission = self.admission.locked();
@@ -35,7 +36,8 @@ impl Node {
             limits,
             expires_in_ms,
         } = self.check_machine(&req, true)?;
-        let spec = self.stored_spec(&req, &limits)?;
+        let mut spec = self.stored_spec(&req, &limits)?;
+        spec.network = network;
         let settings = spec.template_settings();
         let key = spec.template.clone().unwrap_or_else(|| BASE.into());
         // The first sandbox of a template that pulls, or waits for a check, is answered
@@ -54,7 +56,8 @@ impl Node {
             && spec.hostname.is_none()
             && !spec.tmp_memory
             && spec.memory_bytes == self.cfg.default_memory_bytes
-            && spec.vcpus == self.cfg.default_vcpus;
+            && spec.vcpus == self.cfg.default_vcpus
+            && spec.network == self.has_net();
         let warm = if warm_ok { self.pop_warm() } else { None };
         let id = match &warm {
             Some(sb) => sb.id.clone(),
@@ -221,6 +224,7 @@ impl Node {
             expires_at: req.expires_at.clone(),
             image_pull_secret: req.image_pull_secret.clone(),
             template: None,
+            network: false,
         };
         if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
             self.apply_template(&mut spec, key, &req.limits)?;
@@ -316,7 +320,9 @@ impl Node {
         self.record_finals(m, &sb).await;
         m.machine.locked().take();
         let driver = self.driver.clone();
+        let id = sb.id.clone();
         let _ = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
+        self.release_net(&id);
     }
 
     pub(crate) async fn record_finals(&self, m: &Arc<Managed>, sb: &Sandbox) {
@@ -440,6 +446,7 @@ impl Node {
             sbx_runtime::driver::remove_dir(&dir)
         })
         .await;
+        self.release_net(&m.id);
     }
 
     /// At start: adopts the sandboxes whose agents still run, marks the others failed (and
@@ -473,6 +480,9 @@ impl Node {
                         *mm = Some(sb.clone());
                     }
                     self.watch_agent(&m, &sb);
+                    if let Some(n) = self.net.get() {
+                        n.adopt(&m.id, &sb);
+                    }
                     {
                         let mut r = m.resolved.locked();
                         *r = self.resolve_adopted(&m.spec);

@@ -65,6 +65,9 @@ pub struct StoredSpec {
     /// The key of its template ([`crate::templates`]); `None` in a row of an older node.
     #[serde(default)]
     pub template: Option<String>,
+    /// On the node's network (a row of an older node: `lo` only, as it was made).
+    #[serde(default)]
+    pub network: bool,
 }
 
 impl StoredSpec {
@@ -226,7 +229,7 @@ pub struct Managed {
     pub id: String,
     row: Mutex<SandboxRow>,
     spec: StoredSpec,
-    machine: Mutex<Option<Arc<Sandbox>>>,
+    pub(crate) machine: Mutex<Option<Arc<Sandbox>>>,
     running: Mutex<HashSet<String>>,
     /// One lifecycle change at a time.
     op: Arc<tokio::sync::Mutex<()>>,
@@ -468,6 +471,7 @@ mod tests {
             expires_at: None,
             image_pull_secret: None,
             template: None,
+            network: false,
         }
     }
 

@@ -182,6 +182,14 @@ impl TestNode {
             .arg(&self.cgroup_name)
             .arg("--pids-max")
             .arg("128")
+            // Without network unless a test asks for it (with a range of its own: nodes of
+            // tests that run at once must not share one).
+            .args(
+                (!self.args.iter().any(|a| a == "--egress-default"))
+                    .then_some(["--egress-default", "none"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(&self.args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
