@@ -16,9 +16,19 @@ port=7799
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port --data-dir "$data" \
   --images-dir "$images" --cgroup-name sbx-bench >"$data/sandboxd.log" 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
-for _ in $(seq 1 200); do
-  curl -sf "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
-  sleep 0.05
+# A second node whose sandboxes have no network, for the network's cost.
+data2=$(mktemp -d /tmp/sbx-bench.XXXXXX)
+port2=7798
+RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port2 --data-dir "$data2" \
+  --images-dir "$images" --cgroup-name sbx-bench-lo --egress-default none \
+  >"$data2/sandboxd.log" 2>&1 &
+pid2=$!
+trap 'kill $pid $pid2 2>/dev/null; wait $pid $pid2 2>/dev/null; rm -rf "$data" "$data2"' EXIT
+for p in $port $port2; do
+  for _ in $(seq 1 200); do
+    curl -sf "http://127.0.0.1:$p/healthz" >/dev/null 2>&1 && break
+    sleep 0.05
+  done
 done
-target/release/sbx-bench --url "http://127.0.0.1:$port" --rootfs "$images/base/rootfs" "$@"
+target/release/sbx-bench --url "http://127.0.0.1:$port" --url-no-net "http://127.0.0.1:$port2" \
+  --rootfs "$images/base/rootfs" "$@"

@@ -40,6 +40,10 @@ struct Args {
     /// Bytes the throughput command writes.
     #[arg(long, default_value_t = 1 << 30)]
     stream_bytes: u64,
+    /// A second node, whose sandboxes have no network (`--egress-default none`): the run
+    /// suite measures runs and creates on both, to show what the network costs.
+    #[arg(long)]
+    url_no_net: Option<String>,
 }
 
 #[derive(Default)]
@@ -109,6 +113,25 @@ fn sbx_one(agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
     if resp["stdout"] != "hi\n" || resp["exit_code"] != 0 {
         bail!("unexpected answer: {resp}");
     }
+    Ok(())
+}
+
+/// A kept sandbox made (`POST /v1/sandboxes` until it answers running), then deleted (not
+/// timed: `measure` times the whole call, so the delete goes on a thread of its own).
+fn sbx_create(agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
+    let resp: Value = agent
+        .post(&format!("{url}/v1/sandboxes"))
+        .send_json(json!({}))
+        .context("POST /v1/sandboxes")?
+        .into_json()?;
+    if resp["status"] != "running" {
+        bail!("unexpected answer: {resp}");
+    }
+    let id = resp["id"].as_str().unwrap_or_default().to_string();
+    let (agent, url) = (agent.clone(), url.to_string());
+    std::thread::spawn(move || {
+        let _ = agent.delete(&format!("{url}/v1/sandboxes/{id}")).call();
+    });
     Ok(())
 }
 
@@ -304,6 +327,24 @@ fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> 
         let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&a, &u)))?;
         rows.push(("sbx POST /v1/run", conc, cell));
     }
+    if let Some(lo) = &args.url_no_net {
+        for _ in 0..10 {
+            sbx_one(&agent, lo)?;
+        }
+        for conc in [1, 8] {
+            let (a, u) = (agent.clone(), lo.clone());
+            let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&a, &u)))?;
+            rows.push(("sbx run, no net", conc, cell));
+        }
+        for (what, u) in [
+            ("sbx create", url.clone()),
+            ("sbx create, no net", lo.clone()),
+        ] {
+            let a = agent.clone();
+            let cell = measure(args.runs / 2, 1, Arc::new(move |_| sbx_create(&a, &u)))?;
+            rows.push((what, 1, cell));
+        }
+    }
     if !args.no_runc {
         runc_bundle(&args.bundle, &args.rootfs)?;
         runc_one(&args.bundle, usize::MAX)?;
@@ -320,12 +361,12 @@ fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> 
             .unwrap_or(0)
     );
     println!(
-        "{:<18} {:>5} {:>6} {:>9} {:>9} {:>9}",
+        "{:<20} {:>5} {:>6} {:>9} {:>9} {:>9}",
         "what", "conc", "runs", "p50 ms", "p95 ms", "runs/s"
     );
     for (what, conc, c) in &rows {
         println!(
-            "{:<18} {:>5} {:>6} {:>9.2} {:>9.2} {:>9.1}",
+            "{:<20} {:>5} {:>6} {:>9.2} {:>9.2} {:>9.1}",
             what,
             conc,
             c.lat.len(),
@@ -339,6 +380,18 @@ fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> 
             .find(|(w, c, _)| *w == name && *c == conc)
             .map(|(_, _, c)| c.pct(0.5))
     };
+    if let (Some(n), Some(l)) = (p50("sbx POST /v1/run", 1), p50("sbx run, no net", 1)) {
+        println!(
+            "a run with network - without, p50 at concurrency 1: {:+.2} ms (goal <= 1 ms)",
+            n - l
+        );
+    }
+    if let (Some(n), Some(l)) = (p50("sbx create", 1), p50("sbx create, no net", 1)) {
+        println!(
+            "create -> running with network - without, p50: {:+.2} ms (goal <= 1 ms)",
+            n - l
+        );
+    }
     if let (Some(s), Some(r)) = (p50("sbx POST /v1/run", 1), p50("runc run", 1)) {
         println!(
             "sbx p50 / runc p50 at concurrency 1: {:.3}x (goal <= 0.2x; p50 goal <= 5 ms)",
