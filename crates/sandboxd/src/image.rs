@@ -203,6 +203,30 @@ struct LayerView {
 /// Names the catalog resolves to the base image.
 pub const CATALOG: &[&str] = &["python", "node", "base"];
 
+/// What the base image has beyond Debian's minbase: the languages, and what a first command
+/// on the network usually needs (`pip install`, `git clone`, `curl`, TLS roots). A base image
+/// built with another list (an older node's) is built again at the next start.
+pub const BASE_PACKAGES: &[&str] = &[
+    "python3",
+    "nodejs",
+    "procps",
+    "ca-certificates",
+    "curl",
+    "git",
+    "python3-pip",
+    "python3-venv",
+];
+
+/// The `source` an image.json of the base image has when it holds [`BASE_PACKAGES`].
+pub fn base_source(suite: &str) -> String {
+    format!("debootstrap {suite} minbase + {}", BASE_PACKAGES.join(" "))
+}
+
+/// Whether a base image's `source` says it holds [`BASE_PACKAGES`].
+fn base_is_current(source: &str) -> bool {
+    source.ends_with(&format!("minbase + {}", BASE_PACKAGES.join(" ")))
+}
+
 #[derive(Clone)]
 pub struct ImageStore {
     dir: PathBuf,
@@ -450,9 +474,14 @@ impl ImageStore {
         out
     }
 
-    /// The base image, if it is built.
+    /// The base image, if it is built (with [`BASE_PACKAGES`]: one of an older list is
+    /// `NoBase` too, so that it is built again).
     pub fn base(&self) -> Result<Image, ImageError> {
-        self.load("base")
+        let img = self.load("base")?;
+        if !base_is_current(&img.meta.source) {
+            return Err(ImageError::NoBase(self.dir.join("base")));
+        }
+        Ok(img)
     }
 
     fn load(&self, name: &str) -> Result<Image, ImageError> {
@@ -523,7 +552,7 @@ impl ImageStore {
         fs::create_dir_all(&rootfs).map_err(io("mkdir build"))?;
         let mut child = Command::new("debootstrap")
             .arg("--variant=minbase")
-            .arg("--include=python3,nodejs,procps")
+            .arg(format!("--include={}", BASE_PACKAGES.join(",")))
             .arg(format!("--components={}", source.components.join(",")))
             .arg(&source.suite)
             .arg(&rootfs)
@@ -588,14 +617,14 @@ impl ImageStore {
                     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
                 ),
                 ("LANG".into(), "C.UTF-8".into()),
+                // A sandbox is its own machine: `pip install` installs (PEP 668's guard is
+                // for shared systems).
+                ("PIP_BREAK_SYSTEM_PACKAGES".into(), "1".into()),
             ],
             user: Some("root".into()),
             workdir: Some("/".into()),
             uid_base: self.uid_base,
-            source: format!(
-                "debootstrap {} minbase + python3 nodejs procps",
-                source.suite
-            ),
+            source: base_source(&source.suite),
             start: Vec::new(),
             stop_signal: None,
             labels: BTreeMap::new(),
@@ -603,7 +632,18 @@ impl ImageStore {
         let meta_text =
             serde_json::to_vec_pretty(&meta).map_err(|e| ImageError::Build(e.to_string()))?;
         fs::write(build.join("image.json"), meta_text).map_err(io("write image.json"))?;
-        fs::rename(&build, self.dir.join("base")).map_err(io("put the base image in place"))?;
+        let dest = self.dir.join("base");
+        if dest.exists() {
+            // An older base image: set aside, not removed, since sandboxes running on it hold
+            // it as their lower layer (`sandboxd gc` does not touch it; remove it by hand once
+            // they are gone).
+            let old = self
+                .dir
+                .join(format!("base.old-{}", now_ns() / 1_000_000_000));
+            fs::rename(&dest, &old).map_err(io("set the older base image aside"))?;
+            progress(&format!("the older base image is now {}", old.display()));
+        }
+        fs::rename(&build, &dest).map_err(io("put the base image in place"))?;
         progress(&format!(
             "base image ready in {:.0} s",
             started.elapsed().as_secs_f64()
@@ -731,6 +771,15 @@ mod tests {
         let s = find_source(d822, "bookworm").unwrap();
         assert_eq!(s.uri, "http://a/debian");
         assert!(find_source(d822, "trixie").is_none());
+    }
+
+    #[test]
+    fn a_base_image_of_an_older_package_list_is_not_current() {
+        assert!(base_is_current(&base_source("bookworm")));
+        assert!(!base_is_current(
+            "debootstrap bookworm minbase + python3 nodejs procps"
+        ));
+        assert!(!base_is_current("fake"));
     }
 
     #[test]

@@ -90,7 +90,7 @@ fn images(dir: &Path) -> ImageStore {
         user: None,
         workdir: None,
         uid_base: UID_BASE,
-        source: "fake".into(),
+        source: crate::image::base_source("fake"),
         start: Vec::new(),
         stop_signal: None,
         labels: Default::default(),
