@@ -234,21 +234,27 @@ impl Node {
         network: bool,
     ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
         let id = spec.id.clone();
-        if let (true, Some(net)) = (network, self.net.get()) {
-            let (ns, resolv) = net.take(&id).map_err(|e| {
-                tracing::error!(sandbox = %id, error = %e, "no network namespace");
-                ApiError::new(
-                    ErrorCode::Unavailable,
-                    format!("no network for the sandbox: {e}"),
-                )
-            })?;
-            spec.netns = Some(ns);
-            spec.resolv_conf = Some(resolv);
-        }
         let driver = self.driver.clone();
-        let made = tokio::task::spawn_blocking(move || driver.create(&spec))
-            .await
-            .map_err(crate::node::internal("making a sandbox"));
+        let net = self.net.get().filter(|_| network).cloned();
+        // On a blocking thread: a lease is one netlink message, but an empty pool makes a
+        // namespace then and there (milliseconds).
+        let made = tokio::task::spawn_blocking(move || {
+            if let Some(net) = net {
+                let (ns, resolv) = net.take(&spec.id).map_err(|e| {
+                    tracing::error!(sandbox = %spec.id, error = %e, "no network namespace");
+                    ApiError::new(
+                        ErrorCode::Unavailable,
+                        format!("no network for the sandbox: {e}"),
+                    )
+                })?;
+                spec.netns = Some(ns);
+                spec.resolv_conf = Some(resolv);
+            }
+            Ok(driver.create(&spec))
+        })
+        .await
+        .map_err(crate::node::internal("making a sandbox"))
+        .and_then(|r| r);
         let made = match made {
             Ok(m) => m,
             Err(e) => {
