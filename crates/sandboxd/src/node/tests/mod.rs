@@ -147,7 +147,7 @@ pub(super) async fn until(what: &str, mut done: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !done() {
         assert!(
-            t0.elapsed() < Duration::from_secs(3),
+            t0.elapsed() < Duration::from_secs(10),
             "waited in vain: {what}"
         );
         tokio::time::sleep(Duration::from_millis(2)).await;

@@ -55,7 +55,10 @@ async fn creates_of_one_template_wait_on_one_build() {
             && state(&node, &b.id).0 == SandboxStatus::Running
     })
     .await;
-    assert_eq!(template_status(&node, &key), Some(("ready".into(), None)));
+    until("the template is ready", || {
+        template_status(&node, &key) == Some(("ready".into(), None))
+    })
+    .await;
     assert_eq!(
         world.creates(),
         2,
@@ -163,10 +166,11 @@ async fn a_waiter_whose_builder_is_deleted_builds_the_template_itself() {
         state(&node, &b.id).0 == SandboxStatus::Running
     })
     .await;
-    assert_eq!(
-        template_status(&node, &key).map(|t| t.0),
-        Some("ready".into())
-    );
+    // The template's row is marked ready as its build ends, just after the sandbox runs.
+    until("the template is ready", || {
+        template_status(&node, &key).is_some_and(|t| t.0 == "ready")
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,10 +198,11 @@ async fn a_template_built_ahead_keeps_no_sandbox_and_serves_creates_that_name_it
         node.list_sandboxes(&super::kept::list_all()).0.is_empty()
     })
     .await;
-    assert_eq!(
-        template_status(&node, &key).map(|t| t.0),
-        Some("ready".into())
-    );
+    // The template's row is marked ready as its build ends, just after the sandbox runs.
+    until("the template is ready", || {
+        template_status(&node, &key).is_some_and(|t| t.0 == "ready")
+    })
+    .await;
     until("its machine is ended", || world.alive().is_empty()).await;
 
     let again = sbx_api::parse_sandbox_create(GATED.as_bytes()).expect("create");
@@ -241,8 +246,9 @@ async fn a_waiter_deleted_while_it_waits_goes_at_once_and_the_build_goes_on() {
     })
     .await;
     let key = a.template.clone().expect("a template");
-    assert_eq!(
-        template_status(&node, &key).map(|t| t.0),
-        Some("ready".into())
-    );
+    // The template's row is marked ready as its build ends, just after the sandbox runs.
+    until("the template is ready", || {
+        template_status(&node, &key).is_some_and(|t| t.0 == "ready")
+    })
+    .await;
 }
