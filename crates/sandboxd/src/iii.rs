@@ -232,7 +232,7 @@ fn output() -> Value {
     )
 }
 
-/// A file's entry (files.rs `entry_json`), plus what an operation adds.
+/// A file's entry (`node::files::entry_json`), plus what an operation adds.
 fn entry() -> Value {
     reply(
         json!({

@@ -430,7 +430,7 @@ impl Store {
 }
 
 impl Store {
-    /// Runs `f` on the connection, for the tables of other modules (`secrets.rs`).
+    /// Runs `f` on the connection, for the tables of other modules (`node/credentials.rs`).
     pub fn with_conn<T>(
         &self,
         f: impl FnOnce(&Connection) -> rusqlite::Result<T>,

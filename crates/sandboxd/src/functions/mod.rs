@@ -1,13 +1,15 @@
-//! The functions interface: `POST /v1/functions/{function_id}` serves `sandbox::*` (JSON in,
-//! JSON out, errors as `{"error":{code,type,message,retryable,docs_url}}` with the S-codes of
+//! The functions interface: `sandbox::*` over `POST /v1/functions/{function_id}`
+//! (`http/functions.rs`) and the iii worker (`iii.rs`), both through [`invoke`] (JSON in, JSON
+//! out, errors as `{"error":{code,type,message,retryable,docs_url}}` with the S-codes of
 //! [`sbx_api::functions`]).
 //!
-//! Every function is a thin translation onto the HTTP API's own actions, never a second
-//! implementation: `run` is `Node::plan_run` + `Node::run`; `create`, `exec`, `list`, `stop`
-//! are `Node::create_sandbox`, `Node::exec`/`exec_get`, `Node::list_sandboxes`,
-//! `Node::delete_sandbox`; the `fs::*` functions are dispatched in-process to the handlers of
-//! `/v1/sandboxes/{id}/files…` (files.rs), so that their parameters, streaming and error codes
-//! are the same ones. What is only the interface's lives here: the config file's checks
+//! Every function is a thin translation onto the node's own actions, with typed values, never
+//! a second implementation: `run` is `Node::plan_run` + `Node::run`; `create`, `exec`, `list`,
+//! `stop` are `Node::create_sandbox`, `Node::exec`/`exec_get`, `Node::list_sandboxes`,
+//! `Node::delete_sandbox` (the requests built by type and checked by the HTTP API's rules:
+//! `RunRequest::check`, `ExecRequest::check`); the `fs::*` functions are `Node::fs_call`,
+//! `fs_upload`, `fs_download` with the file routes' own `FsParams`, so that their parameters
+//! and error codes are the same ones. What is only the interface's lives here: the config file's checks
 //! (allowlist, custom images, sandbox cap, exec timeout cap), stopped ids (S004) and the idle
 //! reaper.
 

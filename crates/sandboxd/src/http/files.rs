@@ -19,8 +19,8 @@
 //!
 //! The path is always `?path=`; the other parameters come in the query or, for POSTs, in a
 //! JSON object body. The node never holds a file: a request body becomes data frames as it
-//! is read (at most [`FRAME`] bytes gathered), data frames become the response body as they
-//! come (a queue of [`DOWNLOAD_QUEUE`] chunks); each side waits for the other, so a slow
+//! is read (at most [`crate::agent::files::FRAME`] bytes gathered), data frames become the response body as they
+//! come (a queue of [`crate::agent::files::DOWNLOAD_QUEUE`] chunks); each side waits for the other, so a slow
 //! reader slows the writer and memory does not grow with the size of a file.
 
 use std::sync::Arc;

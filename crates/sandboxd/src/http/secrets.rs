@@ -1,14 +1,13 @@
-//! Routes of the node's secrets, `/v1/secrets…`.
-
-//! Secrets: `PUT /v1/secrets/{name}`, `GET /v1/secrets`, `GET`/`DELETE /v1/secrets/{name}`,
-//! and the node's use of them (`Node::pull_credentials` for image pulls).
+//! Routes of the node's secrets: `PUT /v1/secrets/{name}`, `GET /v1/secrets`,
+//! `GET`/`DELETE /v1/secrets/{name}`. The node's side (sealing, rows, pull logins) is
+//! `node/credentials.rs`.
 //!
 //! A secret's value is write-only: no answer, log line or error message holds it. At rest it is
 //! sealed with the node key (`<data-dir>/node.key`, 32 random bytes, mode 0600, made on the
 //! node's first start) by ChaCha20-Poly1305 with a random nonce per value and the secret's name
 //! as associated data, so the database never holds a value in clear and a sealed value does not
 //! open under another name. The same key seals the `secret_env` values of the sandboxes the
-//! node keeps ([`sealed_env`]).
+//! node keeps ([`crate::node::credentials::sealed_env`]).
 
 use std::sync::Arc;
 

@@ -1,5 +1,6 @@
-//! Secrets: `PUT /v1/secrets/{name}`, `GET /v1/secrets`, `GET`/`DELETE /v1/secrets/{name}`,
-//! and the node's use of them (`Node::pull_credentials` for image pulls).
+//! The node's secrets (their routes: `http/secrets.rs`): sealing with the node key, the
+//! `secrets` table, the checks of a secret, and their use (`Node::pull_credentials` for image
+//! pulls, `sealed_env` for kept sandboxes' `secret_env`).
 //!
 //! A secret's value is write-only: no answer, log line or error message holds it. At rest it is
 //! sealed with the node key (`<data-dir>/node.key`, 32 random bytes, mode 0600, made on the

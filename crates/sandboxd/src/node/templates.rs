@@ -128,7 +128,7 @@ pub enum Plan {
     Wait(watch::Receiver<Option<BuildResult>>),
 }
 
-/// The builder's end of a build. Dropped without [`Builder::ready`] or [`Builder::failed`]
+/// The builder's end of a build. Dropped without [`Templates::ready`] or [`Templates::failed`]
 /// (its sandbox deleted midway), the build counts as cancelled: the waiters build again.
 pub struct Builder {
     key: String,

@@ -62,7 +62,7 @@ pub struct StoredSpec {
     /// The secret of the image's registry login: each boot pulls with it.
     #[serde(default)]
     pub image_pull_secret: Option<String>,
-    /// The key of its template ([`crate::templates`]); `None` in a row of an older node.
+    /// The key of its template ([`crate::node::templates`]); `None` in a row of an older node.
     #[serde(default)]
     pub template: Option<String>,
     /// On the node's network (a row of an older node: `lo` only, as it was made).
