@@ -33,12 +33,14 @@ fn ip(args: &[&str]) {
 impl TestInternet {
     /// `203.0.113.10` (HTTP on 8080, DNS on 53), `169.254.169.254` and `192.168.77.5` (HTTP
     /// on 8080, both: if the node let them through they would answer), behind `203.0.113.1`.
+    /// Its interfaces are not named `sbx…`: a node's table takes every interface with its
+    /// prefix (`sbx` for the node of /var/lib/sbx, which may be running) for a sandbox's.
     fn start() -> TestInternet {
         let tag = std::process::id() % 10_000;
         let (ns, host_if, inner_if) = (
-            format!("sbxti{tag}"),
-            format!("sbxti{tag}h"),
-            format!("sbxti{tag}i"),
+            format!("tinet{tag}"),
+            format!("tinet{tag}h"),
+            format!("tinet{tag}i"),
         );
         let _ = Command::new("ip").args(["netns", "del", &ns]).status();
         let _ = Command::new("ip").args(["link", "del", &host_if]).status();
