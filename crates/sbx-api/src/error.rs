@@ -58,10 +58,18 @@ pub enum ErrorCode {
     MissingApiKey,
     /// The API key is not one the node knows.
     InvalidApiKey,
+    /// The sandbox token given (a preview URL's `X-Sbx-Token`, `sbx_token` or cookie) is not
+    /// the sandbox's, or none was given for a private port.
+    InvalidToken,
 
     // 403 forbidden
     /// A secret would be sent to a host it may not go to.
     SecretHostNotAllowed,
+    /// A sandbox token cannot do this (only its own sandbox's exec, files and output).
+    NeedsApiKey,
+    /// The egress proxy refused a request of a sandbox (its `egress` rules: a name, a method
+    /// or a path not allowed).
+    EgressDenied,
     /// The image is not in the node's image_allowlist.
     ImageNotAllowed,
     /// A node without API keys serves only requests whose `Host` is a loopback name or
@@ -184,11 +192,17 @@ pub enum ErrorCode {
     Unsupported,
     /// The Range asked for is past the end of the file (status 416).
     InvalidRange,
+
+    // 502 bad_gateway (the preview listener, the egress proxy)
+    /// Nothing listens on the sandbox's port a preview URL names.
+    PortNotOpen,
+    /// The egress proxy could not reach the host a sandbox asked for.
+    UpstreamFailed,
 }
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 68] = [
+    pub const ALL: [ErrorCode; 73] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -257,6 +271,11 @@ impl ErrorCode {
         ErrorCode::StreamAborted,
         ErrorCode::Unsupported,
         ErrorCode::InvalidRange,
+        ErrorCode::InvalidToken,
+        ErrorCode::NeedsApiKey,
+        ErrorCode::EgressDenied,
+        ErrorCode::PortNotOpen,
+        ErrorCode::UpstreamFailed,
     ];
 
     /// The code as it is written on the wire.
@@ -283,6 +302,11 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::MissingApiKey => "missing_api_key",
             ErrorCode::InvalidApiKey => "invalid_api_key",
+            ErrorCode::InvalidToken => "invalid_token",
+            ErrorCode::NeedsApiKey => "needs_api_key",
+            ErrorCode::EgressDenied => "egress_denied",
+            ErrorCode::PortNotOpen => "port_not_open",
+            ErrorCode::UpstreamFailed => "upstream_failed",
             ErrorCode::SecretHostNotAllowed => "secret_host_not_allowed",
             ErrorCode::ImageNotAllowed => "image_not_allowed",
             ErrorCode::ForbiddenHost => "forbidden_host",
@@ -366,6 +390,7 @@ impl ErrorCode {
             409 => "conflict",
             413 => "too_large",
             501 => "not_implemented",
+            502 => "bad_gateway",
             503 => "unavailable",
             504 => "timeout",
             _ => "internal",
@@ -395,8 +420,10 @@ impl ErrorCode {
             | UnknownRegion => 400,
             MethodNotAllowed => 405,
             UnsupportedMediaType => 415,
-            MissingApiKey | InvalidApiKey => 401,
-            SecretHostNotAllowed | ImageNotAllowed | ForbiddenHost | OriginNotAllowed => 403,
+            MissingApiKey | InvalidApiKey | InvalidToken => 401,
+            SecretHostNotAllowed | NeedsApiKey | EgressDenied | ImageNotAllowed | ForbiddenHost
+            | OriginNotAllowed => 403,
+            PortNotOpen | UpstreamFailed => 502,
             NotFound | SandboxNotFound | ExecNotFound | SnapshotNotFound | TemplateNotFound
             | VolumeNotFound | SecretNotFound => 404,
             NameTaken
@@ -633,6 +660,7 @@ mod tests {
             ("too_large", 413),
             ("internal", 500),
             ("not_implemented", 501),
+            ("bad_gateway", 502),
             ("unavailable", 503),
             ("timeout", 504),
         ];
