@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod egress;
 pub mod error;
 pub mod events;
 pub mod exec;

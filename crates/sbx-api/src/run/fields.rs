@@ -12,51 +12,13 @@ use super::json::{
     given, invalid, object, opt_bool_at, port, reject_unknown, uint_in, unknown_field,
 };
 use super::limits::{
-    MAX_DENY_PORTS, MAX_HOSTNAME_LEN, MAX_IMAGE_LEN, MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS,
+    MAX_HOSTNAME_LEN, MAX_IMAGE_LEN, MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS,
     MAX_METADATA_VALUE_CHARS, MAX_VCPUS, MEMORY_STEP_BYTES, MIN_MEMORY_BYTES,
 };
 use super::types::{Limits, VolumeMount};
 
 pub(super) fn check_egress(v: &Value) -> Result<Value, ApiError> {
-    let bad = |param: &str, msg: &str| {
-        ApiError::new(ErrorCode::InvalidEgress, format!("{param} {msg}")).with_param(param)
-    };
-    let Some(obj) = v.as_object() else {
-        return Err(bad("egress", "must be an object or null"));
-    };
-    for (key, val) in obj {
-        let param = format!("egress.{key}");
-        match key.as_str() {
-            "default" => match val {
-                Value::Null => {}
-                Value::String(s) if s == "allow" || s == "deny" => {}
-                _ => return Err(bad(&param, "must be allow, deny or null")),
-            },
-            "allow" | "deny" | "http" | "inject" => {
-                if !val.is_null() && !val.is_array() {
-                    return Err(bad(&param, "must be an array or null"));
-                }
-            }
-            "deny_ports" => match val {
-                Value::Null => {}
-                Value::Array(ports) => {
-                    if ports.len() > MAX_DENY_PORTS {
-                        return Err(bad(&param, "has more than 64 ports"));
-                    }
-                    for (i, p) in ports.iter().enumerate() {
-                        if !p.as_u64().is_some_and(|n| (1..=65_535).contains(&n)) {
-                            return Err(bad(
-                                &format!("egress.deny_ports[{i}]"),
-                                "must be a port from 1 to 65535",
-                            ));
-                        }
-                    }
-                }
-                _ => return Err(bad(&param, "must be an array or null")),
-            },
-            _ => return Err(bad(&param, "is not a part of egress rules")),
-        }
-    }
+    crate::egress::Egress::parse(v)?;
     Ok(v.clone())
 }
 
