@@ -55,6 +55,7 @@ fn main() -> anyhow::Result<()> {
         gateway_ports: vec![(Proto::Tcp, PORT), (Proto::Udp, 53)],
         allow: Vec::new(),
         refuse: Vec::new(),
+        proxy_port: None,
         pool: 0,
     };
     let network = in_netns_of_handle(node.try_clone()?, move || {

@@ -106,11 +106,16 @@ struct Cli {
     #[arg(long)]
     max_connections: Option<usize>,
     /// What the HTTP API's sandboxes reach: `allow`, the internet (through NAT; the host,
-    /// other sandboxes, loopback, link-local and private ranges are always refused), or
-    /// `none`, only `lo` (no network namespace plumbing at all: the fastest). (`deny`, with
-    /// per-sandbox egress rules, is not served yet.)
-    #[arg(long, default_value = "allow", value_parser = ["allow", "none"])]
+    /// other sandboxes, loopback, link-local and private ranges are always refused), `deny`,
+    /// nothing but what a sandbox's own egress rules allow (its `default` decides where it
+    /// gives one), or `none`, only `lo` (no network namespace plumbing at all: the fastest).
+    #[arg(long, default_value = "allow", value_parser = ["allow", "deny", "none"])]
     egress_default: String,
+    /// CA certificates (PEM) the egress proxy trusts besides the public roots when it
+    /// re-encrypts a sandbox's HTTPS to a host with `http` or `inject` rules (a private CA,
+    /// a test's).
+    #[arg(long, value_name = "FILE")]
+    egress_ca_file: Option<PathBuf>,
     /// A private range (CIDR) sandboxes may reach after all, e.g. a company network.
     /// Repeatable.
     #[arg(long = "egress-allow-cidr", value_name = "CIDR")]
@@ -269,6 +274,7 @@ fn main() -> anyhow::Result<()> {
         max_memory_bytes: host_memory(),
         max_vcpus: cpus,
         warm_pool: cli.warm_pool,
+        egress_default_deny: cli.egress_default == "deny",
         max_execs_per_sandbox: fn_cfg
             .max_concurrent_exec_per_sandbox
             .unwrap_or(cli.max_execs_per_sandbox)
@@ -312,6 +318,7 @@ fn main() -> anyhow::Result<()> {
                 allow: cli.egress_allow_cidrs.clone(),
                 dns_upstreams: upstreams,
                 pool: 4,
+                ca_bundle: None,
             })
             .context("the sandbox network (--egress-default none runs without one)")?;
             node.set_net(n.clone());

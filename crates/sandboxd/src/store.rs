@@ -248,6 +248,17 @@ impl Store {
         })
     }
 
+    /// Writes a sandbox's spec (a PATCH of its rules).
+    pub fn update_sandbox_spec(&self, id: &str, spec: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.run(
+                "UPDATE sandboxes SET spec=?2 WHERE id=?1",
+                params![id, spec],
+            )
+            .map(|_| ())
+        })
+    }
+
     /// Removes a sandbox and its commands.
     pub fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
         self.with(|c| {

@@ -321,6 +321,9 @@ pub struct SandboxObject {
     /// them).
     #[serde(default)]
     pub template: Option<String>,
+    /// Its egress rules as the calls gave them (PATCH merges key by key); null: none.
+    #[serde(default)]
+    pub egress: Option<serde_json::Value>,
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod call;
+mod egress;
 mod files;
 mod images;
 mod sandboxes;
@@ -76,6 +77,8 @@ enum Cmd {
         #[command(subcommand)]
         command: files::FsCmd,
     },
+    /// Change a sandbox's egress rules live: sbx egress dev --allow pypi.org --deny '*'.
+    Egress(egress::EgressArgs),
     /// Call a function of the node (sandbox::run, sandbox::exec, sandbox::fs::read, ...) with
     /// key=value arguments (or --json); prints the reply as JSON.
     Call(call::CallArgs),
@@ -150,6 +153,7 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Cp(a) => files::cp(&cli, a),
         Cmd::Fs { command } => files::fs(&cli, command),
         Cmd::Call(a) => call::call(&cli, a),
+        Cmd::Egress(a) => egress::egress(&cli, a),
     }
 }
 

@@ -185,7 +185,7 @@ fn url(cli: &Cli, path: &str) -> String {
     format!("{}{path}", cli.url.trim_end_matches('/'))
 }
 
-fn req(cli: &Cli, method: &str, path: &str) -> ureq::Request {
+pub(crate) fn req(cli: &Cli, method: &str, path: &str) -> ureq::Request {
     let mut r = agent().request(method, &url(cli, path));
     if let Some(k) = &cli.api_key {
         r = r.set("authorization", &format!("Bearer {k}"));

@@ -33,6 +33,9 @@ pub struct SandboxSpec {
     pub netns: Option<PathBuf>,
     /// The sandbox's /etc/resolv.conf; `None`: the image's.
     pub resolv_conf: Option<String>,
+    /// A CA bundle of the host (the public roots and the node's egress CA) mounted read-only
+    /// over the image's /etc/ssl/certs/ca-certificates.crt where the image has that file.
+    pub ca_bundle: Option<PathBuf>,
 }
 
 /// A running sandbox.
@@ -185,6 +188,7 @@ impl NamespaceDriver {
             image_workdir: spec.image_workdir.clone(),
             netns: spec.netns.clone(),
             resolv_conf: spec.resolv_conf.clone(),
+            ca_bundle: spec.ca_bundle.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         let io = |what: &str| {

@@ -57,6 +57,10 @@ pub struct InitConfig {
     /// the image's.
     #[serde(default)]
     pub resolv_conf: Option<String>,
+    /// A file of the host mounted read-only over the image's CA bundle
+    /// (/etc/ssl/certs/ca-certificates.crt, where that is a regular file).
+    #[serde(default)]
+    pub ca_bundle: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -361,6 +365,32 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
         )?;
         if let Some(resolv) = &cfg.resolv_conf {
             write_new(&etc.join("resolv.conf"), resolv, cfg.uid_base)?;
+        }
+        if let Some(bundle) = &cfg.ca_bundle {
+            // Only over a regular file of the image (lstat: a link is not followed out).
+            let target = etc.join("ssl/certs/ca-certificates.crt");
+            if fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_file()) {
+                mount(
+                    Some(bundle.as_path()),
+                    &target,
+                    None::<&str>,
+                    MsFlags::MS_BIND,
+                    None::<&str>,
+                )
+                .ctx(|| format!("bind the CA bundle over {}", target.display()))?;
+                mnt(
+                    None,
+                    &target,
+                    None,
+                    MsFlags::MS_BIND
+                        | MsFlags::MS_REMOUNT
+                        | MsFlags::MS_RDONLY
+                        | MsFlags::MS_NOSUID
+                        | MsFlags::MS_NODEV
+                        | MsFlags::MS_NOEXEC,
+                    None,
+                )?;
+            }
         }
     }
 

@@ -13,7 +13,7 @@ use sbx_api::{ApiError, ErrorCode};
 use super::*;
 
 /// Methods and request headers a CORS preflight of an allowed origin is answered with.
-pub(super) const CORS_METHODS: &str = "GET, POST, PUT, DELETE";
+pub(super) const CORS_METHODS: &str = "GET, POST, PUT, PATCH, DELETE";
 
 pub(super) const CORS_HEADERS: &str =
     "authorization, content-type, accept, idempotency-key, x-request-id, last-event-id, range";

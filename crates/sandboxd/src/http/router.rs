@@ -28,7 +28,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route(
             "/v1/sandboxes/{id}",
-            get(sandboxes::get_one).delete(sandboxes::delete),
+            get(sandboxes::get_one)
+                .patch(sandboxes::patch)
+                .delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/restart", post(sandboxes::restart))
         .route(

@@ -324,6 +324,26 @@ pub(super) async fn get_one(
     reply(&st, &rid, StatusCode::OK, r)
 }
 
+/// `PATCH /v1/sandboxes/{id}`: `{"egress": {...}}` merged key by key.
+pub(super) async fn patch(
+    State(st): St,
+    Extension(rid): Rid,
+    Path(id): Path<String>,
+    body: Body,
+) -> Response {
+    let r = match read_body(body).await {
+        Ok(bytes) => match serde_json::from_slice::<Value>(&bytes) {
+            Ok(v) => st.node.patch_sandbox(&id, &v),
+            Err(_) => Err(ApiError::new(
+                ErrorCode::InvalidJson,
+                "the body is not a JSON object",
+            )),
+        },
+        Err(e) => Err(e),
+    };
+    reply(&st, &rid, StatusCode::OK, r)
+}
+
 pub(super) async fn delete(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
     let r = st.node.delete_sandbox(&id).await;
     reply(&st, &rid, StatusCode::OK, r)

@@ -193,10 +193,10 @@ fn now_ns() -> i64 {
 }
 
 /// A secret as the table keeps it (its value sealed).
-struct SecretRow {
+pub(crate) struct SecretRow {
     name: String,
     sealed: Vec<u8>,
-    allowed_hosts: Option<Vec<String>>,
+    pub(crate) allowed_hosts: Option<Vec<String>>,
     created_at_ns: i64,
     updated_at_ns: i64,
 }
@@ -380,7 +380,7 @@ impl Node {
         }
     }
 
-    fn secret_row(&self, name: &str) -> Result<Option<SecretRow>, ApiError> {
+    pub(crate) fn secret_row(&self, name: &str) -> Result<Option<SecretRow>, ApiError> {
         self.store
             .with_conn(|c| {
                 c.query_row(
@@ -391,6 +391,13 @@ impl Node {
                 .optional()
             })
             .map_err(store_failed)
+    }
+
+    /// The value of secret `name` for the egress proxy's inject (never for an answer);
+    /// `None` when there is no such secret (or it does not open).
+    pub(crate) fn secret_for_inject(&self, name: &str) -> Option<String> {
+        let row = self.secret_row(name).ok()??;
+        self.secret_value(&row).ok()
     }
 
     /// The value of a secret, opened (for the node's own use: never for an answer).

@@ -2,14 +2,16 @@
 //! 53) that their /etc/resolv.conf names. Each question goes to the node's upstream servers
 //! (`--dns-upstream`, else the host's /etc/resolv.conf) from the host, so a sandbox resolves
 //! names though every private range (where a host's resolver usually is) is refused to it.
-//! The answer goes back as it came. (Name rules, egress.allow/deny by name, are decided here
-//! once they exist: the question is in the first bytes of the message.)
+//! The answer goes back as it came. A sandbox whose egress rules refuse the name asked gets
+//! NXDOMAIN from the node itself, and nothing is asked upstream.
 
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::net::Policies;
 
 /// How long an upstream server has to answer before the next is asked.
 const UPSTREAM_WAIT: Duration = Duration::from_secs(2);
@@ -40,16 +42,69 @@ fn parse_resolv_conf(text: &str) -> Vec<SocketAddr> {
 
 /// Serves the sandboxes' questions on `udp` and `tcp` (bound on the gateway) until the
 /// runtime ends.
-pub fn serve(udp: UdpSocket, tcp: TcpListener, upstreams: Vec<SocketAddr>) -> std::io::Result<()> {
+pub fn serve(
+    udp: UdpSocket,
+    tcp: TcpListener,
+    upstreams: Vec<SocketAddr>,
+    policies: Arc<Policies>,
+) -> std::io::Result<()> {
     let upstreams = Arc::new(upstreams);
     let udp = Arc::new(tokio::net::UdpSocket::from_std(udp)?);
     let tcp = tokio::net::TcpListener::from_std(tcp)?;
-    tokio::spawn(serve_udp(udp, upstreams.clone()));
-    tokio::spawn(serve_tcp(tcp, upstreams));
+    tokio::spawn(serve_udp(udp, upstreams.clone(), policies.clone()));
+    tokio::spawn(serve_tcp(tcp, upstreams, policies));
     Ok(())
 }
 
-async fn serve_udp(sock: Arc<tokio::net::UdpSocket>, upstreams: Arc<Vec<SocketAddr>>) {
+/// The name a question asks about (lower-case, no trailing dot), and where the question
+/// section ends; `None` for a message that is not one plain question.
+fn question_name(msg: &[u8]) -> Option<(String, usize)> {
+    if msg.len() < 12 || msg[4..6] != [0, 1] {
+        return None;
+    }
+    let mut at = 12;
+    let mut name = String::new();
+    loop {
+        let len = usize::from(*msg.get(at)?);
+        at += 1;
+        if len == 0 {
+            break;
+        }
+        // A compression pointer has no place in a question.
+        if len > 63 {
+            return None;
+        }
+        let label = msg.get(at..at + len)?;
+        if !name.is_empty() {
+            name.push('.');
+        }
+        name.extend(label.iter().map(|b| b.to_ascii_lowercase() as char));
+        at += len;
+    }
+    let end = at + 4;
+    (end <= msg.len()).then_some((name, end))
+}
+
+/// NXDOMAIN for `question` (its header and question, nothing else).
+fn nxdomain(question: &[u8], end: usize) -> Vec<u8> {
+    let mut a = question[..end].to_vec();
+    a[2] = 0x80 | (question[2] & 0x79); // QR, the opcode and RD asked
+    a[3] = 0x80 | 3; // RA, NXDOMAIN
+    a[6..12].fill(0);
+    a
+}
+
+/// The node's own answer where the sandbox at `from` may not have the name resolved.
+fn refusal(question: &[u8], from: std::net::IpAddr, policies: &Policies) -> Option<Vec<u8>> {
+    let (name, end) = question_name(question)?;
+    (!policies.name_allowed(from, &name)).then(|| nxdomain(question, end))
+}
+
+async fn serve_udp(
+    sock: Arc<tokio::net::UdpSocket>,
+    upstreams: Arc<Vec<SocketAddr>>,
+    policies: Arc<Policies>,
+) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let mut buf = vec![0u8; MAX_UDP];
     loop {
@@ -65,6 +120,10 @@ async fn serve_udp(sock: Arc<tokio::net::UdpSocket>, upstreams: Arc<Vec<SocketAd
             return;
         };
         let question = buf[..n].to_vec();
+        if let Some(no) = refusal(&question, from.ip(), &policies) {
+            let _ = sock.send_to(&no, from).await;
+            continue;
+        }
         let (sock, upstreams) = (sock.clone(), upstreams.clone());
         tokio::spawn(async move {
             if let Some(answer) = ask_udp(&question, &upstreams).await {
@@ -111,16 +170,20 @@ async fn ask_udp(question: &[u8], upstreams: &[SocketAddr]) -> Option<Vec<u8>> {
     None
 }
 
-async fn serve_tcp(listener: tokio::net::TcpListener, upstreams: Arc<Vec<SocketAddr>>) {
+async fn serve_tcp(
+    listener: tokio::net::TcpListener,
+    upstreams: Arc<Vec<SocketAddr>>,
+    policies: Arc<Policies>,
+) {
     loop {
-        let Ok((conn, _)) = listener.accept().await else {
+        let Ok((conn, from)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let upstreams = upstreams.clone();
+        let (upstreams, policies) = (upstreams.clone(), policies.clone());
         tokio::spawn(async move {
-            let _ =
-                tokio::time::timeout(Duration::from_secs(30), tcp_session(conn, &upstreams)).await;
+            let session = tcp_session(conn, from.ip(), &upstreams, &policies);
+            let _ = tokio::time::timeout(Duration::from_secs(30), session).await;
         });
     }
 }
@@ -129,7 +192,9 @@ async fn serve_tcp(listener: tokio::net::TcpListener, upstreams: Arc<Vec<SocketA
 /// the upstream servers over TCP.
 async fn tcp_session(
     mut conn: tokio::net::TcpStream,
+    from: std::net::IpAddr,
     upstreams: &[SocketAddr],
+    policies: &Policies,
 ) -> std::io::Result<()> {
     loop {
         let len = match conn.read_u16().await {
@@ -138,8 +203,12 @@ async fn tcp_session(
         };
         let mut question = vec![0u8; len];
         conn.read_exact(&mut question).await?;
-        let Some(answer) = ask_tcp(&question, upstreams).await else {
-            return Ok(());
+        let answer = match refusal(&question, from, policies) {
+            Some(no) => no,
+            None => match ask_tcp(&question, upstreams).await {
+                Some(a) => a,
+                None => return Ok(()),
+            },
         };
         let len = u16::try_from(answer.len()).unwrap_or(u16::MAX);
         conn.write_u16(len).await?;
@@ -170,6 +239,24 @@ async fn ask_tcp(question: &[u8], upstreams: &[SocketAddr]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_question_s_name_and_its_nxdomain() {
+        let q: Vec<u8> = [
+            0x12, 0x34, 0x01, 0x20, 0, 1, 0, 0, 0, 0, 0, 1, 3, b'A', b'b', b'c', 2, b'i', b'o', 0,
+            0, 1, 0, 1, 0, 0, 41, 16, 0, 0, 0, 0, 0, 0, 0,
+        ]
+        .to_vec();
+        let (name, end) = question_name(&q).unwrap();
+        assert_eq!((name.as_str(), end), ("abc.io", 24));
+        let a = nxdomain(&q, end);
+        assert_eq!(a.len(), 24);
+        assert_eq!(&a[..2], &[0x12, 0x34]);
+        assert_eq!(a[2], 0x81, "QR and RD");
+        assert_eq!(a[3] & 0x0f, 3, "NXDOMAIN");
+        assert_eq!(&a[4..12], &[0, 1, 0, 0, 0, 0, 0, 0]);
+        assert!(question_name(&q[..20]).is_none(), "cut short");
+    }
 
     #[test]
     fn nameservers_of_a_resolv_conf() {
@@ -221,7 +308,7 @@ mod tests {
         let tcp = TcpListener::bind(at).unwrap();
         udp.set_nonblocking(true).unwrap();
         tcp.set_nonblocking(true).unwrap();
-        serve(udp, tcp, upstreams).unwrap();
+        serve(udp, tcp, upstreams, Arc::new(Policies::default())).unwrap();
 
         let q: Vec<u8> = [
             0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 3, b'a', b'b', b'c', 0, 0, 1, 0, 1,

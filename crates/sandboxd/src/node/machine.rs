@@ -47,9 +47,6 @@ impl Node {
                 ),
             ));
         }
-        if req.egress.as_ref().is_some_and(|e| !e.is_null()) {
-            return Err(not_served("egress", "egress rules"));
-        }
         if let Some(v) = req.volumes.first() {
             return Err(ApiError::new(
                 ErrorCode::VolumeNotFound,
@@ -240,15 +237,14 @@ impl Node {
         // namespace then and there (milliseconds).
         let made = tokio::task::spawn_blocking(move || {
             if let Some(net) = net {
-                let (ns, resolv) = net.take(&spec.id).map_err(|e| {
+                let id = spec.id.clone();
+                net.take(&id, &mut spec).map_err(|e| {
                     tracing::error!(sandbox = %spec.id, error = %e, "no network namespace");
                     ApiError::new(
                         ErrorCode::Unavailable,
                         format!("no network for the sandbox: {e}"),
                     )
                 })?;
-                spec.netns = Some(ns);
-                spec.resolv_conf = Some(resolv);
             }
             Ok(driver.create(&spec))
         })
@@ -304,6 +300,7 @@ impl Node {
                 image_workdir: image.meta.workdir.clone(),
                 netns: None,
                 resolv_conf: None,
+                ca_bundle: None,
             },
             plan.network,
         )

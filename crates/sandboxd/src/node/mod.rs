@@ -36,6 +36,9 @@ use warm::Warm;
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     pub data_dir: PathBuf,
+    /// `--egress-default deny`: a sandbox's rules without `default` refuse what they do not
+    /// allow.
+    pub egress_default_deny: bool,
     pub default_memory_bytes: u64,
     pub default_vcpus: u32,
     pub pids_max: u32,

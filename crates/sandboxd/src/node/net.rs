@@ -9,11 +9,12 @@
 //! microseconds); making namespaces happens off the request path, in the pool's thread.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
-use sbx_runtime::net::{Lease, NetConfig, Network, Proto};
+use sbx_api::egress::{Egress, Verdict};
+use sbx_runtime::net::{Lease, NetConfig, Network, Proto, SandboxRules};
 
 use crate::sync::LockExt;
 
@@ -23,6 +24,71 @@ pub struct NodeNet {
     network: Network,
     leases: Mutex<HashMap<String, Lease>>,
     resolv_conf: String,
+    policies: Arc<Policies>,
+    ca_bundle: Option<PathBuf>,
+}
+
+/// Where a sandbox's CA bundle is (the node's bundle is mounted over it).
+pub const SANDBOX_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// The variables that point TLS clients at it (OpenSSL, Python's requests and pip, curl,
+/// Node), set where the image has the bundle and does not set them itself.
+pub const CA_ENV: [&str; 4] = [
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+];
+
+/// The egress rules of the sandboxes that have some, by address: what the node's DNS and its
+/// egress proxy ask of each connection or question.
+#[derive(Default)]
+pub struct Policies {
+    by_addr: RwLock<HashMap<Ipv4Addr, (String, Arc<Egress>)>>,
+}
+
+impl Policies {
+    /// The sandbox at `addr` and its rules (`None`: a sandbox without rules, or none).
+    pub fn get(&self, addr: Ipv4Addr) -> Option<(String, Arc<Egress>)> {
+        self.by_addr
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&addr)
+            .cloned()
+    }
+
+    /// Whether the sandbox at `from` may have `name` resolved.
+    pub fn name_allowed(&self, from: IpAddr, name: &str) -> bool {
+        let IpAddr::V4(a) = from else {
+            return true;
+        };
+        match self.get(a) {
+            Some((_, e)) => !e.restricts_names() || e.name(name) == Verdict::Allow,
+            None => true,
+        }
+    }
+
+    fn set(&self, addr: Ipv4Addr, v: Option<(String, Arc<Egress>)>) {
+        let mut m = self
+            .by_addr
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match v {
+            Some(v) => m.insert(addr, v),
+            None => m.remove(&addr),
+        };
+    }
+}
+
+/// What the kernel enforces of `e`; `None` when it holds nothing more than the node's rules.
+pub fn kernel_rules(e: &Egress) -> Option<SandboxRules> {
+    let r = SandboxRules {
+        default_deny: e.default_deny,
+        exceptions: e.exceptions4(),
+        deny_ports: e.deny_ports.clone(),
+        proxied: e.proxied(),
+        restrict_names: e.restricts_names(),
+    };
+    (r != SandboxRules::default()).then_some(r)
 }
 
 /// What `--egress-*` and `--net-*` set.
@@ -34,7 +100,12 @@ pub struct NetSettings {
     pub allow: Vec<ipnet::Ipv4Net>,
     pub dns_upstreams: Vec<SocketAddr>,
     pub pool: usize,
+    /// The host's CA bundle with the node's egress CA, for the sandboxes.
+    pub ca_bundle: Option<PathBuf>,
 }
+
+/// The egress proxy's port on the gateway.
+pub const PROXY_PORT: u16 = 3129;
 
 impl NodeNet {
     /// Loads the node's table, turns forwarding on, starts the DNS forwarder on the gateway
@@ -45,9 +116,10 @@ impl NodeNet {
             table: s.table,
             prefix: s.prefix,
             range: s.range,
-            gateway_ports: vec![(Proto::Udp, 53), (Proto::Tcp, 53)],
+            gateway_ports: vec![(Proto::Udp, 53), (Proto::Tcp, 53), (Proto::Tcp, PROXY_PORT)],
             allow: s.allow,
             refuse: Vec::new(),
+            proxy_port: Some(PROXY_PORT),
             pool: s.pool,
         })?;
         let gw = network.gateway();
@@ -58,27 +130,73 @@ impl NodeNet {
             s.dns_upstreams
         };
         tracing::info!(gateway = %gw, ?upstreams, "network: DNS on the gateway");
-        super::dns::serve(udp, tcp, upstreams)?;
+        let policies = Arc::new(Policies::default());
+        super::dns::serve(udp, tcp, upstreams, policies.clone())?;
         Ok(Arc::new(NodeNet {
             network,
             leases: Mutex::new(HashMap::new()),
             resolv_conf: format!("nameserver {gw}\noptions edns0\n"),
+            policies,
+            ca_bundle: s.ca_bundle,
         }))
     }
 
-    /// A namespace for sandbox `id`, held until [`NodeNet::release`]: its path (for
-    /// `SandboxSpec::netns`) and the resolv.conf naming the node's DNS.
-    pub fn take(&self, id: &str) -> Result<(PathBuf, String), sbx_runtime::net::NetError> {
+    /// A namespace for sandbox `id`, held until [`NodeNet::release`], put in `spec`: its
+    /// path, the resolv.conf naming the node's DNS, the CA bundle that trusts the node's
+    /// egress CA (and the variables that name it, where the image has a bundle).
+    pub fn take(
+        &self,
+        id: &str,
+        spec: &mut sbx_runtime::SandboxSpec,
+    ) -> Result<(), sbx_runtime::net::NetError> {
         let lease = self.network.take()?;
-        let path = lease.ns_path();
+        spec.netns = Some(lease.ns_path());
         self.leases.locked().insert(id.to_string(), lease);
-        Ok((path, self.resolv_conf.clone()))
+        spec.resolv_conf = Some(self.resolv_conf.clone());
+        if let Some(bundle) = &self.ca_bundle {
+            let rel = SANDBOX_CA_BUNDLE.trim_start_matches('/');
+            if spec.lowers.iter().any(|l| l.join(rel).is_file()) {
+                spec.ca_bundle = Some(bundle.clone());
+                for var in CA_ENV {
+                    if !spec.image_env.iter().any(|(k, _)| k == var) {
+                        spec.image_env
+                            .push((var.to_string(), SANDBOX_CA_BUNDLE.to_string()));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts sandbox `id`'s egress rules in force (`None`: none of its own): the kernel's part
+    /// in one transaction, then what its DNS and proxy read.
+    pub fn set_egress(
+        &self,
+        id: &str,
+        e: Option<Arc<Egress>>,
+    ) -> Result<(), sbx_runtime::net::NetError> {
+        let leases = self.leases.locked();
+        let Some(lease) = leases.get(id) else {
+            return Ok(());
+        };
+        let rules = e.as_deref().and_then(kernel_rules);
+        self.network.set_rules(lease, rules.as_ref())?;
+        let keep = e.filter(|e| **e != Egress::default());
+        self.policies
+            .set(lease.address(), keep.map(|e| (id.to_string(), e)));
+        Ok(())
+    }
+
+    /// The policies of the node's sandboxes (for its DNS and egress proxy).
+    pub fn policies(&self) -> &Arc<Policies> {
+        &self.policies
     }
 
     /// Gives back sandbox `id`'s namespace (after its processes are gone).
     pub fn release(&self, id: &str) {
         let lease = self.leases.locked().remove(id);
         if let Some(lease) = lease {
+            self.policies.set(lease.address(), None);
             if let Err(e) = self.network.release(lease) {
                 tracing::warn!(sandbox = %id, error = %e, "network: release");
             }

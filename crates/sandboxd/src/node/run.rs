@@ -37,6 +37,8 @@ pub struct RunPlan {
     pub(super) warm: Option<Warm>,
     /// Made in a namespace of the node's network.
     pub(super) network: bool,
+    /// Its egress rules (put in force before the command starts).
+    pub(super) egress: Option<std::sync::Arc<sbx_api::egress::Egress>>,
 }
 
 impl RunPlan {
@@ -115,6 +117,7 @@ impl Node {
         };
         // A warm sandbox serves a run of the base image whose machine it can become: any
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
+        let egress = self.check_egress(req.egress.as_ref(), self.has_net())?;
         let can_be_warm = image.is_base() && req.hostname.is_none() && req.tmp == Tmp::Disk;
         let (sandbox_id, warm) = {
             let mut t = self.table.locked();
@@ -161,6 +164,7 @@ impl Node {
             stdin: req.stdin,
             warm,
             network: self.has_net(),
+            egress,
         })
     }
 
@@ -247,6 +251,7 @@ impl Node {
                 self.make(&plan, &image).await?
             }
         };
+        self.apply_egress(&plan.sandbox_id, plan.egress.clone())?;
         let t_ready = t0.elapsed();
         if self.is_stopping() {
             // Made while the node began to stop: `shutdown` did not see it; `run` ends it.

@@ -88,6 +88,7 @@ impl Node {
                     image_workdir: image.meta.workdir.clone(),
                     netns: None,
                     resolv_conf: None,
+                    ca_bundle: None,
                 };
                 match node.create(spec, node.has_net()).await {
                     Ok((sandbox, conn)) => {

@@ -10,6 +10,7 @@ mod bad_input;
 mod cleanup;
 mod commands;
 mod edge;
+mod egress;
 mod files;
 mod functions;
 mod iii;

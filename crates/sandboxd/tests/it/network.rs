@@ -15,11 +15,15 @@ use serde_json::{json, Value};
 use crate::common::TestNode;
 
 /// The test internet: a namespace with a veth to the host, its servers, removed when dropped.
-struct TestInternet {
+/// One at a time (its addresses are fixed): the tests that use it take turns.
+pub(crate) struct TestInternet {
     ns: String,
     host_if: String,
     servers: Vec<Child>,
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
+
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("ip");
@@ -35,7 +39,10 @@ impl TestInternet {
     /// on 8080, both: if the node let them through they would answer), behind `203.0.113.1`.
     /// Its interfaces are not named `sbx…`: a node's table takes every interface with its
     /// prefix (`sbx` for the node of /var/lib/sbx, which may be running) for a sandbox's.
-    fn start() -> TestInternet {
+    pub(crate) fn start() -> TestInternet {
+        let turn = TURN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let tag = std::process::id() % 10_000;
         let (ns, host_if, inner_if) = (
             format!("tinet{tag}"),
@@ -48,6 +55,7 @@ impl TestInternet {
             ns: ns.clone(),
             host_if: host_if.clone(),
             servers: Vec::new(),
+            _turn: turn,
         };
         ip(&["netns", "add", &ns]);
         ip(&[
@@ -89,7 +97,7 @@ impl TestInternet {
         t
     }
 
-    fn spawn(&mut self, args: &[&str]) {
+    pub(crate) fn spawn(&mut self, args: &[&str]) {
         let mut a = vec!["netns", "exec", self.ns.as_str()];
         a.extend_from_slice(args);
         let child = Command::new("ip")
@@ -122,7 +130,7 @@ impl Drop for TestInternet {
 }
 
 /// Python in the sandbox: fetches `url` and prints its body, or prints `refused: <error>`.
-fn fetch(url: &str) -> Value {
+pub(crate) fn fetch(url: &str) -> Value {
     json!([
         "python3",
         "-c",
@@ -133,7 +141,7 @@ fn fetch(url: &str) -> Value {
 }
 
 /// Python in the sandbox: a TCP connection to `host:port` within 2 s: `open` or `refused`.
-fn connect(host: &str, port: u16) -> Value {
+pub(crate) fn connect(host: &str, port: u16) -> Value {
     json!([
         "python3",
         "-c",
@@ -143,12 +151,12 @@ fn connect(host: &str, port: u16) -> Value {
     ])
 }
 
-fn stdout_of(v: &Value) -> String {
+pub(crate) fn stdout_of(v: &Value) -> String {
     v["stdout"].as_str().unwrap_or_default().to_string()
 }
 
 /// Waits until `addr` answers TCP from the host.
-fn wait_tcp(addr: &str) {
+pub(crate) fn wait_tcp(addr: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_millis(200))
         .is_err()

@@ -64,8 +64,10 @@ mod listen;
 mod nft;
 mod nl;
 mod ns;
+mod policy;
 
 pub use listen::bind_gateway;
+pub use policy::SandboxRules;
 
 #[cfg(test)]
 mod tests;
@@ -161,6 +163,9 @@ pub struct NetConfig {
     pub allow: Vec<Ipv4Net>,
     /// More refused destinations (e.g. the networks of the node's own interfaces).
     pub refuse: Vec<Ipv4Net>,
+    /// The egress proxy's port on the gateway, where a proxied sandbox's TCP to ports 80 and
+    /// 443 is sent ([`SandboxRules::proxied`]); `None`: no proxy (such rules send nothing).
+    pub proxy_port: Option<u16>,
     /// How many namespaces a thread of the [`Network`] keeps ready; 0: none is made but by
     /// [`Network::prepare`] and [`Network::fill`] (or by [`Network::take`] on an empty pool).
     pub pool: usize,
@@ -176,6 +181,7 @@ impl Default for NetConfig {
             gateway_ports: vec![(Proto::Udp, 53), (Proto::Tcp, 53)],
             allow: Vec::new(),
             refuse: Vec::new(),
+            proxy_port: None,
             pool: 4,
         }
     }
@@ -241,6 +247,8 @@ struct State {
     /// Slots being made (not yet ready or leased), or whose leftovers are being removed: in
     /// none of the other three, and not to be touched by anyone else meanwhile.
     busy: HashSet<u32>,
+    /// Leased slots with rules of their own in the table ([`Network::set_rules`]).
+    ruled: HashSet<u32>,
     stop: bool,
 }
 
@@ -475,12 +483,18 @@ impl Inner {
             address,
             false,
         );
+        let ruled = locked(&self.state).ruled.remove(&slot);
+        let r0 = if ruled {
+            policy::remove(&mut locked(&self.nf), &self.cfg.table, slot, address)
+        } else {
+            Ok(())
+        };
         let r2 = ct::flush_mark(&mut locked(&self.nf), nft::ct_mark(address));
         // The namespace's last reference (unless a process of the sandbox is still in it):
         // the kernel removes it, and the veth with it, in its own time.
         drop(ns);
         locked(&self.state).free(slot);
-        r1.and(r2)
+        r1.and(r0).and(r2)
     }
 
     fn ruleset(&self) -> nft::Ruleset {
@@ -671,6 +685,37 @@ impl Network {
     /// again even on an error (which is returned).
     pub fn release(&self, mut lease: Lease) -> Result<(), NetError> {
         lease.release()
+    }
+
+    /// Sets the egress rules of a leased sandbox (`None`: none of its own, only the node's),
+    /// in one transaction: they hold for its next connection; established ones are kept.
+    pub fn set_rules(&self, lease: &Lease, rules: Option<&SandboxRules>) -> Result<(), NetError> {
+        let slot = lease.slot;
+        match rules {
+            Some(r) => {
+                policy::apply(
+                    &mut locked(&self.inner.nf),
+                    &self.inner.cfg.table,
+                    slot,
+                    lease.address,
+                    self.inner.gateway,
+                    self.inner.cfg.proxy_port,
+                    r,
+                )?;
+                locked(&self.inner.state).ruled.insert(slot);
+            }
+            None => {
+                if locked(&self.inner.state).ruled.remove(&slot) {
+                    policy::remove(
+                        &mut locked(&self.inner.nf),
+                        &self.inner.cfg.table,
+                        slot,
+                        lease.address,
+                    )?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Leases the namespace of a sandbox that runs already (after the node's restart): `handle`

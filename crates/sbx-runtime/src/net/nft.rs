@@ -110,6 +110,13 @@ const SET_PORTS: &str = "ports";
 const SET_REFUSED4: &str = "refused4";
 const SET_ALLOWED4: &str = "allowed4";
 const SET_REFUSED6: &str = "refused6";
+/// Verdict maps: a sandbox with rules of its own (address -> jump to its chains, [`super::policy`]).
+pub(super) const MAP_FWD: &str = "fwd";
+pub(super) const MAP_PRE: &str = "pre";
+pub(super) const MAP_NAT: &str = "nat";
+/// NFT_DATA_VERDICT: a map's data type for verdicts.
+const DATA_VERDICT: u32 = 0xffff_ff00;
+const PRIO_DSTNAT: i32 = -100;
 
 /// What the table is made from.
 #[derive(Debug, Clone)]
@@ -130,7 +137,7 @@ pub(crate) fn ct_mark(addr: Ipv4Addr) -> u32 {
     u32::from_ne_bytes(addr.octets())
 }
 
-fn msg(inner: NfTablesMessage) -> NetfilterMessage {
+pub(super) fn msg(inner: NfTablesMessage) -> NetfilterMessage {
     NetfilterMessage::new(
         NetfilterHeader::new(NetfilterProtoFamily::Inet, 0, 0),
         inner,
@@ -145,7 +152,11 @@ fn batch_control(inner: ControlMessage) -> NetfilterMessage {
 }
 
 /// Sends `msgs` as one transaction (each acknowledged).
-fn commit(conn: &mut Conn, what: &str, msgs: Vec<(NfTablesMessage, u16)>) -> Result<(), NetError> {
+pub(super) fn commit(
+    conn: &mut Conn,
+    what: &str,
+    msgs: Vec<(NfTablesMessage, u16)>,
+) -> Result<(), NetError> {
     let mut all = Vec::with_capacity(msgs.len() + 2);
     all.push((batch_control(ControlMessage::BatchBegin), 0, false));
     for (m, flags) in msgs {
@@ -157,18 +168,22 @@ fn commit(conn: &mut Conn, what: &str, msgs: Vec<(NfTablesMessage, u16)>) -> Res
 
 // ---- expressions ----
 
-fn expr(e: Expressions) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn expr(e: Expressions) -> ListAttribute<ExpressionAttribute> {
     e.into()
 }
 
-fn meta(key: MetaKey, reg: Register) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn meta(key: MetaKey, reg: Register) -> ListAttribute<ExpressionAttribute> {
     expr(Expressions::Meta(vec![
         Meta::Key(key),
         Meta::DestinationRegister(reg),
     ]))
 }
 
-fn cmp(op: Operator, reg: Register, data: Vec<u8>) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn cmp(
+    op: Operator,
+    reg: Register,
+    data: Vec<u8>,
+) -> ListAttribute<ExpressionAttribute> {
     expr(Expressions::Cmp(vec![
         Cmp::SourceRegister(reg),
         Cmp::Op(op),
@@ -176,7 +191,12 @@ fn cmp(op: Operator, reg: Register, data: Vec<u8>) -> ListAttribute<ExpressionAt
     ]))
 }
 
-fn payload(base: u32, offset: u32, len: u32, reg: Register) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn payload(
+    base: u32,
+    offset: u32,
+    len: u32,
+    reg: Register,
+) -> ListAttribute<ExpressionAttribute> {
     expr(Expressions::Payload(vec![
         Payload::DestinationRegister(reg),
         Payload::Base(base),
@@ -185,7 +205,7 @@ fn payload(base: u32, offset: u32, len: u32, reg: Register) -> ListAttribute<Exp
     ]))
 }
 
-fn lookup(set: &str, reg: Register, invert: bool) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn lookup(set: &str, reg: Register, invert: bool) -> ListAttribute<ExpressionAttribute> {
     let mut attrs = vec![Lookup::Set(set.to_string()), Lookup::SourceRegister(reg)];
     if invert {
         attrs.push(Lookup::Flags(NFT_LOOKUP_F_INV));
@@ -193,7 +213,7 @@ fn lookup(set: &str, reg: Register, invert: bool) -> ListAttribute<ExpressionAtt
     expr(Expressions::Lookup(attrs))
 }
 
-fn verdict(code: Verdict, chain: Option<&str>) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn verdict(code: Verdict, chain: Option<&str>) -> ListAttribute<ExpressionAttribute> {
     let mut v = vec![VerdictAttribute::Code(code)];
     if let Some(c) = chain {
         v.push(VerdictAttribute::Chain(c.to_string()));
@@ -204,23 +224,23 @@ fn verdict(code: Verdict, chain: Option<&str>) -> ListAttribute<ExpressionAttrib
     ]))
 }
 
-fn accept() -> ListAttribute<ExpressionAttribute> {
+pub(super) fn accept() -> ListAttribute<ExpressionAttribute> {
     verdict(Verdict::Other(NF_ACCEPT), None)
 }
 
-fn drop_() -> ListAttribute<ExpressionAttribute> {
+pub(super) fn drop_() -> ListAttribute<ExpressionAttribute> {
     verdict(Verdict::Other(NF_DROP), None)
 }
 
-fn jump(chain: &str) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn jump(chain: &str) -> ListAttribute<ExpressionAttribute> {
     verdict(Verdict::Jump, Some(chain))
 }
 
-fn be32(v: u32) -> Vec<u8> {
+pub(super) fn be32(v: u32) -> Vec<u8> {
     v.to_be_bytes().to_vec()
 }
 
-fn other(name: &str, attrs: Vec<DefaultNla>) -> ListAttribute<ExpressionAttribute> {
+pub(super) fn other(name: &str, attrs: Vec<DefaultNla>) -> ListAttribute<ExpressionAttribute> {
     expr(Expressions::Other {
         expression_type: name.to_string(),
         attributes: attrs,
@@ -235,7 +255,7 @@ fn ifname_prefix(key: MetaKey, prefix: &str) -> Vec<ListAttribute<ExpressionAttr
     ]
 }
 
-fn nfproto(proto: u8) -> Vec<ListAttribute<ExpressionAttribute>> {
+pub(super) fn nfproto(proto: u8) -> Vec<ListAttribute<ExpressionAttribute>> {
     vec![
         meta(MetaKey::Nfproto, Register::Reg1),
         cmp(Operator::Equal, Register::Reg1, vec![proto]),
@@ -285,7 +305,7 @@ fn ct_mark_from(offset: u32) -> Vec<ListAttribute<ExpressionAttribute>> {
     ]
 }
 
-fn ip_daddr_in(set: &str) -> Vec<ListAttribute<ExpressionAttribute>> {
+pub(super) fn ip_daddr_in(set: &str) -> Vec<ListAttribute<ExpressionAttribute>> {
     vec![
         payload(NFT_PAYLOAD_NETWORK_HEADER, 16, 4, Register::Reg1),
         lookup(set, Register::Reg1, false),
@@ -314,7 +334,7 @@ fn parse_live_key(key: &[u8]) -> Option<(String, Ipv4Addr)> {
     Some((name, Ipv4Addr::from(a)))
 }
 
-fn port_key(proto: Proto, port: u16) -> Vec<u8> {
+pub(super) fn port_key(proto: Proto, port: u16) -> Vec<u8> {
     let mut key = vec![0u8; 8];
     key[0] = proto.number();
     key[4..6].copy_from_slice(&port.to_be_bytes());
@@ -323,7 +343,7 @@ fn port_key(proto: Proto, port: u16) -> Vec<u8> {
 
 // ---- sets ----
 
-fn new_set(
+pub(super) fn new_set(
     table: &str,
     name: &str,
     id: u32,
@@ -344,7 +364,39 @@ fn new_set(
     NfTablesMessage::NewSet(SetMessage { attributes: attrs })
 }
 
-fn elements(table: &str, set: &str, keys: Vec<(Vec<u8>, bool)>, add: bool) -> NfTablesMessage {
+/// A map from a sandbox's address to a verdict (a jump to its chain).
+fn verdict_map(table: &str, name: &str, id: u32) -> NfTablesMessage {
+    NfTablesMessage::NewSet(SetMessage {
+        attributes: vec![
+            SetAttribute::Table(table.to_string()),
+            SetAttribute::Name(name.to_string()),
+            SetAttribute::Flags(SetFlags::Map),
+            SetAttribute::KeyType(TYPE_IPADDR),
+            SetAttribute::KeyLen(4),
+            SetAttribute::DataType(DATA_VERDICT),
+            SetAttribute::Id(id),
+        ],
+    })
+}
+
+/// `ip saddr vmap @map`.
+fn saddr_vmap(map: &str) -> Vec<ListAttribute<ExpressionAttribute>> {
+    vec![
+        payload(NFT_PAYLOAD_NETWORK_HEADER, 12, 4, Register::Reg1),
+        expr(Expressions::Lookup(vec![
+            Lookup::Set(map.to_string()),
+            Lookup::SourceRegister(Register::Reg1),
+            Lookup::DestinationRegister(Register::Verdict),
+        ])),
+    ]
+}
+
+pub(super) fn elements(
+    table: &str,
+    set: &str,
+    keys: Vec<(Vec<u8>, bool)>,
+    add: bool,
+) -> NfTablesMessage {
     let elems = keys
         .into_iter()
         .map(|(key, end)| {
@@ -372,7 +424,7 @@ fn elements(table: &str, set: &str, keys: Vec<(Vec<u8>, bool)>, add: bool) -> Nf
 /// Interval-set elements of `ranges` ([first, last] as integers): each range's start, then an
 /// interval end at last + 1 (none where the range reaches the top). Overlapping or touching
 /// ranges are merged first: the kernel refuses overlaps.
-fn interval_keys(mut ranges: Vec<(u128, u128)>, bytes: usize) -> Vec<(Vec<u8>, bool)> {
+pub(super) fn interval_keys(mut ranges: Vec<(u128, u128)>, bytes: usize) -> Vec<(Vec<u8>, bool)> {
     ranges.sort();
     let mut merged: Vec<(u128, u128)> = Vec::new();
     for (a, b) in ranges {
@@ -437,7 +489,7 @@ fn base_chain(
     })
 }
 
-fn chain(table: &str, name: &str) -> NfTablesMessage {
+pub(super) fn chain(table: &str, name: &str) -> NfTablesMessage {
     NfTablesMessage::NewChain(ChainMessage {
         attributes: vec![
             ChainAttribute::Table(table.to_string()),
@@ -446,7 +498,7 @@ fn chain(table: &str, name: &str) -> NfTablesMessage {
     })
 }
 
-fn rule(
+pub(super) fn rule(
     table: &str,
     chain: &str,
     exprs: Vec<Vec<ListAttribute<ExpressionAttribute>>>,
@@ -511,6 +563,9 @@ pub(crate) fn load(
         (new_set(t, SET_REFUSED4, 3, TYPE_IPADDR, 4, true), c),
         (new_set(t, SET_ALLOWED4, 4, TYPE_IPADDR, 4, true), c),
         (new_set(t, SET_REFUSED6, 5, TYPE_IP6ADDR, 16, true), c),
+        (verdict_map(t, MAP_FWD, 6), c),
+        (verdict_map(t, MAP_PRE, 7), c),
+        (verdict_map(t, MAP_NAT, 8), c),
     ];
     let mut fill = |set: &str, keys: Vec<(Vec<u8>, bool)>| {
         if !keys.is_empty() {
@@ -539,6 +594,7 @@ pub(crate) fn load(
         ("input", H::LocalIn, PRIO_FILTER, "filter"),
         ("forward", H::Forward, PRIO_FILTER, "filter"),
         ("postrouting", H::PostRouting, PRIO_SRCNAT, "nat"),
+        ("dnat", H::PreRouting, PRIO_DSTNAT, "nat"),
     ] {
         m.push((base_chain(t, name, hook, prio, kind), c));
     }
@@ -566,6 +622,16 @@ pub(crate) fn load(
         (
             "prerouting",
             vec![iif(), nfproto(NFPROTO_IPV4), ct_mark_from(12)],
+        ),
+        // A sandbox's own deny_ports (before the proxy's DNAT hides the port).
+        (
+            "prerouting",
+            vec![iif(), nfproto(NFPROTO_IPV4), saddr_vmap(MAP_PRE)],
+        ),
+        // Its ports 80 and 443 to the egress proxy.
+        (
+            "dnat",
+            vec![iif(), nfproto(NFPROTO_IPV4), saddr_vmap(MAP_NAT)],
         ),
         (
             "output",
@@ -614,20 +680,13 @@ pub(crate) fn load(
                 ],
             ],
         ),
-        (
-            "sandbox_out",
-            vec![
-                nfproto(NFPROTO_IPV4),
-                ip_daddr_in(SET_ALLOWED4),
-                vec![accept()],
-            ],
-        ),
+        // Refused but what the operator opens: `ip daddr @refused4 ip daddr != @allowed4`.
         (
             "sandbox_out",
             vec![
                 nfproto(NFPROTO_IPV4),
                 ip_daddr_in(SET_REFUSED4),
-                vec![drop_()],
+                vec![lookup(SET_ALLOWED4, Register::Reg1, true), drop_()],
             ],
         ),
         (
@@ -642,6 +701,11 @@ pub(crate) fn load(
             ],
         ),
         ("sandbox_out", vec![nfproto(NFPROTO_IPV6), vec![drop_()]]),
+        // A sandbox's own rules.
+        (
+            "sandbox_out",
+            vec![nfproto(NFPROTO_IPV4), saddr_vmap(MAP_FWD)],
+        ),
         ("sandbox_out", vec![vec![accept()]]),
         ("sandbox_back", vec![ct_established(), vec![accept()]]),
         ("sandbox_back", vec![vec![drop_()]]),

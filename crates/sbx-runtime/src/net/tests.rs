@@ -66,6 +66,7 @@ fn config() -> NetConfig {
         gateway_ports: vec![(Proto::Tcp, OPEN_TCP), (Proto::Udp, OPEN_UDP)],
         allow: Vec::new(),
         refuse: Vec::new(),
+        proxy_port: Some(OPEN_TCP),
         pool: 0,
     }
 }
@@ -380,6 +381,89 @@ fn the_allow_list_opens_a_refused_range() {
 }
 
 #[test]
+fn a_sandbox_s_own_rules_hold_change_at_once_and_go_with_it() {
+    if !root() {
+        return;
+    }
+    let lab = lab(config());
+    let net = lab.net();
+    let a = net.take().expect("take a");
+    let b = net.take().expect("take b");
+    let (ans, bns) = (
+        a.ns_handle().expect("handle a"),
+        b.ns_handle().expect("handle b"),
+    );
+    let other = Ipv4Addr::new(203, 0, 113, 11);
+    within(&lab.outside, move || {
+        let mut rt = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+        let up1 = link::index_of(&mut rt, "up1")?.ok_or(NetError::NotOurs)?;
+        link::add_address(&mut rt, up1, other, 32)
+    });
+    // Default deny but PUBLIC; port 7001 refused whatever.
+    let rules = SandboxRules {
+        default_deny: true,
+        exceptions: vec![(PUBLIC, PUBLIC)],
+        deny_ports: vec![7001],
+        proxied: false,
+        restrict_names: false,
+    };
+    net.set_rules(&a, Some(&rules)).expect("rules");
+    let t = serve_once(listen(&lab.outside, sa(PUBLIC, 7000)));
+    assert_eq!(connect(&ans, sa(PUBLIC, 7000)), Ok(UPLINK_NODE.to_string()));
+    t.join().expect("server");
+    let _l1 = listen(&lab.outside, sa(PUBLIC, 7001));
+    assert!(refused(&ans, sa(PUBLIC, 7001)), "deny_ports wins");
+    let _l2 = listen(&lab.outside, sa(other, 7000));
+    assert!(refused(&ans, sa(other, 7000)), "default deny");
+    // The neighbour has no rules: it reaches both.
+    let t = serve_once(listen(&lab.outside, sa(other, 7002)));
+    assert!(connect(&bns, sa(other, 7002)).is_ok(), "b is not a's rules");
+    t.join().expect("server");
+    // Changed: default allow but PUBLIC, and TCP 80 to the proxy (the gateway's open port).
+    let rules = SandboxRules {
+        default_deny: false,
+        exceptions: vec![(PUBLIC, PUBLIC)],
+        deny_ports: Vec::new(),
+        proxied: true,
+        restrict_names: true,
+    };
+    net.set_rules(&a, Some(&rules)).expect("rules changed");
+    let t = serve_once(listen(&lab.outside, sa(other, 7003)));
+    assert!(connect(&ans, sa(other, 7003)).is_ok(), "now allowed");
+    t.join().expect("server");
+    let _l3 = listen(&lab.outside, sa(PUBLIC, 7004));
+    assert!(refused(&ans, sa(PUBLIC, 7004)), "now refused");
+    let gw = net.gateway();
+    let t = serve_once(listen(&lab.node, sa(gw, OPEN_TCP)));
+    assert_eq!(
+        connect(&ans, sa(other, 80)),
+        Ok(a.address().to_string()),
+        "port 80 anywhere reaches the proxy"
+    );
+    t.join().expect("proxy");
+    let u = within(&lab.outside, move || io(UdpSocket::bind(sa(other, 853))));
+    io(u.set_read_timeout(Some(SHORT))).expect("timeout");
+    within(&ans, move || {
+        let s = io(UdpSocket::bind(sa(Ipv4Addr::UNSPECIFIED, 0)))?;
+        io(s.send_to(b"q", sa(other, 853)))
+    });
+    assert!(u.recv_from(&mut [0u8; 8]).is_err(), "DNS over TLS refused");
+    // Taken away: as any sandbox again.
+    net.set_rules(&a, None).expect("rules removed");
+    let t = serve_once(listen(&lab.outside, sa(PUBLIC, 7005)));
+    assert!(connect(&ans, sa(PUBLIC, 7005)).is_ok(), "rules gone");
+    t.join().expect("server");
+    // Set again, then released with the lease: nothing of them is left.
+    net.set_rules(&a, Some(&rules)).expect("rules again");
+    net.release(a).expect("release");
+    let c = net.take().expect("take c");
+    net.set_rules(&c, Some(&rules))
+        .expect("a new sandbox's rules");
+    net.release(c).expect("release c");
+    drop((ans, bns, b));
+}
+
+#[test]
 fn the_pool_thread_keeps_namespaces_ready() {
     if !root() {
         return;
@@ -661,6 +745,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
         image_workdir: None,
         netns,
         resolv_conf: None,
+        ca_bundle: None,
     };
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("ns");
     let joined = Running {

@@ -78,6 +78,7 @@ impl Node {
             image_workdir: image.meta.workdir.clone(),
             netns: None,
             resolv_conf: None,
+            ca_bundle: None,
         };
         Ok((spec, resolved))
     }
@@ -122,6 +123,11 @@ impl Node {
         // `create` put it among the node's run sandboxes; a kept sandbox is its own.
         self.live_remove(&m.id);
         *m.machine.locked() = Some(sb.clone());
+        // Its rules hold before anything of the caller's runs in it.
+        if let Err(e) = self.apply_egress_of(m) {
+            self.set_failed(m, "boot_failed", &e.message);
+            return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
+        }
         self.watch_agent(m, &sb);
         {
             let mut r = m.resolved.locked();

@@ -36,6 +36,7 @@ impl Node {
             limits,
             expires_in_ms,
         } = self.check_machine(&req, true)?;
+        self.check_egress(req.egress.as_ref(), network)?;
         let mut spec = self.stored_spec(&req, &limits)?;
         spec.network = network;
         let settings = spec.template_settings();
@@ -225,6 +226,7 @@ impl Node {
             image_pull_secret: req.image_pull_secret.clone(),
             template: None,
             network: false,
+            egress: req.egress.clone().filter(|v| !v.is_null()),
         };
         if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
             self.apply_template(&mut spec, key, &req.limits)?;
@@ -482,6 +484,10 @@ impl Node {
                     self.watch_agent(&m, &sb);
                     if let Some(n) = self.net.get() {
                         n.adopt(&m.id, &sb);
+                        // The table was loaded again: its rules are put back.
+                        if let Err(e) = self.apply_egress_of(&m) {
+                            tracing::error!(sandbox = %m.id, error = %e.message, "egress rules after a restart");
+                        }
                     }
                     {
                         let mut r = m.resolved.locked();

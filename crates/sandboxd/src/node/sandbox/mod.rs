@@ -3,6 +3,7 @@
 //! their agent's. A sandbox's agent outlives the node: a node that starts again adopts it.
 
 mod boot;
+mod egress;
 mod exec;
 mod lifecycle;
 mod output;
@@ -68,6 +69,10 @@ pub struct StoredSpec {
     /// On the node's network (a row of an older node: `lo` only, as it was made).
     #[serde(default)]
     pub network: bool,
+    /// Its egress rules as the calls gave them (a PATCH merges into them); the current ones
+    /// are `Managed::egress`.
+    #[serde(default)]
+    pub egress: Option<serde_json::Value>,
 }
 
 impl StoredSpec {
@@ -236,6 +241,8 @@ pub struct Managed {
     /// What the current boot started and checks.
     resolved: Mutex<Resolved>,
     cancel: Cancel,
+    /// Its egress rules as kept (a PATCH changes them).
+    pub(crate) egress: Mutex<Option<serde_json::Value>>,
 }
 
 impl Managed {
@@ -243,12 +250,13 @@ impl Managed {
         Managed {
             id: row.id.clone(),
             row: Mutex::new(row),
-            spec,
             machine: Mutex::new(None),
             running: Mutex::new(HashSet::new()),
             op: Arc::new(tokio::sync::Mutex::new(())),
             resolved: Mutex::new(Resolved::default()),
             cancel: Cancel::new(),
+            egress: Mutex::new(spec.egress.clone()),
+            spec,
         }
     }
 
@@ -346,6 +354,7 @@ impl Node {
             failure: row.failure,
             restarts: row.restarts,
             template: m.spec.template.clone(),
+            egress: m.egress.locked().clone(),
         }
     }
 
@@ -472,6 +481,7 @@ mod tests {
             image_pull_secret: None,
             template: None,
             network: false,
+            egress: None,
         }
     }
 

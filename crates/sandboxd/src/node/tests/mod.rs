@@ -72,6 +72,7 @@ fn config(dir: &Path) -> NodeConfig {
         max_memory_bytes: 1 << 30,
         max_vcpus: 2,
         warm_pool: 0,
+        egress_default_deny: false,
         max_execs_per_sandbox: 4,
         image_allowlist: None,
         max_sandboxes: 16,

@@ -221,6 +221,15 @@ impl TestNode {
         self.finish(req.call())
     }
 
+    /// PATCH of a JSON value; the whole answer.
+    pub fn patch_json(&self, path: &str, body: &Value) -> Reply {
+        let req = self
+            .http
+            .request("PATCH", &self.url(path))
+            .set("Content-Type", "application/json");
+        self.finish(req.send_bytes(&serde_json::to_vec(body).unwrap()))
+    }
+
     /// POST of a JSON value; the whole answer.
     pub fn post_json(&self, path: &str, body: &Value) -> Reply {
         self.post(path, &[], &serde_json::to_vec(body).unwrap())
