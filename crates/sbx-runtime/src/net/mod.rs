@@ -64,8 +64,10 @@ mod listen;
 mod nft;
 mod nl;
 mod ns;
+mod orig;
 
 pub use listen::bind_gateway;
+pub use orig::original_dst;
 
 #[cfg(test)]
 mod tests;
