@@ -3,6 +3,7 @@
 
 pub mod credentials;
 pub mod dns;
+pub mod egress;
 #[cfg(test)]
 mod fake;
 pub mod files;

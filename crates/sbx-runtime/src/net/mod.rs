@@ -64,9 +64,11 @@ mod listen;
 mod nft;
 mod nl;
 mod ns;
+mod orig;
 mod policy;
 
 pub use listen::bind_gateway;
+pub use orig::original_dst;
 pub use policy::SandboxRules;
 
 #[cfg(test)]
