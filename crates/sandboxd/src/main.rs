@@ -318,7 +318,12 @@ fn main() -> anyhow::Result<()> {
                 allow: cli.egress_allow_cidrs.clone(),
                 dns_upstreams: upstreams,
                 pool: 4,
-                ca_bundle: None,
+                data_dir: cli.data_dir.clone(),
+                extra_roots: cli.egress_ca_file.clone(),
+                secrets: {
+                    let weak = Arc::downgrade(&node);
+                    Arc::new(move |name: &str| weak.upgrade()?.secret_for_inject(name))
+                },
             })
             .context("the sandbox network (--egress-default none runs without one)")?;
             node.set_net(n.clone());

@@ -92,7 +92,7 @@ pub fn kernel_rules(e: &Egress) -> Option<SandboxRules> {
 }
 
 /// What `--egress-*` and `--net-*` set.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct NetSettings {
     pub table: String,
     pub prefix: String,
@@ -100,8 +100,52 @@ pub struct NetSettings {
     pub allow: Vec<ipnet::Ipv4Net>,
     pub dns_upstreams: Vec<SocketAddr>,
     pub pool: usize,
-    /// The host's CA bundle with the node's egress CA, for the sandboxes.
-    pub ca_bundle: Option<PathBuf>,
+    /// Where the node's egress CA and the sandboxes' CA bundle are kept.
+    pub data_dir: PathBuf,
+    /// `--egress-ca-file`.
+    pub extra_roots: Option<PathBuf>,
+    /// A secret's value by name, for the egress proxy's inject.
+    pub secrets: Arc<dyn Fn(&str) -> Option<String> + Send + Sync>,
+}
+
+/// What the egress proxy asks of the node.
+struct View {
+    policies: Arc<Policies>,
+    secrets: Arc<dyn Fn(&str) -> Option<String> + Send + Sync>,
+    refused: Arc<dyn Fn(IpAddr) -> bool + Send + Sync>,
+}
+
+impl super::egress::EgressView for View {
+    fn rules_of(&self, addr: Ipv4Addr) -> Option<(String, Arc<Egress>)> {
+        self.policies.get(addr)
+    }
+
+    fn secret(&self, name: &str) -> Option<String> {
+        (self.secrets)(name)
+    }
+
+    fn refused(&self, ip: IpAddr) -> bool {
+        // The node's refusals, and any address of the host itself (the proxy dials from the
+        // host: a name resolving to one of its public addresses must not reach its services).
+        (self.refused)(ip) || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+    }
+}
+
+/// The host's CA bundle (Debian's place, else none) and the node's CA, in one file for the
+/// sandboxes.
+fn write_bundle(dir: &std::path::Path, ca_pem: &str) -> std::io::Result<PathBuf> {
+    let host = std::fs::read_to_string(SANDBOX_CA_BUNDLE).unwrap_or_default();
+    let path = dir.join("egress-ca-bundle.pem");
+    let tmp = dir.join("egress-ca-bundle.pem.tmp");
+    let mut text = host;
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(ca_pem);
+    std::fs::write(&tmp, text)?;
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
 }
 
 /// The egress proxy's port on the gateway.
@@ -131,13 +175,32 @@ impl NodeNet {
         };
         tracing::info!(gateway = %gw, ?upstreams, "network: DNS on the gateway");
         let policies = Arc::new(Policies::default());
-        super::dns::serve(udp, tcp, upstreams, policies.clone())?;
+        super::dns::serve(udp, tcp, upstreams.clone(), policies.clone())?;
+        // The egress proxy, with the node's CA (made once, kept in the data directory).
+        let ca = Arc::new(super::egress::NodeCa::load_or_create(&s.data_dir)?);
+        let ca_bundle = write_bundle(&s.data_dir, ca.cert_pem())?;
+        let (_, proxy) = sbx_runtime::net::bind_gateway(SocketAddrV4::new(gw, PROXY_PORT))?;
+        let view = Arc::new(View {
+            policies: policies.clone(),
+            secrets: s.secrets.clone(),
+            refused: network.refusals(),
+        });
+        super::egress::start(
+            proxy,
+            view,
+            ca,
+            super::egress::ProxyConfig {
+                upstream_dns: upstreams,
+                extra_roots: s.extra_roots.clone(),
+                ca_dir: s.data_dir.clone(),
+            },
+        )?;
         Ok(Arc::new(NodeNet {
             network,
             leases: Mutex::new(HashMap::new()),
             resolv_conf: format!("nameserver {gw}\noptions edns0\n"),
             policies,
-            ca_bundle: s.ca_bundle,
+            ca_bundle: Some(ca_bundle),
         }))
     }
 
@@ -185,11 +248,6 @@ impl NodeNet {
         self.policies
             .set(lease.address(), keep.map(|e| (id.to_string(), e)));
         Ok(())
-    }
-
-    /// The policies of the node's sandboxes (for its DNS and egress proxy).
-    pub fn policies(&self) -> &Arc<Policies> {
-        &self.policies
     }
 
     /// Gives back sandbox `id`'s namespace (after its processes are gone).

@@ -637,6 +637,25 @@ impl Network {
         self.inner.gateway
     }
 
+    /// Whether sandboxes are refused an address whatever their rules (the node's range,
+    /// loopback, link-local, private ranges but what the operator opens, multicast; all of
+    /// IPv6), as a check that outlives this handle: what the node's egress proxy, which dials
+    /// from the host, checks every address against.
+    pub fn refusals(&self) -> Arc<dyn Fn(IpAddr) -> bool + Send + Sync> {
+        let range = self.inner.cfg.range;
+        let mut refused = nft::default_refused4();
+        refused.extend(self.inner.cfg.refuse.iter().copied());
+        let allow = self.inner.cfg.allow.clone();
+        Arc::new(move |ip| match ip {
+            IpAddr::V6(_) => true,
+            IpAddr::V4(a) => {
+                range.contains(&a)
+                    || (refused.iter().any(|n| n.contains(&a))
+                        && !allow.iter().any(|n| n.contains(&a)))
+            }
+        })
+    }
+
     /// The settings this network was made with.
     pub fn config(&self) -> &NetConfig {
         &self.inner.cfg

@@ -24,10 +24,6 @@
 //!   10.x, 127.x or 169.254.x is refused like the address itself). A failed dial or lookup:
 //!   `502 upstream_failed` for HTTP, a closed connection for TLS.
 
-// The node starts it from main once its network is up (the other half of #13); until then
-// only the tests use it.
-#![cfg_attr(not(test), allow(dead_code))]
-
 mod ca;
 mod dial;
 mod http;
