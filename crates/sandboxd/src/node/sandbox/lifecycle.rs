@@ -38,6 +38,7 @@ impl Node {
         } = self.check_machine(&req, true)?;
         let mut spec = self.stored_spec(&req, &limits)?;
         spec.network = network;
+        spec.token = Some(SandboxToken::new()?);
         let settings = spec.template_settings();
         let key = spec.template.clone().unwrap_or_else(|| BASE.into());
         // The first sandbox of a template that pulls, or waits for a check, is answered
@@ -225,6 +226,9 @@ impl Node {
             image_pull_secret: req.image_pull_secret.clone(),
             template: None,
             network: false,
+            public_ports: req.public_ports.clone(),
+            public_ports_except: req.public_ports_except.clone(),
+            token: None,
         };
         if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
             self.apply_template(&mut spec, key, &req.limits)?;

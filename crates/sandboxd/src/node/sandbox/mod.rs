@@ -2,11 +2,13 @@
 //! output, stdin, signal. The table is in SQLite ([`crate::store`]); the commands' output is
 //! their agent's. A sandbox's agent outlives the node: a node that starts again adopts it.
 
+mod access;
 mod boot;
 mod exec;
 mod lifecycle;
 mod output;
 
+pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
 use exec::*;
 use output::*;
 
@@ -68,6 +70,16 @@ pub struct StoredSpec {
     /// On the node's network (a row of an older node: `lo` only, as it was made).
     #[serde(default)]
     pub network: bool,
+    /// Ports anybody may open at the sandbox's preview URL (`public_ports`, as given).
+    #[serde(default)]
+    pub public_ports: Vec<u16>,
+    /// `public_ports_except` as given: every port but these is public (`[]`: every port).
+    #[serde(default)]
+    pub public_ports_except: Option<Vec<u16>>,
+    /// Its token (made at create; `None` in a row of an older node), sealed with the node key
+    /// in the state database.
+    #[serde(default, with = "access::sealed_token")]
+    pub token: Option<SandboxToken>,
 }
 
 impl StoredSpec {
@@ -346,6 +358,9 @@ impl Node {
             failure: row.failure,
             restarts: row.restarts,
             template: m.spec.template.clone(),
+            public_ports: m.spec.public_ports.clone(),
+            public_ports_except: m.spec.public_ports_except.clone(),
+            preview_url: self.preview_url(&m.id),
         }
     }
 
@@ -472,6 +487,9 @@ mod tests {
             image_pull_secret: None,
             template: None,
             network: false,
+            public_ports: Vec::new(),
+            public_ports_except: None,
+            token: None,
         }
     }
 
