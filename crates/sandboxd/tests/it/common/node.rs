@@ -190,6 +190,14 @@ impl TestNode {
                     .into_iter()
                     .flatten(),
             )
+            // The preview listener on a port the system picks ([`TestNode::preview_addr`]),
+            // so that nodes of tests that run at once do not take each other's.
+            .args(
+                (!self.args.iter().any(|a| a == "--preview-listen"))
+                    .then_some(["--preview-listen", "127.0.0.1:0"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(&self.args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -236,6 +244,21 @@ impl TestNode {
             }
             std::thread::sleep(Duration::from_millis(25));
         }
+    }
+
+    /// The address the node's preview listener is bound to (`GET /internal/node`, with
+    /// [`TestNode::auth`]); `None` when it is off.
+    pub fn preview_addr(&self) -> Option<String> {
+        let mut req = self.http.get(&self.url("/internal/node"));
+        if let Some(a) = &self.auth {
+            req = req.set("Authorization", a);
+        }
+        let v: serde_json::Value = req
+            .call()
+            .expect("GET /internal/node")
+            .into_json()
+            .expect("the node object");
+        v["preview"]["listen"].as_str().map(str::to_string)
     }
 
     pub fn url(&self, path: &str) -> String {
