@@ -76,6 +76,9 @@ enum Cmd {
         #[command(subcommand)]
         command: files::FsCmd,
     },
+    /// Print the preview URL of a port of a sandbox, with its token (?sbx_token=): open it in
+    /// a browser.
+    Url(sandboxes::UrlArgs),
     /// Call a function of the node (sandbox::run, sandbox::exec, sandbox::fs::read, ...) with
     /// key=value arguments (or --json); prints the reply as JSON.
     Call(call::CallArgs),
@@ -150,6 +153,7 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Cp(a) => files::cp(&cli, a),
         Cmd::Fs { command } => files::fs(&cli, command),
         Cmd::Call(a) => call::call(&cli, a),
+        Cmd::Url(a) => sandboxes::url_cmd(&cli, a),
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::common::{assert_error, unique, TestNode};
+use crate::common::{assert_error, sbx, unique, TestNode};
 
 /// A server of the stdlib alone: `/headers` (what it was sent, as JSON), `/sse` (3 events,
 /// 0.7 s apart), `/ws` (a WebSocket that echoes), POST (the body back), anything else a hello.
@@ -290,6 +290,32 @@ fn preview_urls_reach_a_sandboxs_ports_with_its_token_or_when_public() {
         "{}",
         list.text()
     );
+
+    // The CLI: `sbx url` prints the URL with the token; `sbx create --public-port`.
+    let (code, out, err) = sbx(&node, &["url", &id, "8000"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out.trim(),
+        format!(
+            "http://8000-{id}.localhost:{}/?sbx_token={token}",
+            pv.port()
+        )
+    );
+    let (code, out, err) = sbx(
+        &node,
+        &[
+            "create",
+            "--public-port",
+            "9000",
+            "--public-port",
+            "9001",
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let made: Value = serde_json::from_str(&out).expect("the sandbox object");
+    assert_eq!(made["public_ports"], json!([9000, 9001]), "{made}");
+    node.delete_sandbox(made["id"].as_str().expect("id"));
 
     // 8000 on every address (private), 8001 on 127.0.0.1 alone (public).
     serve(&node, &id, 8000, "0.0.0.0", &[]);
