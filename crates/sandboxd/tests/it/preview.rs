@@ -236,6 +236,35 @@ impl Preview {
     }
 }
 
+/// A GET over HTTP/2 (cleartext, prior knowledge) to the preview listener: the host is the
+/// request's `:authority`. (status, body)
+fn h2_get(addr: &str, authority: &str, path: &str, token: &str) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (mut send, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(tcp),
+        )
+        .await
+        .expect("the HTTP/2 handshake");
+        tokio::spawn(conn);
+        let req = hyper::Request::get(format!("http://{authority}{path}"))
+            .header("x-sbx-token", token)
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .expect("request");
+        let resp = send.send_request(req).await.expect("an HTTP/2 answer");
+        assert_eq!(resp.version(), hyper::Version::HTTP_2);
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    })
+}
+
 /// Starts the test server on `port` of `sandbox`, bound to `bind`, through `auth`.
 fn serve(node: &TestNode, sandbox: &str, port: u16, bind: &str, auth: &[(&str, &str)]) {
     let body = json!({ "command": ["python3", "-c", SERVER, port.to_string(), bind] });
@@ -356,6 +385,14 @@ fn preview_urls_reach_a_sandboxs_ports_with_its_token_or_when_public() {
     assert_eq!(h["x-forwarded-host"], json!(private), "{seen}");
     assert_eq!(h["x-forwarded-proto"], "http", "{seen}");
     assert_eq!(h["x-forwarded-for"], "127.0.0.1", "{seen}");
+
+    // HTTP/2 from the client (its :authority names the port), HTTP/1.1 to the service.
+    let (status, body) = h2_get(&pv.addr, &private, "/headers?over=h2", &token);
+    assert_eq!(status, 200, "{body}");
+    let seen: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(seen["path"], "/headers?over=h2", "{seen}");
+    assert_eq!(seen["headers"]["host"], json!(private), "{seen}");
+    assert!(seen["headers"].get("x-sbx-token").is_none(), "{seen}");
 
     // A POST body.
     let a = pv.send(
@@ -722,5 +759,37 @@ fn https_previews_and_tokens_beside_api_keys() {
 
     let r = node.delete(&format!("/v1/sandboxes/{id}"), &with_key);
     assert_eq!(r.status, 200, "{}", r.text());
+    node.assert_clean(Duration::from_secs(10));
+}
+
+/// A sandbox on the node's network (its own namespace with a veth, not `lo` alone) is reached
+/// the same way, on every address and on 127.0.0.1.
+#[test]
+fn sandboxes_with_network_are_reached_too() {
+    let range = format!("10.253.{}.0/24", std::process::id() % 250);
+    let node = TestNode::start_with(&[
+        "--egress-default",
+        "allow",
+        "--net-range",
+        &range,
+        "--warm-pool",
+        "0",
+    ]);
+    let pv = Preview::of(&node);
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let token = token_of(&sb);
+    serve(&node, &id, 8000, "0.0.0.0", &[]);
+    serve(&node, &id, 8001, "127.0.0.1", &[]);
+    for port in [8000, 8001] {
+        pv.wait_open(port, &id, &token);
+        let a = pv.get(&pv.host(port, &id), "/net", &[("X-Sbx-Token", &token)]);
+        assert_eq!(
+            (a.status, a.text()),
+            (200, "hello from /net".into()),
+            "port {port}"
+        );
+    }
+    node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
