@@ -793,3 +793,42 @@ fn sandboxes_with_network_are_reached_too() {
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// A sandbox's token is kept across a node's restart (sealed in its row), and its preview
+/// URL works on with it.
+#[test]
+fn tokens_and_previews_outlive_a_node_restart() {
+    let mut node = TestNode::start();
+    let sb = node.create_sandbox(&json!({ "public_ports_except": [8000] }));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let token = token_of(&sb);
+    serve(&node, &id, 8000, "0.0.0.0", &[]);
+    serve(&node, &id, 8001, "0.0.0.0", &[]);
+    let pv = Preview::of(&node);
+    pv.wait_open(8000, &id, &token);
+    pv.wait_open(8001, &id, &token);
+    for file in ["state.db", "state.db-wal"] {
+        let bytes = std::fs::read(node.data_dir.join(file)).unwrap_or_default();
+        assert!(
+            !bytes.windows(token.len()).any(|w| w == token.as_bytes()),
+            "the token is in {file} in clear"
+        );
+    }
+    node.kill();
+    node.restart();
+    let got = node.get(&format!("/v1/sandboxes/{id}"), &[]).json();
+    assert_eq!(got["status"], "running", "{got}");
+    assert_eq!(got["token"], json!(token), "{got}");
+    assert_eq!(got["preview_url"], sb["preview_url"], "{got}");
+    assert_eq!(got["public_ports_except"], json!([8000]), "{got}");
+    let pv = Preview::of(&node);
+    let a = pv.get(&pv.host(8000, &id), "/after", &[]);
+    assert_error(a.status, &a.json(), 401, "invalid_token", None);
+    let a = pv.get(&pv.host(8000, &id), "/after", &[("X-Sbx-Token", &token)]);
+    assert_eq!((a.status, a.text()), (200, "hello from /after".into()));
+    // Every port but 8000 is public.
+    let a = pv.get(&pv.host(8001, &id), "/open", &[]);
+    assert_eq!((a.status, a.text()), (200, "hello from /open".into()));
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
