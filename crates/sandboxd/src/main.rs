@@ -10,6 +10,7 @@ mod iii;
 mod image;
 mod listen;
 mod node;
+mod preview;
 mod probe;
 mod store;
 mod sync;
@@ -130,6 +131,23 @@ struct Cli {
     /// networks or another node's.
     #[arg(long, value_name = "CIDR")]
     net_range: Option<ipnet::Ipv4Net>,
+    /// Where the preview listener listens: a request to `{port}-{sandbox}.{domain}` there
+    /// reaches that port of the sandbox. `off`: no listener (port 0: one the system picks,
+    /// shown in GET /internal/node).
+    #[arg(long, default_value = "127.0.0.1:7780", value_name = "ADDR|off",
+          value_parser = preview::parse_listen)]
+    preview_listen: preview::Listen,
+    /// The domain of the preview URLs (`{port}-{sandbox}.DOMAIN`); a wildcard DNS name
+    /// (`*.DOMAIN`) should point at the listener. `localhost` resolves on the machine itself.
+    #[arg(long, default_value = "localhost", value_name = "DOMAIN")]
+    preview_domain: String,
+    /// The certificate chain (PEM) of the preview listener, for `*.DOMAIN`: it serves HTTPS
+    /// (ALPN h2 and http/1.1). Goes with --preview-tls-key.
+    #[arg(long, value_name = "FILE", requires = "preview_tls_key")]
+    preview_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --preview-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "preview_tls_cert")]
+    preview_tls_key: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -353,6 +371,21 @@ fn main() -> anyhow::Result<()> {
             keepalive: Duration::from_millis(cli.keepalive_timeout_ms.max(1)),
             max_connections: max_connections(cli.max_connections),
         };
+        let preview = preview::Config {
+            listen: cli.preview_listen.0,
+            domain: cli.preview_domain.clone(),
+            tls: cli
+                .preview_tls_cert
+                .clone()
+                .zip(cli.preview_tls_key.clone()),
+        };
+        preview::start(
+            preview,
+            node.clone(),
+            api_keys.clone(),
+            cli.docs_url.clone(),
+        )
+        .await?;
         serve(
             cli.listen,
             node,

@@ -324,6 +324,16 @@ pub struct SandboxObject {
     /// Its egress rules as the calls gave them (PATCH merges key by key); null: none.
     #[serde(default)]
     pub egress: Option<serde_json::Value>,
+    /// Ports anybody may open at its preview URL, as the create gave them.
+    #[serde(default)]
+    pub public_ports: Vec<u16>,
+    /// Every port but these is public too (`[]`: every port); `None`: only `public_ports`.
+    #[serde(default)]
+    pub public_ports_except: Option<Vec<u16>>,
+    /// Its preview URL with the literal text `{port}` where a port goes
+    /// (`http://{port}-sbx-….localhost:7780`); `None` when the node's preview listener is off.
+    #[serde(default)]
+    pub preview_url: Option<String>,
 }
 
 #[cfg(test)]

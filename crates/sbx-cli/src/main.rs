@@ -79,6 +79,9 @@ enum Cmd {
     },
     /// Change a sandbox's egress rules live: sbx egress dev --allow pypi.org --deny '*'.
     Egress(egress::EgressArgs),
+    /// Print the preview URL of a port of a sandbox, with its token (?sbx_token=): open it in
+    /// a browser.
+    Url(sandboxes::UrlArgs),
     /// Call a function of the node (sandbox::run, sandbox::exec, sandbox::fs::read, ...) with
     /// key=value arguments (or --json); prints the reply as JSON.
     Call(call::CallArgs),
@@ -154,6 +157,7 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Fs { command } => files::fs(&cli, command),
         Cmd::Call(a) => call::call(&cli, a),
         Cmd::Egress(a) => egress::egress(&cli, a),
+        Cmd::Url(a) => sandboxes::url_cmd(&cli, a),
     }
 }
 

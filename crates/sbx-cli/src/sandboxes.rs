@@ -1,4 +1,4 @@
-//! `sbx create | ls | exec | logs | rm | restart`.
+//! `sbx create | ls | exec | logs | rm | restart | url`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::time::Duration;
@@ -55,9 +55,26 @@ pub struct CreateArgs {
     /// waited for); by default sbx waits until it is running or failed.
     #[arg(long)]
     no_wait: bool,
+    /// A port anybody may open at the sandbox's preview URL, without its token (repeatable).
+    #[arg(long = "public-port", value_name = "PORT",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    public_ports: Vec<u16>,
     /// Print the sandbox object as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// `sbx url`.
+#[derive(clap::Args, Debug)]
+pub struct UrlArgs {
+    /// The sandbox (id or name).
+    sandbox: String,
+    /// The port of the sandbox.
+    #[arg(value_parser = clap::value_parser!(u16).range(1..))]
+    port: u16,
+    /// Leave the sandbox's token out (for a public port).
+    #[arg(long)]
+    no_token: bool,
 }
 
 /// `--ready`: `tcp:PORT`, `http:PORT[/PATH]`, `cmd:LINE`.
@@ -257,6 +274,9 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
     }
     if let Some(p) = &a.pull_secret {
         body.insert("image_pull_secret".into(), json!(p));
+    }
+    if !a.public_ports.is_empty() {
+        body.insert("public_ports".into(), json!(a.public_ports));
     }
     if a.template_only {
         return build_template(cli, a, Value::Object(body));
@@ -622,9 +642,47 @@ pub fn restart(cli: &Cli, a: &RestartArgs) -> anyhow::Result<u8> {
     Ok(if obj["status"] == "running" { 0 } else { 1 })
 }
 
+/// `sbx url SANDBOX PORT`: the preview URL of a port of the sandbox, with `?sbx_token=` (its
+/// token, which the preview listener trades for a cookie at the first visit).
+pub fn url_cmd(cli: &Cli, a: &UrlArgs) -> anyhow::Result<u8> {
+    let obj: Value = req(cli, "GET", &format!("/v1/sandboxes/{}", a.sandbox))
+        .call()
+        .map_err(api_error)?
+        .into_json()?;
+    let Some(template) = obj["preview_url"].as_str() else {
+        bail!("the node's preview listener is off (sandboxd --preview-listen)");
+    };
+    let token = obj["token"].as_str().filter(|_| !a.no_token);
+    println!("{}", preview_url(template, a.port, token));
+    Ok(0)
+}
+
+/// The URL of `port` from a sandbox's `preview_url` (with `{port}`), with the token as
+/// `?sbx_token=` when given.
+fn preview_url(template: &str, port: u16, token: Option<&str>) -> String {
+    let base = template.replace("{port}", &port.to_string());
+    match token {
+        Some(t) => format!("{base}/?sbx_token={t}"),
+        None => format!("{base}/"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn preview_urls_of_a_port() {
+        let t = "http://{port}-sbx-a.localhost:7780";
+        assert_eq!(
+            preview_url(t, 8080, Some("sbt_1")),
+            "http://8080-sbx-a.localhost:7780/?sbx_token=sbt_1"
+        );
+        assert_eq!(
+            preview_url(t, 3000, None),
+            "http://3000-sbx-a.localhost:7780/"
+        );
+    }
 
     #[test]
     fn ready_checks_read_as_the_api_takes_them() {

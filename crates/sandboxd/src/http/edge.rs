@@ -1,6 +1,7 @@
 //! What every request goes through: its request id, where it comes from (Host, Origin, CORS
 //! preflights), its key, its URI and body type; and every refusal as the one error body.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -57,7 +58,7 @@ pub(super) async fn edge(
             if req.uri().path() == "/healthz" {
                 Ok(())
             } else {
-                authenticate(&st, req.headers(), peer)
+                authenticate(&st, &req, peer)
             }
         })
         .and_then(|()| check_content_type(&req, has_body));
@@ -330,32 +331,80 @@ pub(crate) fn accepts_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
-pub(super) fn authenticate(
-    st: &AppState,
-    headers: &HeaderMap,
-    peer: SocketAddr,
-) -> Result<(), ApiError> {
-    let given = headers
+/// The one decision of who may make a request: a holder of one of the node's API keys (or,
+/// on a node without keys, a loopback caller) may make any; a sandbox's token (`sbt_…`), with
+/// or without keys, only the calls on its own sandbox ([`sandbox_token_may`]). Keys and tokens
+/// are compared in constant time.
+pub(super) fn authenticate(st: &AppState, req: &Request, peer: SocketAddr) -> Result<(), ApiError> {
+    let given = req
+        .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim().to_string());
-    match &st.api_keys {
-        None if peer.ip().is_loopback() => Ok(()),
-        None => Err(ApiError::new(
+        .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim());
+    if let (Some(keys), Some(g)) = (&st.api_keys, given) {
+        if is_api_key(keys, g) {
+            return Ok(());
+        }
+    }
+    if let Some(token) = given.filter(|g| g.starts_with(crate::node::sandbox::TOKEN_PREFIX)) {
+        let Some(id) = st.node.sandbox_of_token(token) else {
+            return Err(ApiError::new(
+                ErrorCode::InvalidToken,
+                "that sandbox token is not valid (its sandbox may be deleted)",
+            ));
+        };
+        return if sandbox_token_may(st, &id, req.method(), req.uri().path()) {
+            Ok(())
+        } else {
+            Err(ApiError::new(
+                ErrorCode::NeedsApiKey,
+                "a sandbox token acts on its own sandbox only (GET of it, its commands, its \
+                 files): this call needs an API key",
+            ))
+        };
+    }
+    match (&st.api_keys, given) {
+        (None, _) if peer.ip().is_loopback() => Ok(()),
+        (None, _) => Err(ApiError::new(
             ErrorCode::MissingApiKey,
             "this node has no API keys and serves loopback callers only",
         )),
-        Some(keys) => match given {
-            None => Err(ApiError::new(
-                ErrorCode::MissingApiKey,
-                "send Authorization: Bearer KEY",
-            )),
-            Some(k) if keys.contains(&k) => Ok(()),
-            Some(_) => Err(ApiError::new(
-                ErrorCode::InvalidApiKey,
-                "that API key is not valid",
-            )),
-        },
+        (Some(_), None) => Err(ApiError::new(
+            ErrorCode::MissingApiKey,
+            "send Authorization: Bearer KEY",
+        )),
+        (Some(_), Some(_)) => Err(ApiError::new(
+            ErrorCode::InvalidApiKey,
+            "that API key is not valid",
+        )),
+    }
+}
+
+/// Whether `given` is one of `keys`: each compared in constant time, all of them every time.
+pub(crate) fn is_api_key(keys: &HashSet<String>, given: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    keys.iter().fold(false, |found, k| {
+        found | bool::from(k.as_bytes().ct_eq(given.as_bytes()))
+    })
+}
+
+/// What the token of sandbox `id` may call: `GET /v1/sandboxes/{it}`, its commands
+/// (`…/exec…`, `…/run`: start, list, get, output, stdin, signal, terminal) and its files
+/// (`…/files…`), where `{it}` is its id or its name.
+fn sandbox_token_may(st: &AppState, id: &str, method: &axum::http::Method, path: &str) -> bool {
+    let Some(rest) = path.strip_prefix("/v1/sandboxes/") else {
+        return false;
+    };
+    let (named, tail) = rest.split_once('/').unwrap_or((rest, ""));
+    let named = percent_encoding::percent_decode_str(named).decode_utf8_lossy();
+    if named.is_empty() || st.node.sandbox_id(&named).as_deref() != Some(id) {
+        return false;
+    }
+    let under = |root: &str| tail == root || tail.starts_with(&format!("{root}/"));
+    match tail {
+        "" => method == axum::http::Method::GET,
+        "run" => true,
+        _ => under("exec") || under("files"),
     }
 }
 

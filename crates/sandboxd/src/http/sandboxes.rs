@@ -104,6 +104,24 @@ where
     F: FnOnce(Option<String>) -> Fut,
     Fut: std::future::Future<Output = (StatusCode, Result<Value, ApiError>)>,
 {
+    idempotent_with(st, rid, headers, scope, body, f, |_| {}).await
+}
+
+/// [`idempotent`], with `shown` adding to a successful answer what its record must not keep
+/// (a sandbox's token), fresh or replayed.
+async fn idempotent_with<F, Fut>(
+    st: &AppState,
+    rid: &RequestId,
+    headers: &HeaderMap,
+    scope: &str,
+    body: &[u8],
+    f: F,
+    shown: impl Fn(&mut Value),
+) -> Response
+where
+    F: FnOnce(Option<String>) -> Fut,
+    Fut: std::future::Future<Output = (StatusCode, Result<Value, ApiError>)>,
+{
     let key = match headers.get("idempotency-key") {
         None => None,
         Some(v) => {
@@ -116,6 +134,10 @@ where
     };
     let Some(key) = key else {
         let (status, r) = f(None).await;
+        let r = r.map(|mut v| {
+            shown(&mut v);
+            v
+        });
         return reply(st, rid, status, r);
     };
     let hash = hex(&Sha256::digest(body));
@@ -149,6 +171,9 @@ where
                 e.insert("request_id".into(), json!(rid.0));
             }
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            if status.is_success() {
+                shown(&mut v);
+            }
             (status, Json(v)).into_response()
         }
         Ok(IdemBegin::Fresh) => {
@@ -171,6 +196,10 @@ where
                     .idem_finish(scope, &key, status.as_u16(), &v.to_string())
             {
                 tracing::error!(error = %e, "idempotency record");
+            }
+            let mut v = v;
+            if status.is_success() {
+                shown(&mut v);
             }
             let mut resp = (status, Json(v)).into_response();
             if status == StatusCode::SERVICE_UNAVAILABLE {
@@ -203,7 +232,8 @@ pub(super) async fn create(
     };
     let node = st.node.clone();
     let body2 = bytes.clone();
-    idempotent(
+    // The token is in the answer, not in the idempotency record (a replay adds it again).
+    idempotent_with(
         &st,
         &rid,
         &headers,
@@ -217,8 +247,24 @@ pub(super) async fn create(
             let r = node.create_sandbox(c).await;
             (StatusCode::CREATED, r.and_then(to_json))
         },
+        |v| with_token(&st, v),
     )
     .await
+}
+
+/// A sandbox object as `POST /v1/sandboxes` and `GET /v1/sandboxes/{id}` answer it: with its
+/// `token` (never in the list, the records of Idempotency-Keys or a log line).
+fn with_token(st: &AppState, v: &mut Value) {
+    let Some(id) = v.get("id").and_then(Value::as_str) else {
+        return;
+    };
+    let token = match st.node.sandbox_token(id) {
+        Ok(Some(t)) => json!(t.reveal()),
+        _ => Value::Null,
+    };
+    if let Some(o) = v.as_object_mut() {
+        o.insert("token".into(), token);
+    }
 }
 
 /// `POST /internal/templates`: a template built ahead (200 when it is built or failed, 202
@@ -320,7 +366,15 @@ pub(super) async fn get_one(
     Extension(rid): Rid,
     Path(id): Path<String>,
 ) -> Response {
-    let r = st.node.managed(&id).map(|m| st.node.sandbox_object(&m));
+    let r = st
+        .node
+        .managed(&id)
+        .map(|m| st.node.sandbox_object(&m))
+        .and_then(to_json)
+        .map(|mut v| {
+            with_token(&st, &mut v);
+            v
+        });
     reply(&st, &rid, StatusCode::OK, r)
 }
 

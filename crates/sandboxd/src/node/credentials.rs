@@ -178,7 +178,7 @@ pub fn init(data_dir: &Path, store: &Store) -> Result<(), KeyError> {
 }
 
 /// The node key ([`init`] loads it).
-fn node_key() -> Result<&'static NodeKey, ApiError> {
+pub(crate) fn node_key() -> Result<&'static NodeKey, ApiError> {
     NODE_KEY.get().ok_or_else(|| {
         tracing::error!("the node key is not loaded");
         ApiError::internal()

@@ -102,13 +102,14 @@ impl Node {
                 "guest kernels (its sandboxes share the host's kernel)",
             ));
         }
-        if !req.public_ports.is_empty() || req.public_ports_except.is_some() {
+        // A kept sandbox's ports are reached through the preview listener; a run's are not.
+        if !long_lived && (!req.public_ports.is_empty() || req.public_ports_except.is_some()) {
             let p = if req.public_ports.is_empty() {
                 "public_ports_except"
             } else {
                 "public_ports"
             };
-            return Err(not_served(p, "preview URLs"));
+            return Err(not_served(p, "preview URLs of runs"));
         }
         if req
             .inbound

@@ -88,6 +88,8 @@ pub struct Node {
     stopping: AtomicBool,
     /// The node's network (none: every sandbox has `lo` only); set once at start.
     pub(crate) net: std::sync::OnceLock<Arc<net::NodeNet>>,
+    /// The preview listener (none: it is off); set once, when it is bound.
+    pub(crate) preview: std::sync::OnceLock<crate::node::sandbox::PreviewSettings>,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -166,6 +168,7 @@ impl Node {
             teardowns: AtomicUsize::new(0),
             stopping: AtomicBool::new(false),
             net: std::sync::OnceLock::new(),
+            preview: std::sync::OnceLock::new(),
         })
     }
 

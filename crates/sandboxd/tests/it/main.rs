@@ -18,6 +18,7 @@ mod images;
 mod isolation;
 mod network;
 mod node_limits;
+mod preview;
 mod ready;
 mod restart;
 mod runtime;

@@ -39,6 +39,7 @@ impl Node {
         self.check_egress(req.egress.as_ref(), network)?;
         let mut spec = self.stored_spec(&req, &limits)?;
         spec.network = network;
+        spec.token = Some(SandboxToken::new()?);
         let settings = spec.template_settings();
         let key = spec.template.clone().unwrap_or_else(|| BASE.into());
         // The first sandbox of a template that pulls, or waits for a check, is answered
@@ -227,6 +228,9 @@ impl Node {
             template: None,
             network: false,
             egress: req.egress.clone().filter(|v| !v.is_null()),
+            public_ports: req.public_ports.clone(),
+            public_ports_except: req.public_ports_except.clone(),
+            token: None,
         };
         if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
             self.apply_template(&mut spec, key, &req.limits)?;

@@ -2,12 +2,14 @@
 //! output, stdin, signal. The table is in SQLite ([`crate::store`]); the commands' output is
 //! their agent's. A sandbox's agent outlives the node: a node that starts again adopts it.
 
+mod access;
 mod boot;
 mod egress;
 mod exec;
 mod lifecycle;
 mod output;
 
+pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
 use exec::*;
 use output::*;
 
@@ -73,6 +75,16 @@ pub struct StoredSpec {
     /// are `Managed::egress`.
     #[serde(default)]
     pub egress: Option<serde_json::Value>,
+    /// Ports anybody may open at the sandbox's preview URL (`public_ports`, as given).
+    #[serde(default)]
+    pub public_ports: Vec<u16>,
+    /// `public_ports_except` as given: every port but these is public (`[]`: every port).
+    #[serde(default)]
+    pub public_ports_except: Option<Vec<u16>>,
+    /// Its token (made at create; `None` in a row of an older node), sealed with the node key
+    /// in the state database.
+    #[serde(default, with = "access::sealed_token")]
+    pub token: Option<SandboxToken>,
 }
 
 impl StoredSpec {
@@ -355,6 +367,9 @@ impl Node {
             restarts: row.restarts,
             template: m.spec.template.clone(),
             egress: m.egress.locked().clone(),
+            public_ports: m.spec.public_ports.clone(),
+            public_ports_except: m.spec.public_ports_except.clone(),
+            preview_url: self.preview_url(&m.id),
         }
     }
 
@@ -482,6 +497,9 @@ mod tests {
             template: None,
             network: false,
             egress: None,
+            public_ports: Vec::new(),
+            public_ports_except: None,
+            token: None,
         }
     }
 

@@ -499,6 +499,7 @@ pub fn assert_error(status: u16, body: &Value, want_status: u16, code: &str, par
         413 => "too_large",
         500 => "internal",
         501 => "not_implemented",
+        502 => "bad_gateway",
         503 => "unavailable",
         504 => "timeout",
         _ => panic!("no error type for {want_status}"),

@@ -84,6 +84,8 @@ pub struct TestNode {
     pub(super) args: Vec<String>,
     /// An `Authorization` value the fixture's own calls (`warm_ids`) send.
     pub auth: Option<String>,
+    /// The address of the preview listener it is started with (unless its arguments name one).
+    pub(super) preview: String,
 }
 
 impl TestNode {
@@ -142,6 +144,7 @@ impl TestNode {
             agent,
             args: args.iter().map(|a| a.to_string()).collect(),
             auth: None,
+            preview: String::new(),
         };
         assert!(
             !node.cgroup_dirs.is_empty(),
@@ -150,6 +153,7 @@ impl TestNode {
         // A port picked here may be taken before the node binds it: try again then.
         for attempt in 0..3 {
             node.addr = format!("127.0.0.1:{}", free_port());
+            node.preview = format!("127.0.0.1:{}", free_port());
             match node.spawn() {
                 Ok(()) => return node,
                 Err(e) if attempt < 2 && node.log_text().contains("listen on") => {
@@ -187,6 +191,15 @@ impl TestNode {
             .args(
                 (!self.args.iter().any(|a| a == "--egress-default"))
                     .then_some(["--egress-default", "none"])
+                    .into_iter()
+                    .flatten(),
+            )
+            // The preview listener on a port of its own ([`TestNode::preview_addr`]), so that
+            // nodes of tests that run at once do not take each other's; the same one after a
+            // restart (sandbox objects name it in preview_url).
+            .args(
+                (!self.args.iter().any(|a| a == "--preview-listen"))
+                    .then(|| ["--preview-listen".to_string(), self.preview.clone()])
                     .into_iter()
                     .flatten(),
             )
@@ -236,6 +249,21 @@ impl TestNode {
             }
             std::thread::sleep(Duration::from_millis(25));
         }
+    }
+
+    /// The address the node's preview listener is bound to (`GET /internal/node`, with
+    /// [`TestNode::auth`]); `None` when it is off.
+    pub fn preview_addr(&self) -> Option<String> {
+        let mut req = self.http.get(&self.url("/internal/node"));
+        if let Some(a) = &self.auth {
+            req = req.set("Authorization", a);
+        }
+        let v: serde_json::Value = req
+            .call()
+            .expect("GET /internal/node")
+            .into_json()
+            .expect("the node object");
+        v["preview"]["listen"].as_str().map(str::to_string)
     }
 
     pub fn url(&self, path: &str) -> String {
