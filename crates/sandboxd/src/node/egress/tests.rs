@@ -682,6 +682,21 @@ async fn a_connection_not_from_a_sandbox_is_closed() {
     assert_eq!(seen.conns.load(Ordering::SeqCst), 0);
 }
 
+#[tokio::test]
+async fn a_denied_port_is_closed() {
+    let (port, seen) = upstream(Ipv4Addr::LOCALHOST, None).await;
+    let h = harness(
+        json!({"deny_ports": [port]}),
+        &[("a.test", Ipv4Addr::LOCALHOST)],
+        SocketAddrV4::new(NOWHERE, port),
+        None,
+    )
+    .await;
+    let (status, body) = http(&h, &get("a.test", "/")).await;
+    assert_eq!((status, body.as_str()), (0, ""));
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 0);
+}
+
 // ---- the CA ----
 
 use rustls::client::danger::ServerCertVerifier;
