@@ -243,6 +243,14 @@ async fn serve(proxy: Arc<Proxy>, stream: TcpStream, peer: SocketAddr) {
             return;
         }
     };
+    if rules.deny_ports.contains(&orig.port()) {
+        debug!(
+            sandbox,
+            port = orig.port(),
+            "egress proxy: port denied, closed"
+        );
+        return;
+    }
     let _ = stream.set_nodelay(true);
     let mut first = [0u8; 1];
     match tokio::time::timeout(HEAD_TIMEOUT, stream.peek(&mut first)).await {

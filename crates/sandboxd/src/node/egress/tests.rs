@@ -180,29 +180,53 @@ async fn upstream(ip: Ipv4Addr, pki: Option<&TestPki>) -> (u16, Seen) {
                     },
                     None => Box::new(stream),
                 };
-                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let h = |n: &str| {
-                        req.headers()
-                            .get(n)
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or("-")
-                            .to_string()
-                    };
-                    let mut line = format!(
-                        "{} {} auth={} host={}",
-                        req.method(),
-                        req.uri(),
-                        h("authorization"),
-                        h("host")
-                    );
-                    if req.headers().contains_key("x-api-key") {
-                        line.push_str(&format!(" key={}", h("x-api-key")));
-                    }
-                    s.requests.lock().unwrap().push(line.clone());
-                    async move { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(line)))) }
-                });
+                let svc =
+                    hyper::service::service_fn(move |mut req: Request<hyper::body::Incoming>| {
+                        let h = |n: &str| {
+                            req.headers()
+                                .get(n)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("-")
+                                .to_string()
+                        };
+                        let mut line = format!(
+                            "{} {} auth={} host={}",
+                            req.method(),
+                            req.uri(),
+                            h("authorization"),
+                            h("host")
+                        );
+                        if req.headers().contains_key("x-api-key") {
+                            line.push_str(&format!(" key={}", h("x-api-key")));
+                        }
+                        s.requests.lock().unwrap().push(line.clone());
+                        let resp = if req.headers().contains_key("upgrade") {
+                            // An upgrade: 101, then the bytes echoed.
+                            let on = hyper::upgrade::on(&mut req);
+                            tokio::spawn(async move {
+                                let Ok(u) = on.await else { return };
+                                let mut u = TokioIo::new(u);
+                                let mut buf = [0u8; 1024];
+                                while let Ok(n @ 1..) = u.read(&mut buf).await {
+                                    if u.write_all(&buf[..n]).await.is_err() {
+                                        return;
+                                    }
+                                }
+                            });
+                            Response::builder()
+                                .status(101)
+                                .header("connection", "upgrade")
+                                .header("upgrade", "echo")
+                                .body(Full::new(Bytes::new()))
+                                .unwrap()
+                        } else {
+                            Response::new(Full::new(Bytes::from(line)))
+                        };
+                        async move { Ok::<_, Infallible>(resp) }
+                    });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(io), svc)
+                    .with_upgrades()
                     .await;
             });
         }
@@ -323,7 +347,7 @@ fn tls_client(root_pem: &str) -> tokio_rustls::TlsConnector {
 async fn http_to_an_allowed_name_goes_where_the_proxy_resolves_it() {
     let (port, seen) = upstream(Ipv4Addr::LOCALHOST, None).await;
     let h = harness(
-        json!({"default": "deny", "allow": ["allowed.test"]}),
+        json!({"default": "deny", "allow": ["allowed.test", "nx.test"]}),
         &[("allowed.test", Ipv4Addr::LOCALHOST)],
         SocketAddrV4::new(NOWHERE, port),
         None,
@@ -333,6 +357,10 @@ async fn http_to_an_allowed_name_goes_where_the_proxy_resolves_it() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body, "GET /hello auth=Bearer fake host=Allowed.Test:80");
     assert_eq!(seen.conns.load(Ordering::SeqCst), 1);
+    // A name the upstream DNS does not know: 502.
+    let (status, body) = http(&h, &get("nx.test", "/")).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(error_code(&body), "upstream_failed");
 }
 
 #[tokio::test]
@@ -434,6 +462,43 @@ async fn inject_over_http_replaces_the_header() {
         body.contains("missing") && !body.contains("s3cret"),
         "{body}"
     );
+    assert_eq!(seen.requests.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn an_upgrade_to_an_inspected_host_is_checked_then_passed_through() {
+    let (port, seen) = upstream(Ipv4Addr::LOCALHOST, None).await;
+    let h = harness(
+        json!({"http": [{"host": "ws.test", "methods": ["GET"], "paths": ["/ws"]}]}),
+        &[("ws.test", Ipv4Addr::LOCALHOST)],
+        SocketAddrV4::new(NOWHERE, port),
+        None,
+    )
+    .await;
+    let up = |path: &str, conn: &str| {
+        format!(
+            "GET {path} HTTP/1.1\r\nHost: ws.test\r\nConnection: {conn}\r\nUpgrade: echo\r\n\r\n"
+        )
+    };
+    let (status, _) = http(&h, &up("/other", "Upgrade, close")).await;
+    assert_eq!(status, 403);
+    let mut s = TcpStream::connect(h.proxy).await.unwrap();
+    s.write_all(up("/ws", "Upgrade").as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut byte).await.unwrap(), 1, "{head:?}");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    s.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&back, b"ping");
     assert_eq!(seen.requests.lock().unwrap().len(), 1);
 }
 
@@ -613,6 +678,21 @@ async fn a_connection_not_from_a_sandbox_is_closed() {
     sock.bind("127.0.0.3:0".parse().unwrap()).unwrap();
     let mut s = sock.connect(h.proxy).await.unwrap();
     let (status, body) = exchange(&mut s, &get("a.test", "/")).await;
+    assert_eq!((status, body.as_str()), (0, ""));
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_denied_port_is_closed() {
+    let (port, seen) = upstream(Ipv4Addr::LOCALHOST, None).await;
+    let h = harness(
+        json!({"deny_ports": [port]}),
+        &[("a.test", Ipv4Addr::LOCALHOST)],
+        SocketAddrV4::new(NOWHERE, port),
+        None,
+    )
+    .await;
+    let (status, body) = http(&h, &get("a.test", "/")).await;
     assert_eq!((status, body.as_str()), (0, ""));
     assert_eq!(seen.conns.load(Ordering::SeqCst), 0);
 }
