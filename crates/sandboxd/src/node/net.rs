@@ -105,13 +105,16 @@ pub struct NetSettings {
     /// `--egress-ca-file`.
     pub extra_roots: Option<PathBuf>,
     /// A secret's value by name, for the egress proxy's inject.
-    pub secrets: Arc<dyn Fn(&str) -> Option<String> + Send + Sync>,
+    pub secrets: SecretLookup,
 }
+
+/// A secret's value by name (`None`: no such secret).
+pub type SecretLookup = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// What the egress proxy asks of the node.
 struct View {
     policies: Arc<Policies>,
-    secrets: Arc<dyn Fn(&str) -> Option<String> + Send + Sync>,
+    secrets: SecretLookup,
     refused: Arc<dyn Fn(IpAddr) -> bool + Send + Sync>,
 }
 
