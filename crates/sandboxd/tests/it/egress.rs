@@ -47,10 +47,12 @@ for port, tls in ((80, False), (8080, False), (443, True)):
 threading.Event().wait()
 "#;
 
+/// Dropped in this order: the node (its network gone before the next test's), the files,
+/// then the test internet (the next test's turn).
 struct World {
-    _net: TestInternet,
-    dir: PathBuf,
     node: TestNode,
+    dir: PathBuf,
+    _net: TestInternet,
 }
 
 impl World {
@@ -177,7 +179,10 @@ fn world() -> World {
     for a in ["203.0.113.10:80", "203.0.113.10:443", "203.0.113.10:53"] {
         wait_tcp(a);
     }
-    let range = format!("10.253.{}.0/24", std::process::id() % 250);
+    // Each node of this file a range of its own (a node that stops late keeps its gateway).
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let range = format!("10.253.{}.0/24", (std::process::id() * 2 + k) % 250);
     let node = TestNode::start_with(&[
         "--egress-default",
         "allow",
