@@ -14,13 +14,14 @@ target/release/sandboxd --images-dir "$images" build-base >&2
 data=$(mktemp -d /tmp/sbx-bench.XXXXXX)
 port=7799
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port --data-dir "$data" \
-  --images-dir "$images" --cgroup-name sbx-bench >"$data/sandboxd.log" 2>&1 &
+  --images-dir "$images" --cgroup-name sbx-bench --preview-listen off \
+  >"$data/sandboxd.log" 2>&1 &
 pid=$!
 # A second node whose sandboxes have no network, for the network's cost.
 data2=$(mktemp -d /tmp/sbx-bench.XXXXXX)
 port2=7798
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port2 --data-dir "$data2" \
-  --images-dir "$images" --cgroup-name sbx-bench-lo --egress-default none \
+  --images-dir "$images" --cgroup-name sbx-bench-lo --egress-default none --preview-listen off \
   >"$data2/sandboxd.log" 2>&1 &
 pid2=$!
 trap 'kill $pid $pid2 2>/dev/null; wait $pid $pid2 2>/dev/null; rm -rf "$data" "$data2"' EXIT
@@ -32,3 +33,5 @@ for p in $port $port2; do
 done
 target/release/sbx-bench --url "http://127.0.0.1:$port" --url-no-net "http://127.0.0.1:$port2" \
   --rootfs "$images/base/rootfs" "$@"
+echo
+bench/nat.sh "http://127.0.0.1:$port"
