@@ -82,8 +82,11 @@ impl Node {
             )
             .with_param("init"));
         }
-        if req.runtime.as_ref().is_some_and(|r| !r.is_null()) {
-            return Err(not_served("runtime", "runtime settings"));
+        // runtime.dns is served; the other runtime settings are not yet.
+        if let Some(rt) = req.runtime.as_ref().and_then(|r| r.as_object()) {
+            if let Some((k, _)) = rt.iter().find(|(k, v)| *k != "dns" && !v.is_null()) {
+                return Err(not_served(&format!("runtime.{k}"), "this runtime setting"));
+            }
         }
         if !long_lived && (req.ready.is_some() || req.start_command.is_some()) {
             let param = if req.ready.is_some() {
@@ -225,6 +228,24 @@ impl Node {
         ))
     }
 
+    /// The resolv.conf of `runtime.dns` (`None`: not given: the node's, or the image's):
+    /// its servers, else the node's DNS for a sandbox on the network.
+    pub(crate) fn resolv_for(
+        &self,
+        runtime: Option<&serde_json::Value>,
+        network: bool,
+    ) -> Option<String> {
+        let dns = runtime
+            .and_then(|r| r.get("dns"))
+            .filter(|d| !d.is_null())?;
+        let dns = sbx_api::run::RuntimeDns::parse(dns).ok()?;
+        let fallback: Vec<std::net::IpAddr> = match self.net.get() {
+            Some(n) if network => vec![n.gateway().into()],
+            _ => Vec::new(),
+        };
+        Some(dns.resolv_conf(&fallback))
+    }
+
     /// Makes a sandbox (in the node's table of live ones) and connects to its agent.
     pub(crate) async fn create(
         self: &Arc<Self>,
@@ -300,7 +321,7 @@ impl Node {
                 image_user: image.meta.user.clone(),
                 image_workdir: image.meta.workdir.clone(),
                 netns: None,
-                resolv_conf: None,
+                resolv_conf: plan.resolv_conf.clone(),
                 ca_bundle: None,
             },
             plan.network,

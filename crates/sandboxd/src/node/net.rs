@@ -218,7 +218,10 @@ impl NodeNet {
         let lease = self.network.take()?;
         spec.netns = Some(lease.ns_path());
         self.leases.locked().insert(id.to_string(), lease);
-        spec.resolv_conf = Some(self.resolv_conf.clone());
+        // `runtime.dns`'s, where the caller wrote one.
+        if spec.resolv_conf.is_none() {
+            spec.resolv_conf = Some(self.resolv_conf.clone());
+        }
         if let Some(bundle) = &self.ca_bundle {
             let rel = SANDBOX_CA_BUNDLE.trim_start_matches('/');
             if spec.lowers.iter().any(|l| l.join(rel).is_file()) {
@@ -299,6 +302,11 @@ impl NodeNet {
         if let Err(e) = self.network.uninstall() {
             tracing::debug!(error = %e, "network: uninstall");
         }
+    }
+
+    /// The gateway: the sandboxes' default route, DNS server and egress proxy.
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.network.gateway()
     }
 
     /// The gateway, the leases held and the namespaces ready, for `GET /internal/node`.

@@ -37,6 +37,8 @@ pub struct RunPlan {
     pub(super) warm: Option<Warm>,
     /// Made in a namespace of the node's network.
     pub(super) network: bool,
+    /// `runtime.dns`'s resolv.conf.
+    pub(super) resolv_conf: Option<String>,
     /// Its egress rules (put in force before the command starts).
     pub(super) egress: Option<std::sync::Arc<sbx_api::egress::Egress>>,
 }
@@ -118,7 +120,11 @@ impl Node {
         // A warm sandbox serves a run of the base image whose machine it can become: any
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
         let egress = self.check_egress(req.egress.as_ref(), self.has_net())?;
-        let can_be_warm = image.is_base() && req.hostname.is_none() && req.tmp == Tmp::Disk;
+        let resolv_conf = self.resolv_for(req.runtime.as_ref(), self.has_net());
+        let can_be_warm = resolv_conf.is_none()
+            && image.is_base()
+            && req.hostname.is_none()
+            && req.tmp == Tmp::Disk;
         let (sandbox_id, warm) = {
             let mut t = self.table.locked();
             if let Some(n) = &req.name {
@@ -165,6 +171,7 @@ impl Node {
             warm,
             network: self.has_net(),
             egress,
+            resolv_conf,
         })
     }
 

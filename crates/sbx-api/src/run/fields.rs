@@ -34,6 +34,9 @@ pub(super) fn check_runtime(v: &Value) -> Result<Value, ApiError> {
             object(val, &format!("runtime.{key}"))?;
         }
     }
+    if let Some(val) = given(obj, "dns") {
+        super::types::RuntimeDns::parse(val)?;
+    }
     if let Some(val) = given(obj, "tmpfs") {
         if !val.is_array() {
             return Err(invalid("runtime.tmpfs", "runtime.tmpfs must be an array"));

@@ -56,8 +56,8 @@ pub use limits::{
     MEMORY_STEP_BYTES, MIN_MEMORY_BYTES, MIN_TIMEOUT_SECONDS, STOP_SIGNALS,
 };
 pub use types::{
-    Command, Encoding, Init, Limits, OnExpiry, Ready, Region, RunRequest, SecretEnv, Stop, Tmp,
-    VolumeMount,
+    Command, Encoding, Init, Limits, OnExpiry, Ready, Region, RunRequest, RuntimeDns, SecretEnv,
+    Stop, Tmp, VolumeMount,
 };
 
 /// The top-level fields of `POST /v1/run`, in the spec's order (which is the order they are

@@ -8,6 +8,7 @@ use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::error::ApiError;
 use crate::exec::signal_number;
 
 use super::limits::{DEFAULT_GRACE_MS, MAX_COMMAND_DISPLAY_CHARS};
@@ -310,4 +311,149 @@ pub struct RunRequest {
     pub wait_for_reader: bool,
     /// `None`: the API's own region.
     pub region: Option<Region>,
+}
+
+/// `runtime.dns`: the sandbox's /etc/resolv.conf.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuntimeDns {
+    /// At most 3 (what the C library reads).
+    pub servers: Vec<std::net::IpAddr>,
+    /// At most 6 domains.
+    pub search: Vec<String>,
+    /// resolv.conf options (`ndots:2`, `edns0`, ...), at most 16.
+    pub options: Vec<String>,
+}
+
+impl RuntimeDns {
+    /// `runtime.dns` as given (an object of servers, search, options; each an array or
+    /// null); 400 invalid_field naming the part.
+    pub fn parse(v: &Value) -> Result<RuntimeDns, ApiError> {
+        let bad = |p: String, m: &str| ApiError::invalid_field(p.clone(), format!("{p} {m}"));
+        let Some(obj) = v.as_object() else {
+            return Err(bad("runtime.dns".into(), "must be an object"));
+        };
+        if let Some(k) = obj
+            .keys()
+            .find(|k| !["servers", "search", "options"].contains(&k.as_str()))
+        {
+            return Err(ApiError::new(
+                crate::ErrorCode::UnknownField,
+                format!("runtime.dns.{k} is not a field of runtime.dns"),
+            )
+            .with_param(format!("runtime.dns.{k}")));
+        }
+        let list = |key: &str, max: usize| -> Result<Vec<String>, ApiError> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(Vec::new()),
+                Some(Value::Array(a)) if a.len() <= max => a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| {
+                        x.as_str().map(str::to_string).ok_or_else(|| {
+                            bad(format!("runtime.dns.{key}[{i}]"), "must be a string")
+                        })
+                    })
+                    .collect(),
+                Some(_) => Err(bad(
+                    format!("runtime.dns.{key}"),
+                    &format!("must be an array of at most {max} strings"),
+                )),
+            }
+        };
+        let mut d = RuntimeDns::default();
+        for (i, s) in list("servers", 3)?.iter().enumerate() {
+            d.servers.push(
+                s.parse().map_err(|_| {
+                    bad(format!("runtime.dns.servers[{i}]"), "must be an IP address")
+                })?,
+            );
+        }
+        for (i, s) in list("search", 6)?.into_iter().enumerate() {
+            if !crate::egress::valid_dns_name(s.trim_end_matches('.')) {
+                return Err(bad(
+                    format!("runtime.dns.search[{i}]"),
+                    "must be a domain name",
+                ));
+            }
+            d.search.push(s);
+        }
+        for (i, s) in list("options", 16)?.into_iter().enumerate() {
+            let ok = !s.is_empty()
+                && s.len() <= 64
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_:.".contains(&b));
+            if !ok {
+                return Err(bad(
+                    format!("runtime.dns.options[{i}]"),
+                    "must be a resolv.conf option (ndots:2, edns0, ...)",
+                ));
+            }
+            d.options.push(s);
+        }
+        Ok(d)
+    }
+
+    /// The resolv.conf: its servers (or `fallback` where it names none), search, options.
+    pub fn resolv_conf(&self, fallback: &[std::net::IpAddr]) -> String {
+        let servers = if self.servers.is_empty() {
+            fallback
+        } else {
+            &self.servers
+        };
+        let mut out = String::new();
+        for s in servers {
+            out.push_str(&format!("nameserver {s}\n"));
+        }
+        if !self.search.is_empty() {
+            out.push_str(&format!("search {}\n", self.search.join(" ")));
+        }
+        if !self.options.is_empty() {
+            out.push_str(&format!("options {}\n", self.options.join(" ")));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod dns_tests {
+    use super::*;
+
+    #[test]
+    fn runtime_dns_is_checked_and_written() {
+        let d = RuntimeDns::parse(&serde_json::json!({
+            "servers": ["1.1.1.1", "2606:4700:4700::1111"], "search": ["corp.example"],
+            "options": ["ndots:2", "edns0"]}))
+        .unwrap();
+        assert_eq!(
+            d.resolv_conf(&[]),
+            "nameserver 1.1.1.1\nnameserver 2606:4700:4700::1111\nsearch corp.example\noptions ndots:2 edns0\n"
+        );
+        let gw: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+        let only = RuntimeDns::parse(&serde_json::json!({"options": ["ndots:1"]})).unwrap();
+        assert_eq!(
+            only.resolv_conf(&[gw]),
+            "nameserver 10.0.0.1\noptions ndots:1\n"
+        );
+        let err = |v| RuntimeDns::parse(&v).unwrap_err().param.unwrap_or_default();
+        assert_eq!(
+            err(serde_json::json!({"servers": ["x"]})),
+            "runtime.dns.servers[0]"
+        );
+        assert_eq!(
+            err(serde_json::json!({"servers": ["1.1.1.1","1.1.1.2","1.1.1.3","1.1.1.4"]})),
+            "runtime.dns.servers"
+        );
+        assert_eq!(
+            err(serde_json::json!({"search": ["bad name"]})),
+            "runtime.dns.search[0]"
+        );
+        assert_eq!(
+            err(serde_json::json!({"options": ["a b"]})),
+            "runtime.dns.options[0]"
+        );
+        assert_eq!(
+            err(serde_json::json!({"nameserver": []})),
+            "runtime.dns.nameserver"
+        );
+    }
 }

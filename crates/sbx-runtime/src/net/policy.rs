@@ -5,9 +5,11 @@
 //!   set x<k>   { type ipv4_addr; flags interval }     # the exceptions to its default
 //!   set d<k>   { type inet_proto . inet_service }     # its deny_ports, TCP and UDP
 //!   chain e<k> { meta l4proto . th dport @d<k> drop }             # from prerouting (@pre)
-//!   chain n<k> { tcp dport { 80, 443 } dnat to GW:PROXY }         # from dnat (@nat), proxied
+//!   chain n<k> {                                                  # from dnat (@nat)
+//!     [names restricted: th dport 53 dnat to GW:53]               # any DNS server: the node's
+//!     [proxied: tcp dport { 80, 443 } dnat to GW:PROXY] }
 //!   chain p<k> {                                                  # from sandbox_out (@fwd)
-//!     [names restricted: udp dport { 53, 443, 853 } drop; tcp dport { 53, 853 } drop]
+//!     [names restricted: udp dport { 443, 853 } drop; tcp dport 853 drop]
 //!     ip daddr @x<k> accept   (default deny: then drop)  |  ip daddr @x<k> drop
 //!   }
 //!   elements: pre[A] = jump e<k>, nat[A] = jump n<k>, fwd[A] = jump p<k>
@@ -45,8 +47,8 @@ pub struct SandboxRules {
     pub deny_ports: Vec<u16>,
     /// Its TCP to ports 80 and 443 goes to the node's egress proxy.
     pub proxied: bool,
-    /// Names are restricted: DNS is the node's alone (53 elsewhere refused), and DNS over TLS
-    /// (853) and QUIC (UDP 443) are refused.
+    /// Names are restricted: DNS is the node's alone (port 53 of any address is sent to the
+    /// gateway's), and DNS over TLS (853) and QUIC (UDP 443) are refused.
     pub restrict_names: bool,
 }
 
@@ -214,6 +216,16 @@ pub(crate) fn apply(
             drop_(),
         ]],
     );
+    // DNS asked of any server goes to the node's, which answers by the rules.
+    if r.restrict_names {
+        for proto in [Proto::Udp, Proto::Tcp] {
+            add(
+                &mut m,
+                &n,
+                vec![proto_port(proto, 53), dnat_to(gateway, 53)],
+            );
+        }
+    }
     if let (true, Some(port)) = (r.proxied, proxy_port) {
         for dport in [80, 443] {
             add(
@@ -224,13 +236,7 @@ pub(crate) fn apply(
         }
     }
     if r.restrict_names {
-        for (proto, port) in [
-            (Proto::Udp, 53),
-            (Proto::Tcp, 53),
-            (Proto::Udp, 443),
-            (Proto::Udp, 853),
-            (Proto::Tcp, 853),
-        ] {
+        for (proto, port) in [(Proto::Udp, 443), (Proto::Udp, 853), (Proto::Tcp, 853)] {
             add(&mut m, &p, vec![proto_port(proto, port), vec![drop_()]]);
         }
     }

@@ -448,6 +448,17 @@ fn a_sandbox_s_own_rules_hold_change_at_once_and_go_with_it() {
         io(s.send_to(b"q", sa(other, 853)))
     });
     assert!(u.recv_from(&mut [0u8; 8]).is_err(), "DNS over TLS refused");
+    // DNS asked of another server goes to the gateway's.
+    let dns = within(&lab.node, move || io(UdpSocket::bind(sa(gw, OPEN_UDP))));
+    io(dns.set_read_timeout(Some(LONG))).expect("timeout");
+    within(&ans, move || {
+        let s = io(UdpSocket::bind(sa(Ipv4Addr::UNSPECIFIED, 0)))?;
+        io(s.send_to(b"q", sa(other, 53)))
+    });
+    let (_, from) = dns
+        .recv_from(&mut [0u8; 8])
+        .expect("DNS to another server at the gateway");
+    assert_eq!(from.ip(), IpAddr::V4(a.address()));
     // Taken away: as any sandbox again.
     net.set_rules(&a, None).expect("rules removed");
     let t = serve_once(listen(&lab.outside, sa(PUBLIC, 7005)));

@@ -77,7 +77,7 @@ impl Node {
             image_user: image.meta.user.clone(),
             image_workdir: image.meta.workdir.clone(),
             netns: None,
-            resolv_conf: None,
+            resolv_conf: self.resolv_for(m.spec.runtime.as_ref(), m.spec.network),
             ca_bundle: None,
         };
         Ok((spec, resolved))

@@ -57,6 +57,7 @@ impl Node {
             && spec.image == "base"
             && spec.hostname.is_none()
             && !spec.tmp_memory
+            && spec.runtime.is_none()
             && spec.memory_bytes == self.cfg.default_memory_bytes
             && spec.vcpus == self.cfg.default_vcpus
             && spec.network == self.has_net();
@@ -228,6 +229,7 @@ impl Node {
             template: None,
             network: false,
             egress: req.egress.clone().filter(|v| !v.is_null()),
+            runtime: req.runtime.clone().filter(|v| !v.is_null()),
             public_ports: req.public_ports.clone(),
             public_ports_except: req.public_ports_except.clone(),
             token: None,

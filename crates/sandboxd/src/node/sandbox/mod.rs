@@ -75,6 +75,9 @@ pub struct StoredSpec {
     /// are `Managed::egress`.
     #[serde(default)]
     pub egress: Option<serde_json::Value>,
+    /// `runtime` as given (only `dns` is served: its resolv.conf, written at each boot).
+    #[serde(default)]
+    pub runtime: Option<serde_json::Value>,
     /// Ports anybody may open at the sandbox's preview URL (`public_ports`, as given).
     #[serde(default)]
     pub public_ports: Vec<u16>,
@@ -497,6 +500,7 @@ mod tests {
             template: None,
             network: false,
             egress: None,
+            runtime: None,
             public_ports: Vec::new(),
             public_ports_except: None,
             token: None,
