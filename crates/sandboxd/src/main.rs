@@ -5,6 +5,7 @@
 mod agent;
 mod config;
 mod functions;
+mod hop;
 mod http;
 mod iii;
 mod image;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 use sbx_api::{ApiError, ErrorCode};
@@ -93,44 +93,6 @@ pub(super) enum ForwardError {
     Uri(hyper::http::Error),
 }
 
-/// Headers of one hop, never passed on (RFC 9110 7.6.1), besides those `Connection` names.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-];
-
-/// Takes the hop-by-hop headers out; `Upgrade` too unless `upgrading`, when `Connection:
-/// upgrade` and `Upgrade` are what is asked of the next hop.
-fn strip_hop_by_hop(h: &mut HeaderMap, upgrading: bool) {
-    let named: Vec<HeaderName> = h
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    let upgrade = h.get(header::UPGRADE).cloned();
-    for n in named {
-        h.remove(n);
-    }
-    for n in HOP_BY_HOP {
-        h.remove(n);
-    }
-    h.remove(header::UPGRADE);
-    if upgrading {
-        if let Some(u) = upgrade {
-            h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-            h.insert(header::UPGRADE, u);
-        }
-    }
-}
-
 /// Whether an HTTP/1.1 request asks to switch protocols (`Connection: upgrade` + `Upgrade`).
 fn wants_upgrade(req: &Request<Incoming>) -> bool {
     req.version() <= Version::HTTP_11
@@ -153,7 +115,7 @@ pub(super) async fn forward(
     let upgrading = wants_upgrade(&req);
     let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    strip_hop_by_hop(&mut parts.headers, upgrading);
+    crate::hop::strip_hop_by_hop(&mut parts.headers, upgrading);
     // HTTP/1.1 to the service: the target in origin form, a Host (an HTTP/2 request has its
     // :authority instead).
     let pq = parts
@@ -213,7 +175,7 @@ pub(super) async fn forward(
             return Ok(Response::from_parts(parts, Either::Right(Full::default())));
         }
     }
-    strip_hop_by_hop(resp.headers_mut(), false);
+    crate::hop::strip_hop_by_hop(resp.headers_mut(), false);
     Ok(resp.map(Either::Left))
 }
 
@@ -223,7 +185,7 @@ mod tests {
 
     #[test]
     fn hop_by_hop_headers_stay_behind() {
-        let mut h = HeaderMap::new();
+        let mut h = header::HeaderMap::new();
         h.insert(
             "connection",
             HeaderValue::from_static("keep-alive, x-mine, Upgrade"),
@@ -233,10 +195,10 @@ mod tests {
         h.insert("upgrade", HeaderValue::from_static("websocket"));
         h.insert("x-kept", HeaderValue::from_static("2"));
         let mut up = h.clone();
-        strip_hop_by_hop(&mut h, false);
+        crate::hop::strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
-        strip_hop_by_hop(&mut up, true);
+        crate::hop::strip_hop_by_hop(&mut up, true);
         assert_eq!(
             up.get("connection").map(|v| v.as_bytes()),
             Some(&b"upgrade"[..])

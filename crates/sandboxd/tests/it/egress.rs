@@ -442,7 +442,8 @@ fn http_rules_and_secrets_injected_over_http_and_https() {
 fn runtime_dns_writes_resolv_conf_and_name_rules_still_hold() {
     let w = world();
     let n = &w.node;
-    let dns = json!({"dns": {"servers": ["203.0.113.10"], "search": ["test"], "options": ["ndots:1"]}});
+    let dns =
+        json!({"dns": {"servers": ["203.0.113.10"], "search": ["test"], "options": ["ndots:1"]}});
     let v = n.run_ok(&json!({ "command": ["cat", "/etc/resolv.conf"], "runtime": dns }));
     assert_eq!(
         stdout_of(&v),
@@ -455,19 +456,30 @@ fn runtime_dns_writes_resolv_conf_and_name_rules_still_hold() {
     // With rules that refuse names, DNS asked of any server is the node's: refused names are
     // NXDOMAIN whatever resolv.conf says.
     let egress = json!({"default": "deny", "allow": ["web.test"]});
-    let v = n.run_ok(&json!({ "command": fetch("http://other.test/"), "runtime": dns, "egress": egress }));
+    let v = n.run_ok(
+        &json!({ "command": fetch("http://other.test/"), "runtime": dns, "egress": egress }),
+    );
     assert!(stdout_of(&v).starts_with("refused"), "{v}");
-    let v = n.run_ok(&json!({ "command": fetch("http://web.test/ok"), "runtime": dns, "egress": egress }));
+    let v = n.run_ok(
+        &json!({ "command": fetch("http://web.test/ok"), "runtime": dns, "egress": egress }),
+    );
     assert!(stdout_of(&v).contains("/ok"), "{v}");
     // A kept sandbox: written at its boot.
     let sb = n.create_sandbox(&json!({ "runtime": {"dns": {"options": ["ndots:3"]}} }));
     let id = sb["id"].as_str().unwrap().to_string();
-    let v = n.exec(&id, &json!({ "command": ["cat", "/etc/resolv.conf"], "wait_seconds": 10 }));
+    let v = n.exec(
+        &id,
+        &json!({ "command": ["cat", "/etc/resolv.conf"], "wait_seconds": 10 }),
+    );
     let gw = crate::common::get_json(n, "/internal/node").1["network"]["gateway"]
         .as_str()
         .unwrap()
         .to_string();
-    assert_eq!(stdout_of(&v), format!("nameserver {gw}\noptions ndots:3\n"), "{v}");
+    assert_eq!(
+        stdout_of(&v),
+        format!("nameserver {gw}\noptions ndots:3\n"),
+        "{v}"
+    );
     n.delete_sandbox(&id);
     // Refusals.
     let (s, v) = n.run(&json!({ "command": ["true"], "runtime": {"dns": {"servers": ["nope"]}} }));

@@ -14,7 +14,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
-use hyper::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_TYPE, HOST, UPGRADE};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_TYPE, HOST, UPGRADE};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use sbx_api::egress::{normal_host, Verdict};
@@ -242,37 +242,6 @@ pub(super) async fn serve_inspected(
         .await;
 }
 
-/// Hop-by-hop headers: of one connection, not forwarded.
-const HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-];
-
-fn strip_hop(headers: &mut hyper::HeaderMap, keep_upgrade: bool) {
-    let named: Vec<String> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
-        .filter(|t| !t.is_empty() && t != "upgrade")
-        .collect();
-    for n in named.iter().map(String::as_str).chain(HOP) {
-        headers.remove(n);
-    }
-    if keep_upgrade {
-        headers.insert(CONNECTION, HeaderValue::from_static("upgrade"));
-    } else {
-        headers.remove(UPGRADE);
-    }
-}
-
 /// The upstream of one inspected connection: one HTTP/1 connection to it, made at the
 /// first request and again when it is closed.
 struct Upstream {
@@ -341,7 +310,7 @@ impl Upstream {
             req.headers_mut().insert(name, value);
         }
         let upgrade = req.headers().contains_key(UPGRADE);
-        strip_hop(req.headers_mut(), upgrade);
+        crate::hop::strip_hop_by_hop(req.headers_mut(), upgrade);
         let origin_form = req
             .uri()
             .path_and_query()
@@ -390,7 +359,7 @@ impl Upstream {
                 return resp.map(|_| full(Bytes::new()));
             }
         }
-        strip_hop(resp.headers_mut(), false);
+        crate::hop::strip_hop_by_hop(resp.headers_mut(), false);
         resp.map(BodyExt::boxed)
     }
 
