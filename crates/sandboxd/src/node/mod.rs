@@ -137,7 +137,15 @@ impl Node {
     /// gone).
     pub(crate) fn release_net(&self, id: &str) {
         if let Some(n) = self.net.get() {
-            n.release(id);
+            n.release(id, false);
+        }
+    }
+
+    /// [`Node::release_net`] of a sandbox the driver destroyed: its namespace may be used
+    /// again.
+    pub(crate) fn recycle_net(&self, id: &str) {
+        if let Some(n) = self.net.get() {
+            n.release(id, true);
         }
     }
 

@@ -256,12 +256,19 @@ impl NodeNet {
         Ok(())
     }
 
-    /// Gives back sandbox `id`'s namespace (after its processes are gone).
-    pub fn release(&self, id: &str) {
+    /// Gives back sandbox `id`'s namespace (after its processes are gone); `destroyed`: the
+    /// caller destroyed the sandbox (none of its processes is left), so the namespace may go
+    /// back to the pool.
+    pub fn release(&self, id: &str, destroyed: bool) {
         let lease = self.leases.locked().remove(id);
         if let Some(lease) = lease {
             self.policies.set(lease.address(), None);
-            if let Err(e) = self.network.release(lease) {
+            let r = if destroyed {
+                self.network.recycle(lease)
+            } else {
+                self.network.release(lease)
+            };
+            if let Err(e) = r {
                 tracing::warn!(sandbox = %id, error = %e, "network: release");
             }
         }

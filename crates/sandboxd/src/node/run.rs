@@ -208,7 +208,7 @@ impl Node {
             for round in 1..=TEARDOWN_ROUNDS {
                 match node.driver.destroy(&sb) {
                     Ok(()) => {
-                        node.release_net(&sb.id);
+                        node.recycle_net(&sb.id);
                         break;
                     }
                     Err(e) if round < TEARDOWN_ROUNDS => {

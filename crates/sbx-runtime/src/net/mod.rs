@@ -475,6 +475,7 @@ impl Inner {
         ifname: &str,
         address: Ipv4Addr,
         ns: Option<OwnedFd>,
+        reuse: bool,
     ) -> Result<(), NetError> {
         // The element first: from now on whatever comes from the veth is dropped, so no new
         // conntrack entry is made after the flush.
@@ -492,11 +493,25 @@ impl Inner {
             Ok(())
         };
         let r2 = ct::flush_mark(&mut locked(&self.nf), nft::ct_mark(address));
+        let r = r1.and(r0).and(r2);
+        // A namespace whose sandbox is gone is as good as new (nothing of it could be changed
+        // from inside: it belongs to the host's user namespace): back to the pool while the
+        // pool wants one, which spares making one and the kernel's teardown of this one.
+        if let (true, Ok(()), Some(ns)) = (reuse, &r, ns.as_ref()) {
+            let mut st = locked(&self.state);
+            if !st.stop && st.ready.len() < self.cfg.pool {
+                if let Ok(ns) = ns.try_clone() {
+                    st.leased.remove(&slot);
+                    st.ready.push_back(Ready { slot, ns });
+                    return Ok(());
+                }
+            }
+        }
         // The namespace's last reference (unless a process of the sandbox is still in it):
         // the kernel removes it, and the veth with it, in its own time.
         drop(ns);
         locked(&self.state).free(slot);
-        r1.and(r0).and(r2)
+        r
     }
 
     fn ruleset(&self) -> nft::Ruleset {
@@ -705,7 +720,13 @@ impl Network {
     /// conntrack entries flushed, the namespace's last reference closed. The slot is free
     /// again even on an error (which is returned).
     pub fn release(&self, mut lease: Lease) -> Result<(), NetError> {
-        lease.release()
+        lease.release(false)
+    }
+
+    /// [`Network::release`] of a sandbox known to be gone (its processes all ended: the
+    /// caller destroyed it): its namespace goes back to the pool when the pool wants one.
+    pub fn recycle(&self, mut lease: Lease) -> Result<(), NetError> {
+        lease.release(true)
     }
 
     /// Sets the egress rules of a leased sandbox (`None`: none of its own, only the node's),
@@ -949,18 +970,18 @@ impl Lease {
         self.ns.take();
     }
 
-    fn release(&mut self) -> Result<(), NetError> {
+    fn release(&mut self, reuse: bool) -> Result<(), NetError> {
         let Some(ns) = self.ns.take() else {
             return Ok(());
         };
         self.net
-            .release(self.slot, &self.ifname, self.address, Some(ns))
+            .release(self.slot, &self.ifname, self.address, Some(ns), reuse)
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Err(e) = self.release() {
+        if let Err(e) = self.release(false) {
             tracing::warn!(error = %e, slot = self.slot, "releasing a sandbox network namespace");
         }
     }

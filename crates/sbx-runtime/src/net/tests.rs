@@ -475,6 +475,44 @@ fn a_sandbox_s_own_rules_hold_change_at_once_and_go_with_it() {
 }
 
 #[test]
+fn a_destroyed_sandbox_s_namespace_goes_back_to_the_pool_clean() {
+    if !root() {
+        return;
+    }
+    let mut cfg = config();
+    cfg.pool = 1;
+    let lab = lab(cfg);
+    let net = lab.net();
+    let a = net.take().expect("take");
+    let (slot, addr) = (a.slot(), a.address());
+    let rules = SandboxRules {
+        default_deny: true,
+        ..SandboxRules::default()
+    };
+    net.set_rules(&a, Some(&rules)).expect("rules");
+    net.recycle(a).expect("recycle");
+    assert_eq!(net.ready(), 1, "the pool holds what it wants, no more");
+    // The pool's thread may have made one meanwhile; whichever is leased next, it works and
+    // has no rules of a sandbox before.
+    let b = net.take().expect("take again");
+    let _ = (slot, addr);
+    // Leased again with its element, without the rules of the sandbox before.
+    let bns = b.ns_handle().expect("handle");
+    let t = serve_once(listen(&lab.outside, sa(PUBLIC, 7010)));
+    assert!(
+        connect(&bns, sa(PUBLIC, 7010)).is_ok(),
+        "no rules left over"
+    );
+    t.join().expect("server");
+    // The pool is full: a second recycled namespace is released for good.
+    let c = net.take().expect("take c");
+    net.recycle(b).expect("recycle b");
+    net.recycle(c).expect("recycle c");
+    assert_eq!(net.ready(), 1);
+    drop(bns);
+}
+
+#[test]
 fn the_pool_thread_keeps_namespaces_ready() {
     if !root() {
         return;

@@ -329,8 +329,12 @@ impl Node {
         m.machine.locked().take();
         let driver = self.driver.clone();
         let id = sb.id.clone();
-        let _ = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
-        self.release_net(&id);
+        let destroyed = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
+        if matches!(destroyed, Ok(Ok(()))) {
+            self.recycle_net(&id);
+        } else {
+            self.release_net(&id);
+        }
     }
 
     pub(crate) async fn record_finals(&self, m: &Arc<Managed>, sb: &Sandbox) {
