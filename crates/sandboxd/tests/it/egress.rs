@@ -163,19 +163,11 @@ fn world() -> World {
         &d("srv.pem"),
         &d("srv.key"),
     ]);
-    net.spawn(&[
-        "dnsmasq",
-        "--no-daemon",
-        "--no-resolv",
-        "--no-hosts",
-        "--listen-address=203.0.113.10",
-        "--bind-interfaces",
-        "--log-queries",
-        &format!("--log-facility={}", d("dns.log")),
-        "--address=/web.test/203.0.113.10",
-        "--address=/other.test/203.0.113.10",
-        "--address=/secure.test/203.0.113.10",
-    ]);
+    let log_facility = format!("--log-facility={}", d("dns.log"));
+    net.spawn_dns(
+        &["web.test", "other.test", "secure.test"],
+        &["--log-queries", &log_facility],
+    );
     for a in ["203.0.113.10:80", "203.0.113.10:443", "203.0.113.10:53"] {
         wait_tcp(a);
     }

@@ -97,6 +97,25 @@ impl TestInternet {
         t
     }
 
+    /// dnsmasq on 203.0.113.10:53 naming each of `names` 203.0.113.10; `extra` flags added.
+    pub(crate) fn spawn_dns(&mut self, names: &[&str], extra: &[&str]) {
+        let mut args: Vec<String> = [
+            "dnsmasq",
+            "--no-daemon",
+            "--no-resolv",
+            "--no-hosts",
+            "--listen-address=203.0.113.10",
+            "--bind-interfaces",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(names.iter().map(|n| format!("--address=/{n}/203.0.113.10")));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.spawn(&args);
+    }
+
     pub(crate) fn spawn(&mut self, args: &[&str]) {
         let mut a = vec!["netns", "exec", self.ns.as_str()];
         a.extend_from_slice(args);
@@ -202,15 +221,7 @@ fn sandboxes_reach_the_internet_by_name_and_address_and_nothing_they_must_not() 
         "--directory",
         &dir_s,
     ]);
-    net.spawn(&[
-        "dnsmasq",
-        "--no-daemon",
-        "--no-resolv",
-        "--no-hosts",
-        "--listen-address=203.0.113.10",
-        "--bind-interfaces",
-        "--address=/web.test/203.0.113.10",
-    ]);
+    net.spawn_dns(&["web.test"], &[]);
     wait_tcp("203.0.113.10:8080");
     wait_tcp("203.0.113.10:53");
     // A service of the host on every address: no sandbox may reach it.

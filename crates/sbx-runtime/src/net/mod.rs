@@ -495,14 +495,16 @@ impl Inner {
         let r2 = ct::flush_mark(&mut locked(&self.nf), nft::ct_mark(address));
         let r = r1.and(r0).and(r2);
         // A namespace whose sandbox is gone is as good as new (nothing of it could be changed
-        // from inside: it belongs to the host's user namespace): back to the pool while the
-        // pool wants one, which spares making one and the kernel's teardown of this one.
+        // from inside: it belongs to the host's user namespace): back to the pool, first in
+        // line, up to twice the pool's size (the pool's thread refills to its size after each
+        // take, so a recycled one would otherwise find it full): the thread then has nothing
+        // to make and the kernel nothing to tear down.
         if let (true, Ok(()), Some(ns)) = (reuse, &r, ns.as_ref()) {
             let mut st = locked(&self.state);
-            if !st.stop && st.ready.len() < self.cfg.pool {
+            if !st.stop && st.ready.len() < self.cfg.pool * 2 {
                 if let Ok(ns) = ns.try_clone() {
                     st.leased.remove(&slot);
-                    st.ready.push_back(Ready { slot, ns });
+                    st.ready.push_front(Ready { slot, ns });
                     return Ok(());
                 }
             }
