@@ -284,7 +284,7 @@ impl NodeNet {
             Ok(lease) => {
                 self.leases.locked().insert(id.to_string(), lease);
             }
-            Err(e) => tracing::debug!(sandbox = %id, error = %e, "network: not adopted"),
+            Err(e) => tracing::warn!(sandbox = %id, error = %e, "network: not adopted"),
         }
     }
 

@@ -251,6 +251,10 @@ struct State {
     busy: HashSet<u32>,
     /// Leased slots with rules of their own in the table ([`Network::set_rules`]).
     ruled: HashSet<u32>,
+    /// Slots whose `live` element a previous node left (their sandboxes may still run): kept
+    /// from the pool until [`Network::adopt`] leases them or [`Network::remove_leftovers`]
+    /// finds them left over, so that the pool's thread never takes an adopted sandbox's slot.
+    held_back: HashSet<u32>,
     stop: bool,
 }
 
@@ -625,11 +629,23 @@ impl Network {
             wake: Condvar::new(),
         };
         // The elements of the table being replaced stay: their sandboxes may still run (they
-        // are checked by `adopt` and `audit`).
+        // are checked by `adopt` and `audit`). Their slots are held back from the pool until
+        // then.
         {
             let mut nf = locked(&inner.nf);
             let keep = nft::list_live(&mut nf, &inner.cfg.table)?.unwrap_or_default();
             nft::load(&mut nf, &inner.ruleset(), &keep)?;
+            let mut st = locked(&inner.state);
+            for (name, addr) in &keep {
+                if let Some(slot) = inner.slot_of(*addr) {
+                    if inner.slot_of_ifname(name) == Some(slot) {
+                        st.held_back.insert(slot);
+                    }
+                }
+            }
+            let held = std::mem::take(&mut st.held_back);
+            st.free.retain(|s| !held.contains(s));
+            st.held_back = held;
         }
         let inner = Arc::new(inner);
         let refill = if inner.cfg.pool > 0 {
@@ -789,6 +805,7 @@ impl Network {
             if st.holds(slot) {
                 return Err(NetError::InUse(slot));
             }
+            st.held_back.remove(&slot);
             st.free.retain(|s| *s != slot);
             st.busy.insert(slot);
         }
@@ -843,6 +860,7 @@ impl Network {
             let mut st = locked(&inner.state);
             let mine: HashSet<u32> = slots.into_iter().filter(|s| !st.holds(*s)).collect();
             st.free.retain(|s| !mine.contains(s));
+            st.held_back.retain(|s| !mine.contains(s));
             st.busy.extend(mine.iter().copied());
             mine
         };
@@ -882,6 +900,13 @@ impl Network {
             let mut st = locked(&inner.state);
             for s in &reserved {
                 st.free(*s);
+            }
+            // Held back and not adopted, with nothing left over: free again.
+            let rest: Vec<u32> = st.held_back.drain().collect();
+            for s in rest {
+                if !st.holds(s) {
+                    st.free.push_back(s);
+                }
             }
         }
         result.and_then(|()| self.audit())

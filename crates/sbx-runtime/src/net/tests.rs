@@ -637,6 +637,19 @@ fn a_restarted_node_adopts_running_sandboxes_and_removes_leftovers() {
     assert_eq!((audit.ready, audit.leased), (0, 0));
     assert!(!audit.leftover_conntrack.is_empty(), "{audit:?}");
 
+    // The pool, filling before the adoptions (its thread starts with the network), takes
+    // none of the slots whose elements the previous node left.
+    net.fill(2).expect("fill");
+    let early: Vec<Lease> = (0..2).map(|_| net.take().expect("take")).collect();
+    for l in &early {
+        assert!(
+            ![running.1, gone.1, stray.1].contains(&l.address()),
+            "a slot the previous node's sandbox has: {}",
+            l.address()
+        );
+    }
+    drop(early);
+
     let adopted = net.adopt(running.0).expect("adopt");
     assert_eq!(adopted.address(), running.1);
     assert_eq!(adopted.host_ifname(), running.2);
