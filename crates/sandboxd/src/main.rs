@@ -4,6 +4,7 @@
 
 mod agent;
 mod config;
+mod e2b;
 mod functions;
 mod hop;
 mod http;
@@ -138,6 +139,12 @@ struct Cli {
     #[arg(long, default_value = "127.0.0.1:7780", value_name = "ADDR|off",
           value_parser = preview::parse_listen)]
     preview_listen: preview::Listen,
+    /// Where E2B's SDKs reach the node (E2B_API_URL and E2B_SANDBOX_URL: `http://ADDR`):
+    /// E2B's control plane and envd, routed by the SDK's E2b-Sandbox-Id header. Off unless
+    /// given. Keys: `--api-keys` (the SDK sends E2B_API_KEY as X-API-KEY); without them,
+    /// loopback callers only.
+    #[arg(long, value_name = "ADDR")]
+    e2b_listen: Option<SocketAddr>,
     /// The domain of the preview URLs (`{port}-{sandbox}.DOMAIN`); a wildcard DNS name
     /// (`*.DOMAIN`) should point at the listener. `localhost` resolves on the machine itself.
     #[arg(long, default_value = "localhost", value_name = "DOMAIN")]
@@ -387,6 +394,7 @@ fn main() -> anyhow::Result<()> {
             cli.docs_url.clone(),
         )
         .await?;
+        e2b::start(cli.e2b_listen, node.clone(), api_keys.clone()).await?;
         serve(
             cli.listen,
             node,

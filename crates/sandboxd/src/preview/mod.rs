@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
-use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
@@ -38,7 +37,7 @@ use crate::node::sandbox::PreviewSettings;
 use crate::node::Node;
 
 /// The body of the listener's answers: the sandbox's service's, streamed, or an error body.
-pub(crate) type Body = Either<Incoming, Full<Bytes>>;
+pub(crate) type Body = axum::body::Body;
 
 /// Connections open at once; one more waits for a place.
 const MAX_CONNECTIONS: usize = 1024;
@@ -221,6 +220,13 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
     let Some((port, sandbox)) = parse_host(&host, &shared.domain) else {
         return fail(not_a_preview_host(&host));
     };
+    // envd's port is the E2B front end's (when it is on): E2B's SDK, given E2B_DOMAIN,
+    // calls `49983-{id}.{domain}`.
+    if port == crate::e2b::ENVD_PORT {
+        if let Some(e2b) = crate::e2b::shared() {
+            return crate::e2b::sandbox_side(req, peer, e2b, &sandbox, port).await;
+        }
+    }
     let target = match shared.node.preview_target(&sandbox, port) {
         Ok(t) => t,
         Err(e) => return fail(e),
@@ -264,6 +270,28 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
             ))
         }
     }
+}
+
+/// Forwards `req` to port `port` in the network namespace `ns` names (for the E2B front
+/// end's requests of a sandbox's port).
+pub(crate) async fn forward_to(
+    req: Request<Incoming>,
+    ns: std::os::fd::OwnedFd,
+    port: u16,
+    client: SocketAddr,
+    host: String,
+) -> Result<Response<Body>, String> {
+    let stream = upstream::connect(ns, port)
+        .await
+        .map_err(|e| e.to_string())?;
+    let fwd = upstream::Forwarded {
+        client,
+        host,
+        proto: "http",
+    };
+    upstream::forward(req, stream, fwd)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 fn not_a_preview_host(host: &str) -> ApiError {
@@ -314,7 +342,7 @@ pub(crate) fn parse_host(host: &str, domain: &str) -> Option<(u16, String)> {
 fn error_response(err: &ApiError, rid: &str, docs: Option<&str>) -> Response<Body> {
     let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = sbx_api::error_body(err, rid, docs).to_string();
-    let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
+    let mut resp = Response::new(Body::from(Bytes::from(body)));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(
@@ -331,7 +359,7 @@ fn error_response(err: &ApiError, rid: &str, docs: Option<&str>) -> Response<Bod
 /// The answer to a request with a right `?sbx_token=`: to the same URL without it, with the
 /// cookie that stands for it from then on.
 fn redirect(location: &str, cookie: &str) -> Response<Body> {
-    let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+    let mut resp = Response::new(Body::empty());
     *resp.status_mut() = StatusCode::TEMPORARY_REDIRECT;
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(location) {

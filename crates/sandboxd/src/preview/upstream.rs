@@ -10,7 +10,6 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri, Version};
@@ -172,11 +171,11 @@ pub(super) async fn forward(
                 let _ = tokio::io::copy_bidirectional(&mut client, &mut service).await;
             });
             let (parts, _) = resp.into_parts();
-            return Ok(Response::from_parts(parts, Either::Right(Full::default())));
+            return Ok(Response::from_parts(parts, Body::empty()));
         }
     }
     crate::hop::strip_hop_by_hop(resp.headers_mut(), false);
-    Ok(resp.map(Either::Left))
+    Ok(resp.map(Body::new))
 }
 
 #[cfg(test)]

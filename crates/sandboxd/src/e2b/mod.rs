@@ -1,0 +1,247 @@
+//! E2B compatibility: a listener (`--e2b-listen`) that E2B's own SDKs drive unchanged, by
+//! `E2B_API_URL`, `E2B_SANDBOX_URL` and `E2B_API_KEY` alone. A request that names a sandbox
+//! (`E2b-Sandbox-Id`, `E2b-Sandbox-Port`) goes to that sandbox: port 49983 to the node's envd
+//! (`envd/`: E2B's in-sandbox daemon protocol served by the node over the agent), any other
+//! port to that port in the sandbox (the code interpreter's 49999 among them). Any other
+//! request is E2B's control plane (`api.rs`). Both call the node's core (`crate::node`), as
+//! the node's own API does.
+
+pub(crate) mod api;
+pub(crate) mod connect;
+pub(crate) mod envd;
+pub(crate) mod interp;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use hyper::body::Incoming;
+use hyper::{header, Request, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tower::ServiceExt;
+
+use crate::node::Node;
+
+/// envd's port: the SDK names it in `E2b-Sandbox-Port` (and in `49983-{id}.{domain}`).
+pub const ENVD_PORT: u16 = 49983;
+
+/// The version of envd the node claims (the SDK switches features on it): the features
+/// served here and no more. See `envd/mod.rs`.
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// The most connections the listener serves at once.
+const MAX_CONNECTIONS: usize = 1024;
+/// How long a client has to send a request's head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What every request of the listener shares.
+pub(crate) struct Shared {
+    pub node: Arc<Node>,
+    /// `--api-keys`: `X-API-KEY` must be one; none: loopback callers only.
+    pub api_keys: Option<HashSet<String>>,
+    /// The control plane's routes.
+    api: axum::Router,
+    /// envd's state of the node (processes by pid, watchers).
+    pub envd: envd::State,
+}
+
+static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
+
+/// The E2B front end, when it is on (the preview listener hands it `49983-{id}.…`).
+pub(crate) fn shared() -> Option<&'static Arc<Shared>> {
+    SHARED.get()
+}
+
+/// Binds `--e2b-listen` and serves it in the background; the address bound.
+pub async fn start(
+    listen: Option<SocketAddr>,
+    node: Arc<Node>,
+    api_keys: Option<HashSet<String>>,
+) -> anyhow::Result<Option<SocketAddr>> {
+    let Some(listen) = listen else {
+        return Ok(None);
+    };
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("E2B listener: listen on {listen}"))?;
+    let bound = listener.local_addr().context("E2B listener's address")?;
+    let shared = Arc::new(Shared {
+        api: api::router(node.clone()),
+        node,
+        api_keys,
+        envd: envd::State::default(),
+    });
+    let _ = SHARED.set(shared.clone());
+    tracing::info!(listen = %bound, "E2B listener serves (E2B_API_URL and E2B_SANDBOX_URL)");
+    tokio::spawn(accept_loop(listener, shared));
+    Ok(Some(bound))
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let places = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(place) = places.clone().acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "E2B listener: accept");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let _place = place;
+            let service = hyper::service::service_fn(move |req| {
+                let shared = shared.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(req, peer, shared).await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT);
+            if let Err(e) = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(error = %e, "E2B listener: a client connection");
+            }
+        });
+    }
+}
+
+/// E2B's error body: `{code, message}` with the status as its code.
+pub(crate) fn e2b_error(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        axum::Json(json!({ "code": status.as_u16(), "message": message.into() })),
+    )
+        .into_response()
+}
+
+fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+}
+
+/// Whether the caller holds one of the node's keys (`X-API-KEY`, or `Authorization: Bearer`),
+/// or, on a node without keys, calls from loopback.
+pub(crate) fn caller_may(shared: &Shared, headers: &hyper::HeaderMap, peer: SocketAddr) -> bool {
+    match &shared.api_keys {
+        None => peer.ip().is_loopback(),
+        Some(keys) => {
+            let given = headers
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .or_else(|| {
+                    headers
+                        .get(header::AUTHORIZATION)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.strip_prefix("Bearer "))
+                })
+                .map(str::trim);
+            given.is_some_and(|k| crate::http::is_api_key(keys, k))
+        }
+    }
+}
+
+async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
+    if let Some(id) = header_str(&req, "e2b-sandbox-id").map(str::to_string) {
+        let port = match header_str(&req, "e2b-sandbox-port") {
+            None => ENVD_PORT,
+            Some(p) => match p.parse::<u16>() {
+                Ok(p) if p > 0 => p,
+                _ => {
+                    return e2b_error(
+                        StatusCode::BAD_REQUEST,
+                        format!("E2b-Sandbox-Port {p:?} is not a port"),
+                    )
+                }
+            },
+        };
+        return sandbox_side(req, peer, &shared, &id, port).await;
+    }
+    if !caller_may(&shared, req.headers(), peer) {
+        let msg = if shared.api_keys.is_some() {
+            "send one of the node's API keys in X-API-KEY (E2B_API_KEY)"
+        } else {
+            "this node takes calls from loopback only (start it with --api-keys to open it)"
+        };
+        return e2b_error(StatusCode::UNAUTHORIZED, msg);
+    }
+    let req = req.map(Body::new);
+    match shared.api.clone().oneshot(req).await {
+        Ok(r) => r,
+        Err(e) => match e {},
+    }
+}
+
+/// A request for a port of sandbox `id`: envd's is the node's, any other the sandbox's.
+pub(crate) async fn sandbox_side(
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    id: &str,
+    port: u16,
+) -> Response {
+    if port == ENVD_PORT {
+        return envd::handle(shared, req.map(Body::new), peer, id).await;
+    }
+    proxy(req, peer, shared, id, port).await
+}
+
+/// A request for port `port` of the sandbox, forwarded to it: a public port to anybody,
+/// another one with the sandbox's token (`X-Access-Token`, `E2B-Traffic-Access-Token`) or
+/// a caller the control plane takes.
+async fn proxy(
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    id: &str,
+    port: u16,
+) -> Response {
+    let target = match shared.node.preview_target(id, port) {
+        Ok(t) => t,
+        Err(_) => {
+            return e2b_error(
+                StatusCode::BAD_GATEWAY,
+                format!("sandbox {id} is not running on this node"),
+            )
+        }
+    };
+    let token_ok = ["x-access-token", "e2b-traffic-access-token"]
+        .iter()
+        .filter_map(|h| header_str(&req, h))
+        .any(|t| target.token_matches(t));
+    if !(target.public || token_ok || caller_may(shared, req.headers(), peer)) {
+        return e2b_error(
+            StatusCode::UNAUTHORIZED,
+            format!("port {port} of sandbox {id} is not public: send its access token"),
+        );
+    }
+    let ns = match shared.node.sandbox_netns(&target.id, port) {
+        Ok(ns) => ns,
+        Err(e) => return e2b_error(StatusCode::BAD_GATEWAY, e.message),
+    };
+    let host = header_str(&req, "host").unwrap_or("localhost").to_string();
+    match crate::preview::forward_to(req, ns, port, peer, host).await {
+        Ok(r) => r,
+        Err(e) => e2b_error(
+            StatusCode::BAD_GATEWAY,
+            format!("port {port} of sandbox {id}: {e}"),
+        ),
+    }
+}
