@@ -434,6 +434,55 @@ impl Node {
         Ok(())
     }
 
+    /// Waits (without a deadline) for a kept command to end: its final state. An error when
+    /// its sandbox is not running or its agent goes (the sandbox stopped, restarted, deleted).
+    pub async fn exec_wait(&self, id: &str, exec_id: &str) -> Result<ExecState, ApiError> {
+        let m = self.managed(id)?;
+        let sb = self.running_machine(&m)?;
+        let wait = HostMsg::Wait {
+            exec_id: exec_id.into(),
+        };
+        match one_shot(&sb.socket, &wait).await.map_err(agent_lost)? {
+            AgentMsg::State(s) => Ok(s),
+            AgentMsg::ExecFailed { .. } => Err(ApiError::new(
+                ErrorCode::ExecNotFound,
+                format!("no command {exec_id}"),
+            )),
+            _ => Err(ApiError::internal()),
+        }
+    }
+
+    /// A new size of the terminal of a running command (`tty: true`), as the terminal route's
+    /// resize message sets it.
+    pub async fn exec_resize(
+        &self,
+        id: &str,
+        exec_id: &str,
+        rows: u16,
+        cols: u16,
+    ) -> Result<(), ApiError> {
+        let socket = self.terminal_socket(id, exec_id)?;
+        let mut conn = AgentConn::connect(&socket, Duration::from_secs(5))
+            .await
+            .map_err(agent_lost)?;
+        conn.send(&HostMsg::Resize {
+            exec_id: exec_id.into(),
+            rows: rows.clamp(1, 1000),
+            cols: cols.clamp(1, 1000),
+        })
+        .await
+        .map_err(agent_lost)?;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            conn.request(&HostMsg::Sync { token: 0 }),
+        )
+        .await
+        .map_err(|_| agent_lost(crate::agent::AgentError::Timeout))?
+        .map_err(agent_lost)?;
+        conn.release();
+        Ok(())
+    }
+
     /// `POST …/exec/{exec_id}/signal`: 409 exec_ended when the command has ended (recorded, of
     /// an earlier boot, or ended by the time the agent is asked).
     pub async fn exec_signal(&self, id: &str, exec_id: &str, signal: i32) -> Result<(), ApiError> {
