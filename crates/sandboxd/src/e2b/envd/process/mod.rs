@@ -271,7 +271,7 @@ async fn follow(
                 tx.send(&end_event(&EndEvent::of(&exit))).await;
                 return Ok(());
             }
-            Some(RunEvent::Failed(e)) => return Err(e.into()),
+            Some(RunEvent::Failed(e)) => return Err(lost(ctx, e)),
             Some(RunEvent::Gap { .. } | RunEvent::Started { .. }) => {}
             None => {
                 return Err(RpcError::new(
@@ -280,6 +280,30 @@ async fn follow(
                 ))
             }
         }
+    }
+}
+
+/// A stream's command lost with its agent: the sandbox gone is said as E2B's proxy says it
+/// (unavailable, "… was not found": the SDK raises SandboxNotRunningException); else
+/// unavailable with the node's reason (the SDK probes the sandbox's health).
+fn lost(ctx: &Ctx, e: ApiError) -> RpcError {
+    let node = ctx.node();
+    let running = node
+        .managed(&ctx.sandbox)
+        .is_ok_and(|m| node.sandbox_object(&m).status.can_exec());
+    if running {
+        RpcError::new(
+            Code::Unavailable,
+            format!("{} ({})", e.message, e.code.as_str()),
+        )
+    } else {
+        RpcError::new(
+            Code::Unavailable,
+            format!(
+                "the sandbox {} was not found: it stopped while the command ran",
+                ctx.sandbox
+            ),
+        )
     }
 }
 
@@ -465,8 +489,9 @@ async fn send_signal(
 ) -> Result<serde_json::Value, RpcError> {
     let msg: SendSignalRequest = read_unary(headers, body).await?;
     let sel = Selector::of(msg.process.as_ref())?;
-    let signal = SignalMsg::number(msg.signal.as_ref())?;
+    // The process first, then the signal: envd's order (an unknown pid is not_found).
     let (_, entry) = ctx.state().processes.running(&ctx.sandbox, &sel)?;
+    let signal = SignalMsg::number(msg.signal.as_ref())?;
     ctx.node()
         .exec_signal(&ctx.sandbox, &entry.exec_id, signal)
         .await
