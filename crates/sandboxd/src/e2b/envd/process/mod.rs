@@ -124,8 +124,14 @@ async fn start_process(
     if config.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd: name the program to run"));
     }
-    let passwd = read_passwd(ctx).await?;
-    let run_as = user::resolve(Some(ctx.user()), &passwd)?;
+    let run_as = match read_passwd(ctx).await? {
+        Some(passwd) => user::resolve(Some(ctx.user()), &passwd)?,
+        // An agent that reads no files (older than the node): the name as it is.
+        None => user::RunAs {
+            user: Some(ctx.user().to_string()),
+            home: None,
+        },
+    };
     let cwd = user::resolve_cwd(config.cwd.as_deref(), run_as.home.as_deref())?;
     let tty = msg.pty.is_some();
     let (rows, cols) = msg.pty.unwrap_or_default().rows_cols();
@@ -179,8 +185,9 @@ fn start_error(e: ApiError) -> RpcError {
     }
 }
 
-/// The users of the sandbox (its /etc/passwd; none when it has none).
-async fn read_passwd(ctx: &Ctx) -> Result<Vec<user::PasswdEntry>, RpcError> {
+/// The users of the sandbox (its /etc/passwd; none when it has none); `None` when its agent
+/// serves no file operations.
+async fn read_passwd(ctx: &Ctx) -> Result<Option<Vec<user::PasswdEntry>>, RpcError> {
     let op = FsOp::Read {
         path: "/etc/passwd".into(),
         offset: 0,
@@ -191,8 +198,9 @@ async fn read_passwd(ctx: &Ctx) -> Result<Vec<user::PasswdEntry>, RpcError> {
         Ok(d) => d,
         Err(e) if e.code.status() == 404 && ctx.node().sandbox_id(&ctx.sandbox).is_some() => {
             // No /etc/passwd (a sandbox that is there): no user but the image's.
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         }
+        Err(e) if e.code == ErrorCode::Unsupported => return Ok(None),
         Err(e) => return Err(RpcError::from(e)),
     };
     let mut text = Vec::new();
@@ -202,7 +210,7 @@ async fn read_passwd(ctx: &Ctx) -> Result<Vec<user::PasswdEntry>, RpcError> {
             chunk.map_err(|e| RpcError::internal(format!("reading /etc/passwd: {e}")))?;
         text.extend_from_slice(&chunk);
     }
-    Ok(user::parse_passwd(&String::from_utf8_lossy(&text)))
+    Ok(Some(user::parse_passwd(&String::from_utf8_lossy(&text))))
 }
 
 /// Keeps the table's entry of a process until its end is known plus [`RETAIN`], or its
