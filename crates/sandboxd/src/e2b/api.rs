@@ -315,6 +315,20 @@ fn user_metadata(o: &SandboxObject) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// The domain E2B's SDK builds a port's host from (`{port}-{id}.{domain}`, `get_host`): the
+/// preview listener's, with its port when it is not the scheme's own; none when it is off.
+fn domain_of(node: &Node) -> Value {
+    let Some(p) = node.preview() else {
+        return Value::Null;
+    };
+    let port = p.listen.port();
+    if port == if p.tls { 443 } else { 80 } {
+        json!(p.domain)
+    } else {
+        json!(format!("{}:{port}", p.domain))
+    }
+}
+
 /// E2B's `Sandbox` (the create and connect answer).
 fn sandbox_json(node: &Node, o: &SandboxObject) -> Value {
     let public = o.public_ports_except.is_some();
@@ -327,7 +341,7 @@ fn sandbox_json(node: &Node, o: &SandboxObject) -> Value {
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": token,
         "trafficAccessToken": if public { None } else { token_of(node, &o.id) },
-        "domain": Value::Null,
+        "domain": domain_of(node),
     })
 }
 
@@ -363,7 +377,7 @@ fn listed_json(node: &Node, o: &SandboxObject, detail: bool) -> Value {
     if detail {
         if let Some(m) = v.as_object_mut() {
             m.insert("envdAccessToken".into(), json!(token_of(node, &o.id)));
-            m.insert("domain".into(), Value::Null);
+            m.insert("domain".into(), domain_of(node));
             let closed = o
                 .egress
                 .as_ref()
