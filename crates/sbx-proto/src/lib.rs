@@ -693,6 +693,48 @@ mod tests {
         );
     }
 
+    /// Pins the wire shape of watches (feature `watch`).
+    #[test]
+    fn watch_schema_snapshot() {
+        let w = serde_json::to_string(&HostMsg::Watch {
+            id: "w".into(),
+            path: "/d".into(),
+            recursive: true,
+        })
+        .unwrap();
+        assert_eq!(
+            w,
+            r#"{"type":"watch","id":"w","path":"/d","recursive":true}"#
+        );
+        let ev = serde_json::to_string(&AgentMsg::WatchEvents {
+            id: "w".into(),
+            events: vec![WatchEvent {
+                name: "a/b".into(),
+                kind: WatchKind::Create,
+            }],
+            overflow: false,
+        })
+        .unwrap();
+        assert_eq!(
+            ev,
+            r#"{"type":"watch_events","id":"w","events":[{"name":"a/b","kind":"create"}],"overflow":false}"#
+        );
+        let newer: WatchEvent = serde_json::from_str(r#"{"name":"x","kind":"open"}"#).unwrap();
+        assert_eq!(newer.kind, WatchKind::Other);
+        // The additive fields stay off the wire when unset: an older agent reads the same.
+        let list = serde_json::to_string(&FsOp::List {
+            path: "/".into(),
+            limit: None,
+            depth: None,
+        })
+        .unwrap();
+        assert_eq!(list, r#"{"op":"list","path":"/","limit":null}"#);
+        assert_eq!(
+            serde_json::to_string(&FsOp::Users).unwrap(),
+            r#"{"op":"users"}"#
+        );
+    }
+
     #[tokio::test]
     async fn file_data_frames_round_trip() {
         let buf = encode_data("f1", Stream::File, 1 << 40, b"\x00bin");

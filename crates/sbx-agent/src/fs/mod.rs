@@ -27,8 +27,8 @@ use std::sync::Arc;
 use sbx_proto::{AgentMsg, FsErrorCode, FsFailure, FsOp, FsResult};
 use tokio::sync::mpsc;
 
-pub(crate) use self::path::normalize;
 use self::path::aborted;
+pub(crate) use self::path::normalize;
 use self::search::{grep, sed};
 use self::tar::{tar_create, tar_extract};
 use self::transfer::{read_file, write_file};

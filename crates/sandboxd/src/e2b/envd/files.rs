@@ -31,11 +31,7 @@ const MAX_PARTS: usize = 1000;
 fn query(req: &Request<Body>) -> Vec<(String, String)> {
     req.uri()
         .query()
-        .map(|q| {
-            url_pairs(q)
-                .into_iter()
-                .collect::<Vec<(String, String)>>()
-        })
+        .map(|q| url_pairs(q).into_iter().collect::<Vec<(String, String)>>())
         .unwrap_or_default()
 }
 
@@ -73,7 +69,10 @@ fn http_error(e: ApiError) -> Response {
 }
 
 /// The request's user (`?username=`, else its `Authorization`) and the sandbox's users.
-async fn who(ctx: &Ctx, q: &[(String, String)]) -> Result<(String, std::sync::Arc<Users>), Response> {
+async fn who(
+    ctx: &Ctx,
+    q: &[(String, String)],
+) -> Result<(String, std::sync::Arc<Users>), Response> {
     let user = param(q, "username")
         .filter(|u| !u.is_empty())
         .unwrap_or_else(|| ctx.user().to_string());
@@ -121,10 +120,16 @@ pub(crate) async fn download(ctx: &Ctx, req: Request<Body>) -> Response {
     let dl = match ctx.node().fs_download(&ctx.sandbox, op).await {
         Ok(d) => d,
         Err(e) if e.code == ErrorCode::PathNotFound => {
-            return e2b_error(StatusCode::NOT_FOUND, format!("path '{path}' does not exist"))
+            return e2b_error(
+                StatusCode::NOT_FOUND,
+                format!("path '{path}' does not exist"),
+            )
         }
         Err(e) if e.code == ErrorCode::WrongType => {
-            return e2b_error(StatusCode::BAD_REQUEST, format!("path '{path}' is a directory"))
+            return e2b_error(
+                StatusCode::BAD_REQUEST,
+                format!("path '{path}' is a directory"),
+            )
         }
         Err(e) => return http_error(e),
     };
@@ -154,37 +159,36 @@ where
     S: Stream<Item = Result<Bytes, std::io::Error>> + Send + Unpin + 'static,
 {
     let enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    futures_util::stream::unfold(
-        (chunks, Some(enc)),
-        |(mut chunks, enc)| async move {
-            let mut enc = enc?;
-            loop {
-                match chunks.next().await {
-                    Some(Ok(b)) => {
-                        if let Err(e) = enc.write_all(&b) {
-                            return Some((Err(e), (chunks, None)));
-                        }
-                        let out = std::mem::take(enc.get_mut());
-                        if !out.is_empty() {
-                            return Some((Ok(Bytes::from(out)), (chunks, Some(enc))));
-                        }
+    futures_util::stream::unfold((chunks, Some(enc)), |(mut chunks, enc)| async move {
+        let mut enc = enc?;
+        loop {
+            match chunks.next().await {
+                Some(Ok(b)) => {
+                    if let Err(e) = enc.write_all(&b) {
+                        return Some((Err(e), (chunks, None)));
                     }
-                    Some(Err(e)) => return Some((Err(e), (chunks, None))),
-                    None => {
-                        return match enc.finish() {
-                            Ok(out) => Some((Ok(Bytes::from(out)), (chunks, None))),
-                            Err(e) => Some((Err(e), (chunks, None))),
-                        }
+                    let out = std::mem::take(enc.get_mut());
+                    if !out.is_empty() {
+                        return Some((Ok(Bytes::from(out)), (chunks, Some(enc))));
+                    }
+                }
+                Some(Err(e)) => return Some((Err(e), (chunks, None))),
+                None => {
+                    return match enc.finish() {
+                        Ok(out) => Some((Ok(Bytes::from(out)), (chunks, None))),
+                        Err(e) => Some((Err(e), (chunks, None))),
                     }
                 }
             }
-        },
-    )
+        }
+    })
 }
 
 /// A body's bytes, gzip-decoded as they come when `gzip`.
 fn body_stream(body: Body, gzip: bool) -> Bytestream {
-    let raw = body.into_data_stream().map(|r| r.map_err(|e| e.to_string()));
+    let raw = body
+        .into_data_stream()
+        .map(|r| r.map_err(|e| e.to_string()));
     if !gzip {
         return Box::pin(raw);
     }
@@ -277,7 +281,10 @@ pub(crate) async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
         }
     } else if media.starts_with("multipart/") {
         let Some(boundary) = boundary.filter(|b| !b.is_empty() && b.len() <= 200) else {
-            return e2b_error(StatusCode::BAD_REQUEST, "a multipart body without its boundary");
+            return e2b_error(
+                StatusCode::BAD_REQUEST,
+                "a multipart body without its boundary",
+            );
         };
         write_parts(ctx, &home, owner, query_path, body, &boundary).await
     } else {
@@ -647,7 +654,9 @@ mod tests {
     #[tokio::test]
     async fn a_cut_off_multipart_body_is_an_error() {
         let mut mp = Multipart::new(
-            stream_of(vec![b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc"]),
+            stream_of(vec![
+                b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc",
+            ]),
             "XyZ",
         );
         assert!(mp.next_part().await.unwrap().is_some());
@@ -683,9 +692,15 @@ mod tests {
             ]
         );
         let mut h = HeaderMap::new();
-        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("br, gzip"));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("br, gzip"),
+        );
         assert!(wants_gzip(&h));
-        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip;q=0"));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("gzip;q=0"),
+        );
         assert!(!wants_gzip(&h));
         let mut h = HeaderMap::new();
         h.insert(

@@ -26,8 +26,10 @@ const USERS_FOR: Duration = Duration::from_secs(2);
 /// The most sandboxes whose users are kept.
 const USERS_KEPT: usize = 256;
 
-static CACHE: LazyLock<Mutex<HashMap<String, (Instant, Arc<Users>)>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+/// Users by sandbox, with when they were read.
+type Cache = HashMap<String, (Instant, Arc<Users>)>;
+
+static CACHE: LazyLock<Mutex<Cache>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 impl Users {
     pub fn of(r: FsResult) -> Option<Users> {
@@ -310,6 +312,9 @@ mod tests {
         assert_eq!(v["type"], "FILE_TYPE_SYMLINK");
         assert_eq!(v["isSymlink"], true);
         assert_eq!(v["symlinkTarget"], "/etc");
-        assert_eq!((v["owner"].as_str(), v["group"].as_str()), (Some("7"), Some("8")));
+        assert_eq!(
+            (v["owner"].as_str(), v["group"].as_str()),
+            (Some("7"), Some("8"))
+        );
     }
 }

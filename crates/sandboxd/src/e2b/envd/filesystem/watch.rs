@@ -81,12 +81,15 @@ pub(super) async fn watch_dir(ctx: Ctx, req: Request<Body>) -> Response {
         Ok(r) => r,
         Err(e) => return stream_error(e),
     };
-    let mut watch = match start(&ctx, r).await {
+    let watch = match start(&ctx, r).await {
         Ok(w) => w,
         Err(e) => return stream_error(e),
     };
     let keepalive = keepalive_interval(&parts.headers).map(|d| (d, json!({ "keepalive": {} })));
     stream_reply(keepalive, move |out| async move {
+        // The whole watch (not only its receiver, as a closure would capture): its task lives
+        // as long as the stream.
+        let mut watch = watch;
         if !out.send(&json!({ "start": {} })).await {
             return Ok(());
         }
