@@ -27,10 +27,9 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderMap, Request};
 use axum::response::Response;
-use bytes::Bytes;
 use futures_util::StreamExt;
 use sbx_api::{ApiError, Command, Encoding, ErrorCode, ExecRequest};
-use sbx_proto::{ExitStatus, FsOp, Stream};
+use sbx_proto::{ExitStatus, FsOp, FsResult, Stream};
 use serde_json::json;
 
 use super::Ctx;
@@ -45,9 +44,6 @@ use wire::*;
 
 /// envd's keepalive interval when the request asks for none.
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
-
-/// The most of /etc/passwd read to find a user.
-const MAX_PASSWD: usize = 1 << 20;
 
 pub(crate) async fn call(ctx: Ctx, name: &str, req: Request<Body>) -> Response {
     let (parts, body) = req.into_parts();
@@ -124,13 +120,22 @@ async fn start_process(
     if config.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd: name the program to run"));
     }
-    let run_as = match read_passwd(ctx).await? {
-        Some(passwd) => user::resolve(Some(ctx.user()), &passwd)?,
-        // An agent that reads no files (older than the node): the name as it is.
-        None => user::RunAs {
+    let run_as = match ctx.node().fs_op(&ctx.sandbox, FsOp::Users).await {
+        Ok(FsResult::Users {
+            users,
+            default_user,
+            ..
+        }) => user::resolve(Some(ctx.user()), &users, default_user.as_deref())?,
+        // An agent that lists no users (older than the node): the name as it is.
+        Ok(_) => user::RunAs {
             user: Some(ctx.user().to_string()),
             home: None,
         },
+        Err(e) if e.code == ErrorCode::Unsupported => user::RunAs {
+            user: Some(ctx.user().to_string()),
+            home: None,
+        },
+        Err(e) => return Err(e.into()),
     };
     let cwd = user::resolve_cwd(config.cwd.as_deref(), run_as.home.as_deref())?;
     let tty = msg.pty.is_some();
@@ -183,34 +188,6 @@ fn start_error(e: ApiError) -> RpcError {
         ),
         _ => RpcError::from(e),
     }
-}
-
-/// The users of the sandbox (its /etc/passwd; none when it has none); `None` when its agent
-/// serves no file operations.
-async fn read_passwd(ctx: &Ctx) -> Result<Option<Vec<user::PasswdEntry>>, RpcError> {
-    let op = FsOp::Read {
-        path: "/etc/passwd".into(),
-        offset: 0,
-        length: Some(MAX_PASSWD as u64),
-        tail: None,
-    };
-    let download = match ctx.node().fs_download(&ctx.sandbox, op).await {
-        Ok(d) => d,
-        Err(e) if e.code.status() == 404 && ctx.node().sandbox_id(&ctx.sandbox).is_some() => {
-            // No /etc/passwd (a sandbox that is there): no user but the image's.
-            return Ok(Some(Vec::new()));
-        }
-        Err(e) if e.code == ErrorCode::Unsupported => return Ok(None),
-        Err(e) => return Err(RpcError::from(e)),
-    };
-    let mut text = Vec::new();
-    let mut chunks = download.chunks;
-    while let Some(chunk) = chunks.next().await {
-        let chunk: Bytes =
-            chunk.map_err(|e| RpcError::internal(format!("reading /etc/passwd: {e}")))?;
-        text.extend_from_slice(&chunk);
-    }
-    Ok(Some(user::parse_passwd(&String::from_utf8_lossy(&text))))
 }
 
 /// Keeps the table's entry of a process until its end is known plus [`RETAIN`], or its

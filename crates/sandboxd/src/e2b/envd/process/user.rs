@@ -1,35 +1,12 @@
 //! Who a process runs as and where: the user of the request (`Authorization: Basic`, else
-//! envd's default user) looked up in the sandbox's /etc/passwd, and its working directory as
-//! envd resolves it (unset: the user's home; `~/…`; relative to the home).
+//! envd's default user) looked up among the sandbox's users (its /etc/passwd, as its agent
+//! reads it), and its working directory as envd resolves it (unset: the user's home; `~/…`;
+//! relative to the home).
+
+use sbx_proto::UserInfo;
 
 use crate::e2b::connect::{Code, RpcError};
 use crate::e2b::envd::DEFAULT_USER;
-
-/// A line of /etc/passwd: what is used of it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PasswdEntry {
-    pub name: String,
-    pub uid: u32,
-    pub home: String,
-}
-
-/// The entries of an /etc/passwd text (lines that do not parse are skipped).
-pub fn parse_passwd(text: &str) -> Vec<PasswdEntry> {
-    text.lines()
-        .filter(|l| !l.trim_start().starts_with('#'))
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(':').collect();
-            if f.len() < 6 || f[0].is_empty() {
-                return None;
-            }
-            Some(PasswdEntry {
-                name: f[0].to_string(),
-                uid: f[2].parse().ok()?,
-                home: if f[5].is_empty() { "/" } else { f[5] }.to_string(),
-            })
-        })
-        .collect()
-}
 
 /// The user a process runs as.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,34 +17,52 @@ pub struct RunAs {
     pub home: Option<String>,
 }
 
-/// The user named (`None`: envd's default, `user`) as the sandbox knows it. The default user
-/// missing from the image runs as the image's user; another name missing is refused as envd
-/// refuses it (unauthenticated `invalid username`); a uid (or `uid:gid`) runs as it is.
-pub fn resolve(named: Option<&str>, passwd: &[PasswdEntry]) -> Result<RunAs, RpcError> {
+/// The user named (`None`: envd's default, `user`) as the sandbox knows it (`users`; the
+/// image's user `image_user`). The default user missing from the image runs as the image's
+/// user; another name missing is refused as envd refuses it (unauthenticated `invalid
+/// username`); a uid (or `uid:gid`) runs as it is.
+pub fn resolve(
+    named: Option<&str>,
+    users: &[UserInfo],
+    image_user: Option<&str>,
+) -> Result<RunAs, RpcError> {
+    let by_uid = |uid: u32| users.iter().find(|u| u.uid == uid);
+    let home_of = |spec: &str| {
+        users
+            .iter()
+            .find(|u| u.name == spec)
+            .or_else(|| uid_of(spec).and_then(by_uid))
+            .map(|u| u.home.clone())
+    };
     let name = named.unwrap_or(DEFAULT_USER);
-    if let Some(e) = passwd.iter().find(|e| e.name == name) {
+    if let Some(u) = users.iter().find(|u| u.name == name) {
         return Ok(RunAs {
             user: Some(name.to_string()),
-            home: Some(e.home.clone()),
+            home: Some(u.home.clone()),
         });
     }
-    let uid = name.split(':').next().and_then(|u| u.parse::<u32>().ok());
-    if let Some(uid) = uid {
+    if let Some(uid) = uid_of(name) {
         return Ok(RunAs {
             user: Some(name.to_string()),
-            home: passwd.iter().find(|e| e.uid == uid).map(|e| e.home.clone()),
+            home: by_uid(uid).map(|u| u.home.clone()),
         });
     }
     if name == DEFAULT_USER {
         return Ok(RunAs {
             user: None,
-            home: None,
+            // The image's user (root when it names none).
+            home: home_of(image_user.unwrap_or("0")),
         });
     }
     Err(RpcError::new(
         Code::Unauthenticated,
         format!("invalid username: '{name}'"),
     ))
+}
+
+/// The uid of a user spec that is one (`1000`, `1000:1000`).
+fn uid_of(spec: &str) -> Option<u32> {
+    spec.split(':').next().and_then(|u| u.parse().ok())
 }
 
 /// The working directory of a process (`None`: the sandbox's own): `cwd` as given when
@@ -108,37 +103,39 @@ fn normalize(path: &str) -> String {
 mod tests {
     use super::*;
 
-    const P: &str = "root:x:0:0:root:/root:/bin/bash\n# a comment\nbroken\nuser:x:1000:1000::/home/user:/bin/bash\nnohome:x:1001:1001:::/bin/sh\n";
-
-    #[test]
-    fn passwd_lines() {
-        let p = parse_passwd(P);
-        assert_eq!(p.len(), 3);
-        assert_eq!(p[1].name, "user");
-        assert_eq!(p[1].uid, 1000);
-        assert_eq!(p[2].home, "/");
+    fn u(name: &str, uid: u32, home: &str) -> UserInfo {
+        UserInfo {
+            name: name.into(),
+            uid,
+            gid: uid,
+            home: home.into(),
+        }
     }
 
     #[test]
     fn users_are_found_or_fall_back() {
-        let p = parse_passwd(P);
-        let u = resolve(None, &p).unwrap();
-        assert_eq!(u.user.as_deref(), Some("user"));
-        assert_eq!(u.home.as_deref(), Some("/home/user"));
-        let r = resolve(Some("root"), &p).unwrap();
+        let p = vec![u("root", 0, "/root"), u("user", 1000, "/home/user")];
+        let r = resolve(None, &p, Some("root")).unwrap();
+        assert_eq!(r.user.as_deref(), Some("user"));
+        assert_eq!(r.home.as_deref(), Some("/home/user"));
+        let r = resolve(Some("root"), &p, None).unwrap();
         assert_eq!(r.home.as_deref(), Some("/root"));
-        let n = resolve(Some("1000:1000"), &p).unwrap();
+        let n = resolve(Some("1000:1000"), &p, None).unwrap();
         assert_eq!(n.user.as_deref(), Some("1000:1000"));
         assert_eq!(n.home.as_deref(), Some("/home/user"));
-        let none = resolve(Some("4242"), &p).unwrap();
+        let none = resolve(Some("4242"), &p, None).unwrap();
         assert_eq!(none.home, None);
-        // An image without `user`: its own user.
-        let only_root = parse_passwd("root:x:0:0::/root:/bin/sh\n");
+        // An image without `user`: its own user, in that user's home.
+        let only_root = vec![u("root", 0, "/root"), u("app", 500, "/srv/app")];
         for named in [None, Some("user")] {
-            let f = resolve(named, &only_root).unwrap();
-            assert_eq!((f.user, f.home), (None, None));
+            let f = resolve(named, &only_root, None).unwrap();
+            assert_eq!((f.user, f.home.as_deref()), (None, Some("/root")));
         }
-        let e = resolve(Some("alice"), &p).unwrap_err();
+        let f = resolve(None, &only_root, Some("app")).unwrap();
+        assert_eq!((f.user, f.home.as_deref()), (None, Some("/srv/app")));
+        let f = resolve(None, &only_root, Some("500:500")).unwrap();
+        assert_eq!(f.home.as_deref(), Some("/srv/app"));
+        let e = resolve(Some("alice"), &p, None).unwrap_err();
         assert_eq!(e.code, Code::Unauthenticated);
         assert_eq!(e.message, "invalid username: 'alice'");
     }
