@@ -7,13 +7,15 @@ cd "$(dirname "$0")"
 . scripts/lib.sh
 need_root
 install_node_packages
-install_packages docker-registry dnsmasq-base iproute2 nftables python3
+install_packages docker-registry dnsmasq-base iproute2 nftables python3 python3-venv
 need_cargo
 export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
 # The iii engine for the interop test (crates/sandboxd/tests/it/iii.rs), when the shared tools have it.
 if [ -z "${III_BIN:-}" ] && [ -x ../shared/tools/iii ]; then
   export III_BIN="$(cd ../shared/tools && pwd)/iii"
 fi
+# E2B's own SDKs (PyPI and npm, pinned) for the E2B compatibility tests (tests/it/e2b.rs).
+scripts/e2b-sdks.sh
 cargo build --workspace --all-targets
 target/debug/sandboxd --images-dir "$SBX_TEST_IMAGES" build-base
 cargo test --workspace

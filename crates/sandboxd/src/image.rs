@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
@@ -217,14 +217,67 @@ pub const BASE_PACKAGES: &[&str] = &[
     "python3-venv",
 ];
 
-/// The `source` an image.json of the base image has when it holds [`BASE_PACKAGES`].
+/// The account the base image has beside root, as E2B's templates do (E2B's SDKs run
+/// commands as `user`, in `/home/user`, by default): uid and gid 1000, a login shell of bash.
+pub const BASE_USER: (&str, u32) = ("user", 1000);
+
+/// The `source` an image.json of the base image has when it holds [`BASE_PACKAGES`] and
+/// [`BASE_USER`].
+/// (The user comes first: a node of before it, which checks the end, takes the image too.)
 pub fn base_source(suite: &str) -> String {
-    format!("debootstrap {suite} minbase + {}", BASE_PACKAGES.join(" "))
+    format!(
+        "user {}; debootstrap {suite} minbase + {}",
+        BASE_USER.0,
+        BASE_PACKAGES.join(" ")
+    )
 }
 
-/// Whether a base image's `source` says it holds [`BASE_PACKAGES`].
+/// Whether a base image's `source` says it holds [`BASE_PACKAGES`] and [`BASE_USER`].
 fn base_is_current(source: &str) -> bool {
-    source.ends_with(&format!("minbase + {}", BASE_PACKAGES.join(" ")))
+    source.starts_with(&format!("user {}; ", BASE_USER.0))
+        && source.ends_with(&format!("minbase + {}", BASE_PACKAGES.join(" ")))
+}
+
+/// Adds [`BASE_USER`] to a root file system just made (before its owners are shifted):
+/// its lines in /etc/passwd, /etc/group and /etc/shadow, and its home from /etc/skel.
+fn add_base_user(rootfs: &Path) -> std::io::Result<()> {
+    let (name, id) = BASE_USER;
+    let add_line = |file: &str, line: String| -> std::io::Result<()> {
+        let p = rootfs.join(file);
+        let mut text = match fs::read_to_string(&p) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if text.lines().any(|l| l.split(':').next() == Some(name)) {
+            return Ok(());
+        }
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&line);
+        text.push('\n');
+        fs::write(&p, text)
+    };
+    add_line(
+        "etc/passwd",
+        format!("{name}:x:{id}:{id}::/home/{name}:/bin/bash"),
+    )?;
+    add_line("etc/group", format!("{name}:x:{id}:"))?;
+    add_line("etc/shadow", format!("{name}:!:19000:0:99999:7:::"))?;
+    let home = rootfs.join("home").join(name);
+    fs::create_dir_all(&home)?;
+    if let Ok(rd) = fs::read_dir(rootfs.join("etc/skel")) {
+        for e in rd.flatten() {
+            if e.path().is_file() {
+                let to = home.join(e.file_name());
+                fs::copy(e.path(), &to)?;
+                std::os::unix::fs::chown(&to, Some(id), Some(id))?;
+            }
+        }
+    }
+    std::os::unix::fs::chown(&home, Some(id), Some(id))?;
+    fs::set_permissions(&home, std::os::unix::fs::PermissionsExt::from_mode(0o750))
 }
 
 #[derive(Clone)]
@@ -606,6 +659,7 @@ impl ImageStore {
                 }
             }
         }
+        add_base_user(&rootfs).map_err(io("add the user `user` to the base image"))?;
         sbx_runtime::fsutil::shift_owners(&rootfs, self.uid_base)
             .map_err(io("shift owners of the base image"))?;
         let meta = ImageMeta {
@@ -779,6 +833,8 @@ mod tests {
         assert!(!base_is_current(
             "debootstrap bookworm minbase + python3 nodejs procps"
         ));
+        let without_user = format!("debootstrap bookworm minbase + {}", BASE_PACKAGES.join(" "));
+        assert!(!base_is_current(&without_user));
         assert!(!base_is_current("fake"));
     }
 

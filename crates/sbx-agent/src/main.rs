@@ -12,6 +12,7 @@ mod fs;
 mod ring;
 mod server;
 mod users;
+mod watch;
 
 use std::io::Read;
 

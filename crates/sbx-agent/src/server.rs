@@ -14,6 +14,7 @@ use tokio::task::{spawn_local, LocalSet};
 
 use crate::exec::{self, Defaults, Exec};
 use crate::fs;
+use crate::watch;
 
 struct Agent {
     defaults: Defaults,
@@ -132,12 +133,14 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
         features: vec![
             sbx_proto::FEATURE_FS.into(),
             sbx_proto::FEATURE_STDIN_NULL.into(),
+            sbx_proto::FEATURE_WATCH.into(),
         ],
     };
     if !send(&out, &hello).await {
         return;
     }
     let files = fs::Files::new(agent.defaults.user.clone(), out.clone());
+    let watches = watch::Watches::new(out.clone());
     loop {
         let frame = match read_frame::<HostMsg, _>(&mut rd).await {
             Ok(Some(f)) => f,
@@ -164,6 +167,12 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
             Frame::Data { .. } => {}
             Frame::Msg(HostMsg::Fs { id, op }) => files.start(id, op),
             Frame::Msg(HostMsg::FsEnd { id }) => files.end(&id).await,
+            Frame::Msg(HostMsg::Watch {
+                id,
+                path,
+                recursive,
+            }) => watches.start(id, path, recursive),
+            Frame::Msg(HostMsg::Unwatch { id }) => watches.stop(&id),
             Frame::Msg(msg) => handle(&agent, &out, msg).await,
         }
     }
@@ -292,6 +301,8 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
         }
         // File operations are the connection's (see `connection`).
         HostMsg::Fs { .. } | HostMsg::FsEnd { .. } => {}
+        // So are watches.
+        HostMsg::Watch { .. } | HostMsg::Unwatch { .. } => {}
     }
 }
 

@@ -213,6 +213,40 @@ pub fn lookup(spec: &str) -> Option<User> {
     })
 }
 
+/// The users and groups of the sandbox's files (at most [`MAX_TABLE`] of each) and the
+/// image's user: the answer of `FsOp::Users`.
+pub fn table(default_user: Option<String>) -> sbx_proto::FsResult {
+    let users = passwd(&read_small("/etc/passwd"))
+        .into_iter()
+        .take(MAX_TABLE)
+        .map(|e| sbx_proto::UserInfo {
+            name: e.name,
+            uid: e.uid,
+            gid: e.gid,
+            home: e.home,
+        })
+        .collect();
+    let groups = read_small("/etc/group")
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            Some(sbx_proto::GroupInfo {
+                name: f.first()?.to_string(),
+                gid: f.get(2)?.parse().ok()?,
+            })
+        })
+        .take(MAX_TABLE)
+        .collect();
+    sbx_proto::FsResult::Users {
+        users,
+        groups,
+        default_user,
+    }
+}
+
+/// The most users (and groups) [`table`] answers.
+const MAX_TABLE: usize = 4096;
+
 #[cfg(test)]
 mod tests {
     use super::*;

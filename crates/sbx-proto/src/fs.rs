@@ -32,6 +32,11 @@ pub enum FsOp {
         /// The most entries answered (the agent's own cap applies too).
         #[serde(default)]
         limit: Option<u32>,
+        /// Levels listed: 1 (or none) is the directory's own entries, 2 also those of its
+        /// subdirectories, and so on (symlinks are not followed). An agent without
+        /// [`FEATURE_WATCH`] ignores it and lists one level.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        depth: Option<u32>,
     },
     /// Makes a directory. Answer: [`FsResult::Entry`].
     Mkdir {
@@ -59,6 +64,12 @@ pub enum FsOp {
         /// Owner; default: the replaced file's, or the sandbox's user.
         #[serde(default)]
         owner: Option<String>,
+        /// Writes into the file itself (truncated first) instead of a temporary file that
+        /// replaces it: a cut-off upload leaves it cut, but watchers of its directory see it
+        /// written, not renamed over (E2B's envd writes so). Only to an agent with
+        /// [`FEATURE_WATCH`] (an older one writes through a temporary file).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        in_place: bool,
     },
     /// Reads a regular file (symlinks followed): `FsOpened`, data frames, then
     /// [`FsResult::Read`].
@@ -124,9 +135,59 @@ pub enum FsOp {
         #[serde(default)]
         preserve_owners: bool,
     },
+    /// The sandbox's users and groups (its /etc/passwd and /etc/group) and the image's user.
+    /// Answer: [`FsResult::Users`]. Only to an agent with [`FEATURE_WATCH`].
+    Users,
     /// An operation this agent does not know (sent by a newer node): answered `unsupported`.
     #[serde(other)]
     Unknown,
+}
+
+/// The capability an agent announces when it serves [`crate::HostMsg::Watch`], `List`'s
+/// `depth`, `Write`'s `in_place` and [`FsOp::Users`].
+pub const FEATURE_WATCH: &str = "watch";
+
+/// A user of the sandbox (a line of its /etc/passwd).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserInfo {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: String,
+}
+
+/// A group of the sandbox (a line of its /etc/group).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupInfo {
+    pub name: String,
+    pub gid: u32,
+}
+
+/// What changed in a watched directory (inotify's events, as E2B's envd names them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchKind {
+    /// Made, or moved in.
+    Create,
+    /// Its contents written.
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away (or the watched directory itself moved).
+    Rename,
+    /// Its mode, owner or times changed.
+    Chmod,
+    /// A kind this peer does not know (a newer agent's).
+    #[serde(other)]
+    Other,
+}
+
+/// One change in a watched directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    /// The path changed, relative to the watched directory (`.` for the directory itself).
+    pub name: String,
+    pub kind: WatchKind,
 }
 
 /// What to search for, and where.
@@ -293,6 +354,13 @@ pub enum FsResult {
         bytes: u64,
         #[serde(default)]
         skipped: u64,
+    },
+    /// The sandbox's users and groups; `default_user`: the image's user, if it names one.
+    Users {
+        users: Vec<UserInfo>,
+        groups: Vec<GroupInfo>,
+        #[serde(default)]
+        default_user: Option<String>,
     },
 }
 

@@ -20,8 +20,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 pub mod fs;
 pub use fs::{
-    FsEntry, FsErrorCode, FsFailure, FsKind, FsOp, FsResult, GrepMatch, GrepSpec, SedFile, SedSpec,
-    FEATURE_FS,
+    FsEntry, FsErrorCode, FsFailure, FsKind, FsOp, FsResult, GrepMatch, GrepSpec, GroupInfo,
+    SedFile, SedSpec, UserInfo, WatchEvent, WatchKind, FEATURE_FS, FEATURE_WATCH,
 };
 
 /// The feature (in the agent's hello) of [`ExecSpec::stdin_null`].
@@ -160,6 +160,18 @@ pub enum HostMsg {
     Fs { id: String, op: FsOp },
     /// The end of an upload's data frames.
     FsEnd { id: String },
+    /// Watches directory `path` (and, when `recursive`, every directory under it, those made
+    /// later too) for changes: answered `WatchStarted` or `WatchEnded` with the error, then
+    /// `WatchEvents` as they come until `Unwatch`, the connection's end, or `WatchEnded` (the
+    /// directory went). Only to an agent that announces [`FEATURE_WATCH`].
+    Watch {
+        id: String,
+        path: String,
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// Ends watch `id` (answered `WatchEnded` without an error).
+    Unwatch { id: String },
 }
 
 /// How a command ended, as [`ExitInfo::status`]. On the wire: `"exited"`, `"timed_out"`,
@@ -259,6 +271,22 @@ pub enum AgentMsg {
     FsDone { id: String, result: FsResult },
     /// File operation `id` failed.
     FsError { id: String, error: FsFailure },
+    /// Watch `id` is in place: changes from now on are reported.
+    WatchStarted { id: String },
+    /// Changes seen by watch `id`, in order. `overflow`: the kernel's queue overflowed
+    /// before these (some changes were lost).
+    WatchEvents {
+        id: String,
+        events: Vec<WatchEvent>,
+        #[serde(default)]
+        overflow: bool,
+    },
+    /// Watch `id` has ended (`error`: why, when it did not end by `Unwatch`).
+    WatchEnded {
+        id: String,
+        #[serde(default)]
+        error: Option<FsFailure>,
+    },
 }
 
 /// What the agent knows of a command.
@@ -582,6 +610,7 @@ mod tests {
                 mode: Some(0o644),
                 parents: true,
                 owner: None,
+                in_place: false,
             },
         })
         .unwrap();
@@ -661,6 +690,48 @@ mod tests {
                 id: "f2".into(),
                 op: FsOp::Unknown
             }
+        );
+    }
+
+    /// Pins the wire shape of watches (feature `watch`).
+    #[test]
+    fn watch_schema_snapshot() {
+        let w = serde_json::to_string(&HostMsg::Watch {
+            id: "w".into(),
+            path: "/d".into(),
+            recursive: true,
+        })
+        .unwrap();
+        assert_eq!(
+            w,
+            r#"{"type":"watch","id":"w","path":"/d","recursive":true}"#
+        );
+        let ev = serde_json::to_string(&AgentMsg::WatchEvents {
+            id: "w".into(),
+            events: vec![WatchEvent {
+                name: "a/b".into(),
+                kind: WatchKind::Create,
+            }],
+            overflow: false,
+        })
+        .unwrap();
+        assert_eq!(
+            ev,
+            r#"{"type":"watch_events","id":"w","events":[{"name":"a/b","kind":"create"}],"overflow":false}"#
+        );
+        let newer: WatchEvent = serde_json::from_str(r#"{"name":"x","kind":"open"}"#).unwrap();
+        assert_eq!(newer.kind, WatchKind::Other);
+        // The additive fields stay off the wire when unset: an older agent reads the same.
+        let list = serde_json::to_string(&FsOp::List {
+            path: "/".into(),
+            limit: None,
+            depth: None,
+        })
+        .unwrap();
+        assert_eq!(list, r#"{"op":"list","path":"/","limit":null}"#);
+        assert_eq!(
+            serde_json::to_string(&FsOp::Users).unwrap(),
+            r#"{"op":"users"}"#
         );
     }
 

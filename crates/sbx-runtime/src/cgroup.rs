@@ -380,6 +380,36 @@ impl Group {
         fs::read_to_string(d.join(file)).ok()?.trim().parse().ok()
     }
 
+    /// Memory the group uses now.
+    pub fn memory_current(&self) -> Option<u64> {
+        let (d, file) = if self.is_v2() {
+            (self.dirs[0].1.as_path(), "memory.current")
+        } else {
+            (self.dir("memory")?, "memory.usage_in_bytes")
+        };
+        fs::read_to_string(d.join(file)).ok()?.trim().parse().ok()
+    }
+
+    /// CPU time the group has used, in nanoseconds (v1's cpuacct.usage, v2's cpu.stat).
+    pub fn cpu_usage_ns(&self) -> Option<u64> {
+        if self.is_v2() {
+            let s = fs::read_to_string(self.dirs[0].1.join("cpu.stat")).ok()?;
+            let us: u64 = s
+                .lines()
+                .find_map(|l| l.strip_prefix("usage_usec "))?
+                .trim()
+                .parse()
+                .ok()?;
+            return Some(us.saturating_mul(1000));
+        }
+        let d = self.dir("cpuacct").or_else(|| self.dir("cpu"))?;
+        fs::read_to_string(d.join("cpuacct.usage"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// Freezes (`true`) or thaws the group: v1's freezer, v2's `cgroup.freeze`. False when
     /// the layout has no freezer (the caller kills without one).
     fn set_frozen(&self, frozen: bool) -> bool {

@@ -99,6 +99,11 @@ impl Sandbox {
         self.group.memory_peak()
     }
 
+    /// Memory the sandbox uses now, and the CPU time it has used (ns).
+    pub fn usage(&self) -> (Option<u64>, Option<u64>) {
+        (self.group.memory_current(), self.group.cpu_usage_ns())
+    }
+
     /// Changes the sandbox's limits while it runs.
     pub fn set_limits(&self, limits: &Limits) -> Result<(), RuntimeError> {
         self.group.set_limits(limits)?;

@@ -7,6 +7,7 @@
 //! - [`seccomp`]: the sandbox's syscall filter;
 //! - [`fsutil`]: ownership shifting of image trees;
 //! - [`hostfs`]: the node's host-side locks and private directories;
+//! - [`inotify`]: changes of directories (the agent's watches);
 //! - [`net`]: sandbox networking: namespaces with a veth to the node, pooled; the node's
 //!   nftables table; conntrack;
 //! - [`netns`]: sockets made from the host in a sandbox's network namespace;
@@ -17,6 +18,7 @@ pub mod driver;
 pub mod fsutil;
 pub mod hostfs;
 pub mod init;
+pub mod inotify;
 pub mod net;
 pub mod netns;
 pub mod process;

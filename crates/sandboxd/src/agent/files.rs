@@ -61,7 +61,7 @@ fn broke(e: AgentError) -> ApiError {
 }
 
 /// A failure of the agent as the API's error (one code for each).
-fn api_error(f: FsFailure) -> ApiError {
+pub(crate) fn api_error(f: FsFailure) -> ApiError {
     let code = match f.code {
         FsErrorCode::Invalid => ErrorCode::FsInvalid,
         FsErrorCode::NotFound => ErrorCode::PathNotFound,
@@ -88,7 +88,7 @@ pub fn unexpected(r: &FsResult) -> ApiError {
 }
 
 /// Aborts a task when dropped.
-struct TaskGuard(tokio::task::JoinHandle<()>);
+pub(crate) struct TaskGuard(pub(crate) tokio::task::JoinHandle<()>);
 
 impl Drop for TaskGuard {
     fn drop(&mut self) {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::sync::LockExt;
 
 pub mod files;
+pub mod watch;
 
 use sbx_api::exec::ExecStatus;
 use sbx_proto::{
@@ -86,6 +87,8 @@ pub struct AgentConn {
     stdin_null: bool,
     /// The agent serves file operations ([`sbx_proto::FEATURE_FS`]).
     fs: bool,
+    /// The agent serves watches and the file operations of [`sbx_proto::FEATURE_WATCH`].
+    watch: bool,
 }
 
 /// Connections whose exchanges are all over, by agent socket: the next operation on the same
@@ -109,6 +112,7 @@ impl AgentConn {
             socket: socket.to_path_buf(),
             stdin_null: false,
             fs: false,
+            watch: false,
         };
         let hello = tokio::time::timeout(timeout, conn.recv())
             .await
@@ -119,6 +123,7 @@ impl AgentConn {
             }) if version == PROTO_VERSION => {
                 conn.stdin_null = features.iter().any(|f| f == sbx_proto::FEATURE_STDIN_NULL);
                 conn.fs = features.iter().any(|f| f == sbx_proto::FEATURE_FS);
+                conn.watch = features.iter().any(|f| f == sbx_proto::FEATURE_WATCH);
                 Ok(conn)
             }
             Frame::Msg(AgentMsg::Hello { version, .. }) => Err(AgentError::Version(version)),
@@ -137,6 +142,12 @@ impl AgentConn {
     /// Whether the agent serves file operations (see [`files`]).
     pub fn serves_fs(&self) -> bool {
         self.fs
+    }
+
+    /// Whether the agent serves watches, `List`'s depth, `Write`'s `in_place` and `Users`
+    /// ([`sbx_proto::FEATURE_WATCH`]).
+    pub fn serves_watch(&self) -> bool {
+        self.watch
     }
 
     /// The connection's two halves, for a stream that reads and writes at once (an upload).

@@ -614,6 +614,14 @@ async fn handle(agent: &Arc<Agent>, out: &Out, msg: HostMsg) {
             send(out, &AgentMsg::FsError { id, error }).await;
         }
         HostMsg::FsEnd { .. } => {}
+        HostMsg::Watch { id, .. } => {
+            let error = Some(FsFailure::new(
+                FsErrorCode::Unsupported,
+                "the fake agent watches nothing",
+            ));
+            send(out, &AgentMsg::WatchEnded { id, error }).await;
+        }
+        HostMsg::Unwatch { .. } => {}
     }
 }
 

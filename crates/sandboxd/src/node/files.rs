@@ -256,6 +256,7 @@ impl FsCall {
             FsCall::List => FsOp::List {
                 path: p.path()?,
                 limit: p.u64("limit", 10_000)?.map(|l| l.max(1) as u32),
+                depth: None,
             },
             FsCall::Stat => FsOp::Stat { path: p.path()? },
             FsCall::Mkdir => FsOp::Mkdir {
@@ -407,6 +408,7 @@ pub fn write_op(p: &FsParams) -> Result<FsOp, ApiError> {
         mode: p.mode("mode")?,
         parents: p.bool("parents", false)?,
         owner: p.owner()?,
+        in_place: false,
     })
 }
 
@@ -491,6 +493,38 @@ impl Node {
         let op = call.op(p)?;
         let r = agent_files::call(self.fs_conn(id).await?, op).await?;
         call.reply(r, p)
+    }
+
+    /// Runs operation `op` (one without bytes, built by the caller) in sandbox `id`: the
+    /// agent's result. `List`'s depth and `Write`'s in_place need an agent with the `watch`
+    /// feature (an older one lists one level); `Users` is `unsupported` without it.
+    pub async fn fs_op(&self, id: &str, op: FsOp) -> Result<FsResult, ApiError> {
+        let conn = self.fs_conn(id).await?;
+        if matches!(op, FsOp::Users) && !conn.serves_watch() {
+            return Err(ApiError::new(
+                ErrorCode::Unsupported,
+                "the sandbox's agent does not list its users: restart the sandbox to update it",
+            ));
+        }
+        agent_files::call(conn, op).await
+    }
+
+    /// Watches directory `path` of sandbox `id` (`recursive`: every directory under it too):
+    /// its changes as they come, until the [`Watch`](crate::agent::watch::Watch) is dropped.
+    pub async fn fs_watch(
+        &self,
+        id: &str,
+        path: String,
+        recursive: bool,
+    ) -> Result<crate::agent::watch::Watch, ApiError> {
+        let conn = self.fs_conn(id).await?;
+        if !conn.serves_watch() {
+            return Err(ApiError::new(
+                ErrorCode::Unsupported,
+                "the sandbox's agent does not watch directories: restart the sandbox to update it",
+            ));
+        }
+        crate::agent::watch::watch(conn, path, recursive).await
     }
 
     /// An upload (a write or a tar unpack): `op` with `bytes` as they come.

@@ -9,6 +9,7 @@ mod auth;
 mod bad_input;
 mod cleanup;
 mod commands;
+mod e2b;
 mod edge;
 mod egress;
 mod files;

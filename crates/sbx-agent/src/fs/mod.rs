@@ -28,6 +28,7 @@ use sbx_proto::{AgentMsg, FsErrorCode, FsFailure, FsOp, FsResult};
 use tokio::sync::mpsc;
 
 use self::path::aborted;
+pub(crate) use self::path::normalize;
 use self::search::{grep, sed};
 use self::tar::{tar_create, tar_extract};
 use self::transfer::{read_file, write_file};
@@ -88,10 +89,11 @@ impl Files {
                 mode,
                 parents,
                 owner,
+                in_place,
             } => {
                 let rx = self.upload(id);
                 spawn(ctx, move |c| {
-                    write_file(c, &path, mode, parents, owner.as_deref(), rx)
+                    write_file(c, &path, mode, parents, owner.as_deref(), in_place, rx)
                 });
             }
             FsOp::TarExtract {
@@ -180,7 +182,8 @@ fn spawn(ctx: Ctx, f: impl FnOnce(&Ctx) -> Res<FsResult> + Send + 'static) {
 fn run(c: &Ctx, op: FsOp) -> Res<FsResult> {
     match op {
         FsOp::Stat { path } => stat(&path),
-        FsOp::List { path, limit } => list(&path, limit),
+        FsOp::List { path, limit, depth } => list(&path, limit, depth),
+        FsOp::Users => Ok(crate::users::table(c.user.clone())),
         FsOp::Mkdir {
             path,
             parents,

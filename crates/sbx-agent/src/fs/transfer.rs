@@ -105,6 +105,7 @@ pub(super) fn write_file(
     mode: Option<u32>,
     parents: bool,
     owner: Option<&str>,
+    in_place: bool,
     mut rx: mpsc::Receiver<Chunk>,
 ) -> Res<FsResult> {
     let p = normalize(path, "path")?;
@@ -152,6 +153,9 @@ pub(super) fn write_file(
         Err(e) if e.kind() == io::ErrorKind::NotFound => (p.clone(), None),
         Err(e) => return Err(fail(&e, &p, "path")),
     };
+    if in_place {
+        return write_in_place(c, &p, &target, old, mode, owner, ids, rx);
+    }
     let (temp, mut file) = Temp::create(&target).map_err(|e| fail(&e, &p, "path"))?;
     let mut bytes = 0u64;
     loop {
@@ -184,6 +188,64 @@ pub(super) fn write_file(
         .map_err(|e| fail(&e, &p, "path"))?;
     Ok(FsResult::Written {
         entry: entry_of(&p, &md),
+        bytes,
+        created: old.is_none(),
+    })
+}
+
+/// An upload written into the file itself, as E2B's envd writes: owned (and, when given,
+/// moded) before the first byte, truncated, then written; a cut-off upload leaves it cut.
+#[allow(clippy::too_many_arguments)]
+fn write_in_place(
+    c: &Ctx,
+    p: &Path,
+    target: &Path,
+    old: Option<Metadata>,
+    mode: Option<u32>,
+    owner: Option<&str>,
+    ids: Option<(u32, u32)>,
+    mut rx: mpsc::Receiver<Chunk>,
+) -> Res<FsResult> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let ids = match (owner, &old) {
+        (Some(_), _) | (None, None) => ids,
+        (None, Some(m)) => Some((m.uid(), m.gid())),
+    };
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode.unwrap_or(0o644))
+        .custom_flags((OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC).bits())
+        .open(target)
+        .map_err(|e| fail(&e, p, "path"))?;
+    if let Some((u, g)) = ids {
+        fchown(&file, Some(u), Some(g)).map_err(|e| fail(&e, p, "path"))?;
+    }
+    if let Some(m) = mode {
+        file.set_permissions(Permissions::from_mode(m))
+            .map_err(|e| fail(&e, p, "path"))?;
+    }
+    let mut bytes = 0u64;
+    loop {
+        match rx.blocking_recv() {
+            Some(Chunk::Data(b)) => {
+                file.write_all(&b).map_err(|e| fail(&e, p, "path"))?;
+                bytes += b.len() as u64;
+                c.check()?;
+            }
+            Some(Chunk::End) => break,
+            None => {
+                return Err(aborted(format!(
+                    "the upload of {} was cut off after {bytes} bytes",
+                    p.display()
+                )))
+            }
+        }
+    }
+    let md = file.metadata().map_err(|e| fail(&e, p, "path"))?;
+    Ok(FsResult::Written {
+        entry: entry_of(p, &md),
         bytes,
         created: old.is_none(),
     })

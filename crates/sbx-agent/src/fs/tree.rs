@@ -180,7 +180,7 @@ pub(super) fn stat(path: &str) -> Res<FsResult> {
     })
 }
 
-pub(super) fn list(path: &str, limit: Option<u32>) -> Res<FsResult> {
+pub(super) fn list(path: &str, limit: Option<u32>, depth: Option<u32>) -> Res<FsResult> {
     let p = normalize(path, "path")?;
     let md = fs::metadata(&p).map_err(|e| fail(&e, &p, "path"))?;
     if !md.is_dir() {
@@ -191,27 +191,68 @@ pub(super) fn list(path: &str, limit: Option<u32>) -> Res<FsResult> {
         .param("path"));
     }
     let limit = limit.unwrap_or(MAX_LIST).min(MAX_LIST) as usize;
-    let rd = fs::read_dir(&p).map_err(|e| fail(&e, &p, "path"))?;
+    let depth = depth.unwrap_or(1).max(1);
+    let mut entries = Vec::new();
+    let mut truncated = false;
+    let mut budget = 0;
+    // Depth first, each directory's entries by name, a directory before what is in it.
+    list_into(
+        &p,
+        1,
+        depth,
+        limit,
+        &mut entries,
+        &mut truncated,
+        &mut budget,
+        &p,
+    )?;
+    Ok(FsResult::List { entries, truncated })
+}
+
+/// The entries of `dir` (level `level`) and, down to `depth`, of its subdirectories.
+#[allow(clippy::too_many_arguments)]
+fn list_into(
+    dir: &Path,
+    level: u32,
+    depth: u32,
+    limit: usize,
+    entries: &mut Vec<FsEntry>,
+    truncated: &mut bool,
+    budget: &mut usize,
+    top: &Path,
+) -> Res<()> {
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        // Below the top, a directory that cannot be read (or went) is left out.
+        Err(_) if dir != top => return Ok(()),
+        Err(e) => return Err(fail(&e, dir, "path")),
+    };
     let mut names: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
     names.sort();
-    let mut truncated = names.len() > limit;
-    names.truncate(limit);
-    let mut entries = Vec::with_capacity(names.len());
-    let mut budget = 0;
     for n in names {
+        if *truncated {
+            return Ok(());
+        }
+        if entries.len() >= limit {
+            *truncated = true;
+            return Ok(());
+        }
         // An entry removed since the directory was read is left out.
         let Ok(md) = fs::symlink_metadata(&n) else {
             continue;
         };
         let e = entry_of(&n, &md);
-        budget += e.path.len() + e.name.len() + e.target.as_ref().map_or(0, String::len) + 128;
-        if budget > REPLY_BUDGET {
-            truncated = true;
-            break;
+        *budget += e.path.len() + e.name.len() + e.target.as_ref().map_or(0, String::len) + 128;
+        if *budget > REPLY_BUDGET {
+            *truncated = true;
+            return Ok(());
         }
         entries.push(e);
+        if level < depth && md.is_dir() {
+            list_into(&n, level + 1, depth, limit, entries, truncated, budget, top)?;
+        }
     }
-    Ok(FsResult::List { entries, truncated })
+    Ok(())
 }
 
 pub(super) fn mkdir(

@@ -84,21 +84,49 @@ impl Node {
 
     /// `PATCH /v1/sandboxes/{id}`: `{"egress": {...}}` merged key by key into the sandbox's
     /// rules (a null key removes it), in force for its next connection or question.
-    pub fn patch_sandbox(&self, id: &str, body: &Value) -> Result<SandboxObject, ApiError> {
+    pub fn patch_sandbox(
+        self: &Arc<Self>,
+        id: &str,
+        body: &Value,
+    ) -> Result<SandboxObject, ApiError> {
         let Some(obj) = body.as_object() else {
             return Err(ApiError::new(
                 ErrorCode::InvalidJson,
                 "the body is not a JSON object",
             ));
         };
-        if let Some(k) = obj.keys().find(|k| k.as_str() != "egress") {
+        if let Some(k) = obj
+            .keys()
+            .find(|k| !matches!(k.as_str(), "egress" | "expires_at"))
+        {
             return Err(ApiError::new(
                 ErrorCode::UnknownField,
-                format!("{k} is not a field this call takes (egress is)"),
+                format!("{k} is not a field this call takes (egress and expires_at are)"),
             )
             .with_param(k.clone()));
         }
         let m = self.managed(id)?;
+        let expires_at = match obj.get("expires_at") {
+            None => None,
+            Some(Value::Null) => Some(None),
+            Some(Value::String(s)) => Some(Some(s.clone())),
+            Some(_) => {
+                return Err(ApiError::invalid_field(
+                    "expires_at",
+                    "expires_at must be an RFC 3339 time or null",
+                ))
+            }
+        };
+        if let Some(at) = expires_at {
+            if let Some(e) = obj.get("egress") {
+                // Both or neither: the rules are checked before the expiry changes.
+                let merged = merge(m.egress.locked().as_ref(), e);
+                if !e.is_null() {
+                    self.check_egress(merged.as_ref(), m.spec.network)?;
+                }
+            }
+            self.set_expiry(&m, at)?;
+        }
         let Some(patch) = obj.get("egress") else {
             return Ok(self.sandbox_object(&m));
         };
@@ -121,6 +149,7 @@ impl Node {
         let rules = self.check_egress(merged.as_ref(), m.spec.network)?;
         let mut spec = m.spec.clone();
         spec.egress = merged.clone();
+        spec.expires_at = m.expiry.locked().0.clone();
         let json = serde_json::to_string(&spec)
             .map_err(crate::node::internal("a sandbox's spec as JSON"))?;
         self.store

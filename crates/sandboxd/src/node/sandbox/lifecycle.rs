@@ -297,11 +297,63 @@ impl Node {
     pub(crate) fn expire_at(self: &Arc<Self>, m: &Arc<Managed>, ms: u64) {
         let node = self.clone();
         let id = m.id.clone();
+        let armed = m.expiry.locked().1;
+        let m = Arc::downgrade(m);
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
+            // Changed (or gone) since: not this timer's to do.
+            match m.upgrade() {
+                Some(m) if m.expiry.locked().1 == armed => {}
+                _ => return,
+            }
             tracing::info!(sandbox = %id, "expired: deleting");
             let _ = node.delete_sandbox(&id).await;
         });
+    }
+
+    /// Sets when a kept sandbox expires (`None`: never), kept across restarts; the timer
+    /// armed before is void.
+    pub(crate) fn set_expiry(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        at: Option<String>,
+    ) -> Result<(), ApiError> {
+        let left_ms = match &at {
+            None => None,
+            Some(s) => {
+                let at_ns = sbx_api::parse_rfc3339(s).ok_or_else(|| {
+                    ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
+                })?;
+                let left_ns = at_ns - crate::image::now_ns();
+                if left_ns <= 0 {
+                    return Err(ApiError::new(
+                        ErrorCode::ExpiresInThePast,
+                        "expires_at is not in the future",
+                    )
+                    .with_param("expires_at"));
+                }
+                Some((left_ns / 1_000_000) as u64 + 1)
+            }
+        };
+        // The rules' lock before the expiry's, as PATCH of egress takes them.
+        let egress = m.egress.locked();
+        let mut expiry = m.expiry.locked();
+        let mut spec = m.spec.clone();
+        spec.egress = egress.clone();
+        spec.expires_at = at.clone();
+        let json = serde_json::to_string(&spec)
+            .map_err(crate::node::internal("a sandbox's spec as JSON"))?;
+        self.store
+            .update_sandbox_spec(&m.id, &json)
+            .map_err(store_err)?;
+        expiry.0 = at;
+        expiry.1 += 1;
+        drop(expiry);
+        drop(egress);
+        if let Some(ms) = left_ms {
+            self.expire_at(m, ms);
+        }
+        Ok(())
     }
 
     /// Stops the start command (its stop signal, then grace), then ends the machine.

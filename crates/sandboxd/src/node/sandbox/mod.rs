@@ -258,6 +258,9 @@ pub struct Managed {
     cancel: Cancel,
     /// Its egress rules as kept (a PATCH changes them).
     pub(crate) egress: Mutex<Option<serde_json::Value>>,
+    /// When it expires (a PATCH changes it), and the number of the timer in force: a timer
+    /// armed before the last change does nothing when it fires.
+    pub(crate) expiry: Mutex<(Option<String>, u64)>,
 }
 
 impl Managed {
@@ -271,6 +274,7 @@ impl Managed {
             resolved: Mutex::new(Resolved::default()),
             cancel: Cancel::new(),
             egress: Mutex::new(spec.egress.clone()),
+            expiry: Mutex::new((spec.expires_at.clone(), 0)),
             spec,
         }
     }
@@ -364,7 +368,7 @@ impl Node {
             started_at: row
                 .started_at_ns
                 .map(|t| sbx_api::format_rfc3339_millis(i128::from(t))),
-            expires_at: m.spec.expires_at.clone(),
+            expires_at: m.expiry.locked().0.clone(),
             failure_code: row.failure_code,
             failure: row.failure,
             restarts: row.restarts,
@@ -439,6 +443,14 @@ impl Node {
 
     /// Commands running now in sandbox `id` (0 for an unknown one). For the functions
     /// interface's `sandbox::list` and its idle reaper.
+    /// A running sandbox's memory in use now (bytes) and CPU time used (ns).
+    pub fn sandbox_usage(&self, id: &str) -> Option<(u64, u64)> {
+        let m = self.managed(id).ok()?;
+        let sb = m.machine()?;
+        let (mem, cpu) = sb.usage();
+        Some((mem.unwrap_or(0), cpu.unwrap_or(0)))
+    }
+
     pub(crate) fn running_execs(&self, id: &str) -> usize {
         self.managed(id)
             .ok()

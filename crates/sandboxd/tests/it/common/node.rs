@@ -64,7 +64,7 @@ fn ensure_base_image(images: &Path) {
     );
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port on loopback");
     l.local_addr().expect("local addr").port()
 }

@@ -1,0 +1,96 @@
+//! A watch of a directory over its own agent connection ([`HostMsg::Watch`]): the agent's
+//! batches of changes as they come. Dropping the [`Watch`] (or its receiver) closes the
+//! connection, which ends the watch in the agent.
+
+use sbx_api::ApiError;
+use sbx_proto::{AgentMsg, Frame, HostMsg, WatchEvent};
+use tokio::sync::mpsc;
+
+use super::files::{api_error, TaskGuard};
+use super::{AgentConn, AgentError};
+
+/// The id of the one watch of a connection.
+const ID: &str = "w";
+
+/// Batches queued for the watch's reader (the agent waits while it is full, and the kernel
+/// bounds what it holds meanwhile).
+pub const QUEUE: usize = 16;
+
+/// What a watch reports.
+#[derive(Debug)]
+pub enum WatchItem {
+    /// Changes, in order; `overflow`: some before them were lost.
+    Events {
+        events: Vec<WatchEvent>,
+        overflow: bool,
+    },
+    /// The watch ended by itself (its directory went, or the agent did): why.
+    Ended(ApiError),
+}
+
+/// A running watch.
+pub struct Watch {
+    pub items: mpsc::Receiver<WatchItem>,
+    _task: TaskGuard,
+}
+
+fn broke(e: AgentError) -> ApiError {
+    ApiError::new(
+        sbx_api::ErrorCode::StreamAborted,
+        format!("the watch's connection to the sandbox's agent broke: {e}"),
+    )
+}
+
+/// Starts watching `path` (`recursive`: the directories under it too) on `conn`.
+pub async fn watch(mut conn: AgentConn, path: String, recursive: bool) -> Result<Watch, ApiError> {
+    conn.send(&HostMsg::Watch {
+        id: ID.into(),
+        path,
+        recursive,
+    })
+    .await
+    .map_err(broke)?;
+    loop {
+        match conn.recv().await.map_err(broke)? {
+            Frame::Msg(AgentMsg::WatchStarted { .. }) => break,
+            Frame::Msg(AgentMsg::WatchEnded { error, .. }) => {
+                return Err(match error {
+                    Some(f) => api_error(f),
+                    None => broke(AgentError::Closed),
+                })
+            }
+            _ => {}
+        }
+    }
+    let (tx, rx) = mpsc::channel(QUEUE);
+    let task = tokio::spawn(pump(conn, tx));
+    Ok(Watch {
+        items: rx,
+        _task: TaskGuard(task),
+    })
+}
+
+async fn pump(mut conn: AgentConn, tx: mpsc::Sender<WatchItem>) {
+    loop {
+        let f = tokio::select! {
+            f = conn.recv() => f,
+            // The reader is gone: dropping the connection ends the watch in the agent.
+            _ = tx.closed() => return,
+        };
+        let item = match f {
+            Ok(Frame::Msg(AgentMsg::WatchEvents {
+                events, overflow, ..
+            })) => WatchItem::Events { events, overflow },
+            Ok(Frame::Msg(AgentMsg::WatchEnded { error, .. })) => WatchItem::Ended(match error {
+                Some(f) => api_error(f),
+                None => broke(AgentError::Closed),
+            }),
+            Ok(_) => continue,
+            Err(e) => WatchItem::Ended(broke(e)),
+        };
+        let end = matches!(item, WatchItem::Ended(_));
+        if tx.send(item).await.is_err() || end {
+            return;
+        }
+    }
+}
