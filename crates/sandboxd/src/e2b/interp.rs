@@ -10,11 +10,7 @@
 //! See server.py's docstring for the protocol; the template is saved once `GET /health`
 //! answers, with the default Python context started.
 
-// The control plane (api.rs) starts code-interpreter-v1 sandboxes with these; until it does,
-// only the tests use them.
-#![cfg_attr(not(test), allow(dead_code))]
-
-use sbx_api::{Command, Ready};
+use serde_json::{json, Value};
 
 /// The E2B template the SDK asks for (`Sandbox.create()` of `e2b_code_interpreter`).
 pub const TEMPLATE: &str = "code-interpreter-v1";
@@ -42,29 +38,17 @@ pub fn start_command() -> Vec<String> {
     ]
 }
 
-/// The start command as the node's API takes it (`start_command`).
-pub fn command() -> Command {
-    Command::Argv(start_command())
-}
-
 /// The environment the start command needs besides the image's: none (the port is 49999 by
 /// default, the contexts' directory /home/user, made if missing).
 pub fn start_env() -> Vec<(String, String)> {
     Vec::new()
 }
 
-/// When the template's machine counts as up: `GET /health` on port 49999 answers (the
-/// server answers it once its default Python context has started).
-pub fn ready() -> Ready {
-    Ready::Http {
-        port: PORT,
-        path: HEALTH_PATH.to_owned(),
-    }
-}
-
-/// [`ready`] as the node's API spells it (`ready` of `POST /v1/run` and of a create).
-pub fn ready_check() -> &'static str {
-    r#"{"http":{"port":49999,"path":"/health"}}"#
+/// When the template's machine counts as up, as the node's create spells its `ready`:
+/// `GET /health` on port 49999 answers (the server answers it once its default Python
+/// context has started).
+pub fn ready_check() -> Value {
+    json!({"http": {"port": PORT, "path": HEALTH_PATH}})
 }
 
 #[cfg(test)]
@@ -137,21 +121,18 @@ mod tests {
     }
 
     /// POST /execute: the NDJSON lines.
-    fn execute(s: &Server, body: serde_json::Value) -> Vec<serde_json::Value> {
+    fn execute(s: &Server, body: serde_json::Value) -> Vec<Value> {
         let text = ureq::post(&format!("{}/execute", s.base))
             .timeout(Duration::from_secs(30))
             .send_json(body)
             .unwrap()
             .into_string()
             .unwrap();
-        let lines: Vec<serde_json::Value> = text
+        let lines: Vec<Value> = text
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        assert_eq!(
-            lines.last(),
-            Some(&serde_json::json!({"type": "end_of_execution"}))
-        );
+        assert_eq!(lines.last(), Some(&json!({"type": "end_of_execution"})));
         lines
     }
 
@@ -161,14 +142,17 @@ mod tests {
         let total: usize = argv.iter().map(String::len).sum();
         assert!(total < 64 * 1024, "the start command is {total} bytes");
         assert!(argv.iter().all(|a| !a.contains('\0')));
-        assert_eq!(command().argv(), argv);
-        let spelled: serde_json::Value = serde_json::from_str(ready_check()).unwrap();
-        assert_eq!(
-            spelled,
-            serde_json::json!({"http": {"port": PORT, "path": HEALTH_PATH}})
-        );
-        assert!(matches!(ready(), Ready::Http { port: PORT, .. }));
         assert!(start_env().is_empty());
+        // The node's create takes them as they are.
+        let body = json!({"start_command": argv, "ready": ready_check()});
+        let req = sbx_api::parse_sandbox_create(body.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            req.spec.ready,
+            Some(sbx_api::Ready::Http {
+                port: PORT,
+                path: HEALTH_PATH.to_owned()
+            })
+        );
         assert_eq!(TEMPLATE, "code-interpreter-v1");
     }
 
@@ -179,17 +163,17 @@ mod tests {
             return;
         }
         let s = start();
-        let lines = execute(&s, serde_json::json!({"code": "x = 1"}));
+        let lines = execute(&s, json!({"code": "x = 1"}));
         assert_eq!(
             lines,
             vec![
-                serde_json::json!({"type": "number_of_executions", "execution_count": 1}),
-                serde_json::json!({"type": "end_of_execution"}),
+                json!({"type": "number_of_executions", "execution_count": 1}),
+                json!({"type": "end_of_execution"}),
             ]
         );
         let lines = execute(
             &s,
-            serde_json::json!({"code": "print('hi')\nx + 1", "context_id": null, "language": null}),
+            json!({"code": "print('hi')\nx + 1", "context_id": null, "language": null}),
         );
         assert_eq!(lines[0]["execution_count"], 2);
         assert_eq!(lines[1]["type"], "stdout");
@@ -197,9 +181,9 @@ mod tests {
         assert!(lines[1]["timestamp"].is_string());
         assert_eq!(
             lines[2],
-            serde_json::json!({"type": "result", "text": "2", "extra": {}, "is_main_result": true})
+            json!({"type": "result", "text": "2", "extra": {}, "is_main_result": true})
         );
-        let lines = execute(&s, serde_json::json!({"code": "1/0"}));
+        let lines = execute(&s, json!({"code": "1/0"}));
         assert_eq!(lines[1]["type"], "error");
         assert_eq!(lines[1]["name"], "ZeroDivisionError");
         assert_eq!(lines[1]["value"], "division by zero");
@@ -208,7 +192,7 @@ mod tests {
             .unwrap()
             .contains("Cell In[3]"));
         let err = ureq::post(&format!("{}/execute", s.base))
-            .send_json(serde_json::json!({"code": "1", "context_id": "nope"}))
+            .send_json(json!({"code": "1", "context_id": "nope"}))
             .unwrap_err();
         match err {
             ureq::Error::Status(404, r) => {
@@ -226,7 +210,7 @@ mod tests {
         }
         let s = start();
         let ctx: serde_json::Value = ureq::post(&format!("{}/contexts", s.base))
-            .send_json(serde_json::json!({"language": "js"}))
+            .send_json(json!({"language": "js"}))
             .unwrap()
             .into_json()
             .unwrap();
@@ -234,10 +218,10 @@ mod tests {
         let id = ctx["id"].as_str().unwrap();
         let lines = execute(
             &s,
-            serde_json::json!({"code": "let a = 40; console.log('js')", "context_id": id}),
+            json!({"code": "let a = 40; console.log('js')", "context_id": id}),
         );
         assert_eq!(lines[1]["text"], "js\n");
-        let lines = execute(&s, serde_json::json!({"code": "a + 2", "context_id": id}));
+        let lines = execute(&s, json!({"code": "a + 2", "context_id": id}));
         assert_eq!(lines[1]["text"], "42");
         assert_eq!(lines[1]["is_main_result"], true);
     }
