@@ -562,6 +562,11 @@ class Context:
                 except queue.Empty:
                     if gone():
                         raise ClientGone()
+                    if k.dead and k.q.empty():  # its exit was taken for a previous cell's
+                        ev = ("exit", k.returncode)
+                    else:
+                        ev = None
+                if ev is None:
                     if time.monotonic() - last >= KEEPALIVE:
                         emit({"type": "keepalive"})
                         last = time.monotonic()
