@@ -1,0 +1,923 @@
+"""sbx's code interpreter for E2B's `e2b-code-interpreter` SDK: the server it talks to on port
+49999 of a sandbox (template code-interpreter-v1). Python 3 standard library only.
+
+HTTP: GET /health; POST /execute {code, context_id?, language?, env_vars?} answers one JSON
+object a line as the code runs (stdout, stderr, result, error, number_of_executions,
+keepalive, end_of_execution); POST /contexts {language?, cwd?}; GET /contexts;
+DELETE /contexts/{id}; POST /contexts/{id}/restart.
+
+A context is one child process (its kernel): python (KERNEL_PY below), javascript (node
+running kernel.js, given as argv[1] or found next to this file) or bash. The kernel reads one
+command a line from a pipe and writes its messages (ready, result, error, done) to another; its
+stdout and stderr are pipes read as they are written. One thread a kernel reads them all, and
+ends with the kernel. A client that goes away mid-cell interrupts it (SIGINT); a kernel that
+does not stop within 2 s is killed with its process group and started again.
+
+Env: SBX_INTERP_PORT (default 49999), SBX_INTERP_CWD (default /home/user: made if missing).
+"""
+
+import codecs
+import json
+import os
+import queue
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+SERVED = ("python", "javascript", "bash")
+KEEPALIVE = 5.0
+GRACE = 2.0
+KERNEL_JS = sys.argv[1] if len(sys.argv) > 1 else None
+
+KERNEL_PY = r'''
+import ast, base64, builtins, io, json, linecache, os, signal, sys, traceback, types
+CTL, CMD = int(sys.argv[1]), int(sys.argv[2])
+os.set_inheritable(CTL, False)
+os.set_inheritable(CMD, False)
+KFILE = sys._getframe().f_code.co_filename
+
+def send(obj):
+    data = (json.dumps(obj, default=str) + "\n").encode()
+    while data:
+        data = data[os.write(CTL, data):]
+
+def stream(fd):
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True)
+
+sys.stdout, sys.stderr = stream(1), stream(2)
+sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+main = types.ModuleType("__main__")
+main.__dict__["__builtins__"] = builtins
+sys.modules["__main__"] = main
+NS = main.__dict__
+LOOP = None
+
+def flush():
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:
+            pass
+
+def b64(b):
+    return base64.b64encode(b).decode()
+
+REPRS = (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
+         ("_repr_svg_", "image/svg+xml"), ("_repr_png_", "image/png"),
+         ("_repr_jpeg_", "image/jpeg"), ("_repr_pdf_", "application/pdf"),
+         ("_repr_latex_", "text/latex"), ("_repr_json_", "application/json"),
+         ("_repr_javascript_", "application/javascript"))
+
+def fig_png(fig):
+    b = io.BytesIO()
+    fig.savefig(b, format="png", bbox_inches="tight")
+    return b64(b.getvalue())
+
+def bundle(v):
+    d = {"text/plain": repr(v)}
+    t = type(v)
+    for attr, mime in REPRS:
+        f = getattr(t, attr, None)
+        if f is None:
+            continue
+        try:
+            r = f(v)
+        except Exception:
+            continue
+        if isinstance(r, tuple):
+            r = r[0]
+        if r is None:
+            continue
+        d[mime] = b64(r) if isinstance(r, (bytes, bytearray)) else r
+    if t.__module__.startswith("matplotlib.") and t.__name__ == "Figure":
+        try:
+            d["image/png"] = fig_png(v)
+        except Exception:
+            pass
+    return d
+
+def display(*objs, **_):
+    flush()
+    for o in objs:
+        send({"type": "result", "main": False, "data": bundle(o)})
+
+def show_figures(*_a, **_k):
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    flush()
+    for n in plt.get_fignums():
+        fig = plt.figure(n)
+        try:
+            send({"type": "result", "main": False, "data": {"text/plain": repr(fig), "image/png": fig_png(fig)}})
+        except Exception as e:
+            print("figure %s: %s" % (n, e), file=sys.stderr)
+    plt.close("all")
+
+class Inline:
+    # matplotlib's backend "module://sbx_inline": Agg whose show() displays the figures.
+    def create_module(self, spec):
+        return None
+    def exec_module(self, m):
+        from matplotlib.backends import backend_agg
+        m.__dict__.update({k: v for k, v in vars(backend_agg).items() if not k.startswith("__")})
+        m.show = show_figures
+
+class Finder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "sbx_inline":
+            import importlib.machinery
+            return importlib.machinery.ModuleSpec(name, Inline())
+        if name != "matplotlib":
+            return None
+        sys.meta_path.remove(Finder)
+        sys.meta_path.append(Finder)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        ex = spec.loader.exec_module
+        def exec_module(m):
+            ex(m)
+            if not os.environ.get("MPLBACKEND"):
+                try:
+                    m.rcParams["backend"] = "module://sbx_inline"
+                except Exception:
+                    pass
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, Finder)
+
+def system(cmd):
+    import subprocess
+    flush()
+    subprocess.run(["/bin/bash", "-c", cmd], stdin=subprocess.DEVNULL)
+
+def magics(code):
+    # The IPython forms people paste: !cmd, %cd, %pip, %%bash/%%sh cells.
+    lines = code.split("\n")
+    first = lines[0].strip()
+    if first in ("%%bash", "%%sh"):
+        return "__sbx_system__(%r)" % "\n".join(lines[1:])
+    out = []
+    for line in lines:
+        s = line.lstrip()
+        ind = line[: len(line) - len(s)]
+        if s.startswith("!"):
+            line = ind + "__sbx_system__(%r)" % s[1:]
+        elif s.startswith("%pip ") or s.startswith("%conda "):
+            line = ind + "__sbx_system__(%r)" % (sys.executable + " -m pip " + s[5:] if s.startswith("%pip") else s[1:])
+        elif s.startswith("%cd"):
+            line = ind + "__import__('os').chdir(__import__('os').path.expanduser(%r or '~'))" % s[3:].strip()
+        out.append(line)
+    return "\n".join(out)
+
+def report(e):
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == KFILE:
+        tb = tb.tb_next
+    if isinstance(e, SyntaxError) and tb is None:
+        text = "".join(traceback.format_exception_only(type(e), e))
+    else:
+        text = "".join(traceback.format_exception(type(e), e, tb))
+    try:
+        value = str(e)
+    except Exception:
+        value = "<exception str() failed>"
+    send({"type": "error", "name": type(e).__name__, "value": value, "traceback": text})
+
+def run_code(co):
+    global LOOP
+    r = eval(co, NS)
+    if co.co_flags & 0x80:  # CO_COROUTINE: top-level await
+        if LOOP is None:
+            import asyncio
+            LOOP = asyncio.new_event_loop()
+        r = LOOP.run_until_complete(r)
+    return r
+
+def cell(code, n):
+    fname = "Cell In[%d]" % n
+    try:
+        tree = ast.parse(code, fname)
+    except SyntaxError:
+        alt = magics(code)
+        if alt == code:
+            raise
+        try:
+            tree = ast.parse(alt, fname)
+        except SyntaxError:
+            raise
+        code = alt
+    linecache.cache[fname] = (len(code), None, code.splitlines(True), fname)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+        last = ast.Expression(tree.body.pop().value)
+    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    run_code(compile(tree, fname, "exec", flags=flags))
+    if last is not None:
+        v = run_code(compile(last, fname, "eval", flags=flags))
+        if v is not None:
+            builtins._ = v
+            d = bundle(v)
+            flush()
+            send({"type": "result", "main": True, "data": d})
+            if "image/png" in d and "matplotlib.pyplot" in sys.modules:
+                try:
+                    sys.modules["matplotlib.pyplot"].close(v)
+                except Exception:
+                    pass
+
+def execute(req):
+    n = req.get("n", 0)
+    env = req.get("env") or {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        try:
+            cell(req["code"], n)
+        finally:
+            flush()
+        show_figures()
+    except BaseException as e:
+        flush()
+        report(e)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        flush()
+
+NS["display"] = display
+NS["__sbx_system__"] = system
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+cmds = os.fdopen(CMD, "rb")
+send({"type": "ready", "pid": os.getpid()})
+while True:
+    line = cmds.readline()
+    if not line:
+        break
+    try:
+        execute(json.loads(line))
+    except BaseException as e:
+        try:
+            report(e)
+        except BaseException:
+            pass
+    send({"type": "done"})
+'''
+
+BASH_LOOP = r'''
+exec 62<&"$2" 63>&"$1"; eval "exec $1>&- $2<&-"
+printf '{"type":"ready","pid":%d}\n' $$ >&63
+while IFS= read -r -u 62 __sbx_f; do
+  source "$__sbx_f" 62<&- 63>&-
+  __sbx_rc=$?
+  [ -f "$__sbx_f.post" ] && source "$__sbx_f.post" 62<&- 63>&-
+  rm -f "$__sbx_f" "$__sbx_f.post"
+  printf '{"type":"done","rc":%d}\n' "$__sbx_rc" >&63
+done
+'''
+
+
+def now():
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat()
+
+
+def new_id():
+    h = bytearray(os.urandom(16))
+    h[6] = (h[6] & 0x0F) | 0x40
+    h[8] = (h[8] & 0x3F) | 0x80
+    h = h.hex()
+    return "-".join((h[:8], h[8:12], h[12:16], h[16:20], h[20:]))
+
+
+def log(*a):
+    print("interp:", *a, file=sys.stderr, flush=True)
+
+
+def kernel_js():
+    if KERNEL_JS is not None:
+        return KERNEL_JS
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.js")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def kernel_argv(lang, ctl, cmd):
+    if lang == "python":
+        return [sys.executable or "python3", "-c", KERNEL_PY, str(ctl), str(cmd)]
+    if lang == "javascript":
+        return ["node", "--expose-internals", "-e", kernel_js(), str(ctl), str(cmd)]
+    return ["bash", "--noprofile", "--norc", "-c", BASH_LOOP, "bash", str(ctl), str(cmd)]
+
+
+def child_env():
+    return {k: v for k, v in os.environ.items() if not k.startswith("SBX_INTERP_")}
+
+
+class Kernel:
+    """One child process of a context, and the thread that reads its pipes into `q`."""
+
+    def __init__(self, lang, cwd):
+        self.lang = lang
+        self.q = queue.Queue()
+        self.busy = False
+        self.stopping = False
+        self.ready = threading.Event()
+        self.returncode = None
+        self.wlock = threading.Lock()  # self.cmd is closed under it: never written once closed
+        ctl_r, ctl_w = os.pipe()
+        cmd_r, cmd_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                kernel_argv(lang, ctl_w, cmd_r),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(ctl_w, cmd_r),
+                cwd=cwd,
+                env=child_env(),
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(ctl_r)
+            os.close(cmd_w)
+            raise
+        finally:
+            os.close(ctl_w)
+            os.close(cmd_r)
+        self.ctl, self.cmd = ctl_r, cmd_w
+        threading.Thread(target=self._read, name="kernel-%d" % self.proc.pid, daemon=True).start()
+
+    @property
+    def dead(self):
+        return self.returncode is not None
+
+    def send_line(self, line):
+        """A command; False if the kernel is gone (its exit is in `q` then)."""
+        data = (line + "\n").encode()
+        with self.wlock:
+            if self.cmd is None:
+                return False
+            try:
+                while data:
+                    data = data[os.write(self.cmd, data):]
+                return True
+            except OSError:
+                return False
+
+    def interrupt(self):
+        try:
+            os.kill(self.proc.pid, signal.SIGINT)
+        except OSError:
+            pass
+
+    def kill(self):
+        for f in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), lambda: self.proc.kill()):
+            try:
+                f()
+            except OSError:
+                pass
+
+    def stop(self):
+        self.stopping = True
+        self.kill()
+
+    def _read(self):
+        sel = selectors.DefaultSelector()
+        decoders = {}
+        for f, kind in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"), (self.ctl, "ctl")):
+            fd = f if isinstance(f, int) else f.fileno()
+            sel.register(fd, selectors.EVENT_READ, kind)
+            decoders[fd] = codecs.getincrementaldecoder("utf-8")("replace")
+        buf = b""
+
+        def read(key):
+            try:
+                data = os.read(key.fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(key.fd)
+                return key.data == "ctl"
+            if key.data == "ctl":
+                return data
+            text = decoders[key.fd].decode(data)
+            if text and self.busy:
+                self.q.put((key.data, text))
+            return None
+
+        def drain():
+            # What the kernel wrote before its message is in the pipes already.
+            while True:
+                ready = [k for k, _ in sel.select(0) if k.data != "ctl"]
+                if not ready:
+                    return
+                for k in ready:
+                    read(k)
+
+        try:
+            ctl_open = True
+            while ctl_open:
+                for key, _ in sel.select(1.0):
+                    r = read(key)
+                    if r is True:
+                        ctl_open = False
+                    elif isinstance(r, bytes):
+                        buf += r
+                        while b"\n" in buf:
+                            line, buf = buf.split(b"\n", 1)
+                            try:
+                                msg = json.loads(line)
+                            except ValueError:
+                                continue
+                            if msg.get("type") == "ready":
+                                self.ready.set()
+                                continue
+                            drain()
+                            self.q.put(("msg", msg))
+                if ctl_open and self.proc.poll() is not None:
+                    ctl_open = False
+            drain()
+        finally:
+            self.kill()
+            try:
+                self.returncode = self.proc.wait()
+            except Exception:
+                self.returncode = -1
+            sel.close()
+            for f in (self.proc.stdout, self.proc.stderr):
+                f.close()
+            os.close(self.ctl)
+            with self.wlock:
+                os.close(self.cmd)
+                self.cmd = None
+            self.ready.set()
+            self.q.put(("exit", self.returncode))
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Context:
+    def __init__(self, lang, cwd):
+        self.id = new_id()
+        self.language = lang
+        self.cwd = cwd
+        self.lock = threading.Lock()  # one cell at a time, as a Jupyter kernel
+        self.mu = threading.Lock()  # the kernel's swaps
+        self.count = 0
+        self.removed = False
+        self.kernel = Kernel(lang, cwd)
+
+    def info(self):
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    def current(self):
+        """The context's kernel, started again if it has ended (OSError if it cannot be)."""
+        with self.mu:
+            if self.kernel.dead and not self.removed:
+                self.kernel = Kernel(self.language, self.cwd)
+                self.count = 0
+            return self.kernel
+
+    def replace(self, old):
+        """Kills `old` and starts a new kernel if `old` is still the context's."""
+        old.stop()
+        with self.mu:
+            if self.kernel is old and not self.removed:
+                try:
+                    self.kernel = Kernel(self.language, self.cwd)
+                    self.count = 0
+                except OSError as e:  # current() tries again at the next cell
+                    log("context %s: could not start its %s kernel again: %s" % (self.id, self.language, e))
+
+    def restart(self):
+        """Raises OSError if the new kernel cannot be started (the old one is stopped)."""
+        with self.mu:
+            old = self.kernel
+            old.stop()
+            self.kernel = Kernel(self.language, self.cwd)
+            self.count = 0
+
+    def remove(self):
+        with self.mu:
+            self.removed = True
+            self.kernel.stop()
+
+    def execute(self, code, env, emit, gone):
+        """Runs one cell; `emit(obj)` writes a line (raises ClientGone), `gone()` says
+        whether the client has hung up."""
+        while not self.lock.acquire(timeout=0.5):
+            if gone():
+                return
+        try:
+            self._execute(code, env, emit, gone)
+        finally:
+            self.lock.release()
+
+    def _execute(self, code, env, emit, gone):
+        try:
+            k = self.current()
+        except OSError as e:
+            emit({"type": "error", "name": "ContextNotStarted", "value": "could not start the context's %s kernel: %s" % (self.language, e), "traceback": ""})
+            return
+        if self.removed:
+            emit({"type": "error", "name": "ContextNotFound", "value": "Context %s was removed" % self.id, "traceback": ""})
+            return
+        while True:  # what a previous cell left
+            try:
+                k.q.get_nowait()
+            except queue.Empty:
+                break
+        self.count += 1
+        n = self.count
+        cellfile = None
+        k.busy = True
+        try:
+            if self.language == "bash":
+                cellfile = bash_cell(code, env)
+                k.send_line(cellfile)
+            else:
+                k.send_line(json.dumps({"op": "exec", "code": code, "env": env, "n": n}))
+            emit({"type": "number_of_executions", "execution_count": n})
+            last = time.monotonic()
+            while True:
+                try:
+                    ev = k.q.get(timeout=0.5)
+                except queue.Empty:
+                    if gone():
+                        raise ClientGone()
+                    if k.dead and k.q.empty():  # its exit was taken for a previous cell's
+                        ev = ("exit", k.returncode)
+                    else:
+                        ev = None
+                if ev is None:
+                    if time.monotonic() - last >= KEEPALIVE:
+                        emit({"type": "keepalive"})
+                        last = time.monotonic()
+                    continue
+                kind = ev[0]
+                if kind in ("stdout", "stderr"):
+                    emit({"type": kind, "text": ev[1], "timestamp": now()})
+                elif kind == "exit":
+                    if k.stopping:
+                        err = ("ContextRestarting", "Context was restarted")
+                    else:
+                        err = ("ContextRestarting", "The context's %s process ended (exit status %s) and was started again: its state is lost" % (self.language, ev[1]))
+                    emit({"type": "error", "name": err[0], "value": err[1], "traceback": ""})
+                    self.replace(k)
+                    return
+                else:
+                    msg = ev[1]
+                    t = msg.get("type")
+                    if t == "done":
+                        rc = msg.get("rc")
+                        if rc:
+                            emit({"type": "error", "name": "ExitError", "value": "exit status %d" % rc, "traceback": ""})
+                        return
+                    if t == "result":
+                        emit(result(msg.get("data") or {}, bool(msg.get("main"))))
+                    elif t == "error":
+                        emit({"type": "error", "name": str(msg.get("name", "")), "value": str(msg.get("value", "")), "traceback": str(msg.get("traceback", ""))})
+                last = time.monotonic()
+        except ClientGone:
+            self._cancel(k)
+        finally:
+            k.busy = False
+            if cellfile:
+                for p in (cellfile, cellfile + ".post"):
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+
+    def _cancel(self, k):
+        """The client went away mid-cell: interrupt, and kill what does not stop."""
+        if self.language != "bash":
+            k.interrupt()
+            deadline = time.monotonic() + GRACE
+            while time.monotonic() < deadline:
+                try:
+                    ev = k.q.get(timeout=deadline - time.monotonic())
+                except queue.Empty:
+                    break
+                if ev[0] == "exit":
+                    self.replace(k)
+                    return
+                if ev[0] == "msg" and ev[1].get("type") == "done":
+                    return
+        log("context %s: killing its %s kernel (cell cancelled)" % (self.id, self.language))
+        self.replace(k)
+
+
+def bash_cell(code, env):
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="sbx-cell-", suffix=".sh")
+    pre, post = [], []
+    for i, (key, val) in enumerate(env.items()):
+        q = "'" + str(val).replace("'", "'\\''") + "'"
+        pre.append('__sbx_o%d="${%s-__sbx_unset}"; export %s=%s' % (i, key, key, q))
+        post.append('if [ "$__sbx_o%d" = __sbx_unset ]; then unset %s; else %s="$__sbx_o%d"; fi; unset __sbx_o%d' % (i, key, key, i, i))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(pre + [code, ""]))
+    if post:
+        with open(path + ".post", "w", encoding="utf-8") as f:
+            f.write("\n".join(post) + "\n")
+    return path
+
+
+MIMES = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
+    "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
+    "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
+    "application/javascript": "javascript", "e2b/data": "data", "e2b/chart": "chart",
+}
+
+
+def result(data, main):
+    out = {"type": "result"}
+    extra = {}
+    for mime, v in data.items():
+        if mime in MIMES:
+            out[MIMES[mime]] = v
+        else:
+            extra[mime] = v
+    t = out.get("text")
+    if isinstance(t, str) and len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+        out["text"] = t[1:-1]  # as E2B's server: a string's quotes go
+    out["extra"] = extra
+    out["is_main_result"] = main
+    return out
+
+
+CONTEXTS = {}
+DEFAULTS = {}
+GLOCK = threading.Lock()
+DEFAULT_CWD = os.environ.get("SBX_INTERP_CWD") or "/home/user"
+
+
+def normalize(language):
+    if not language:
+        return "python"
+    lang = str(language).strip().lower()
+    return {"js": "javascript", "ts": "typescript", "py": "python", "python3": "python", "sh": "bash"}.get(lang, lang)
+
+
+class BadRequest(Exception):
+    def __init__(self, status, text):
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+def unserved(lang):
+    return BadRequest(400, "language %r is not served by this sandbox's code interpreter: it serves %s" % (lang, ", ".join(SERVED)))
+
+
+def new_context(lang, cwd=None):
+    if lang not in SERVED:
+        raise unserved(lang)
+    if cwd is None:
+        cwd = DEFAULT_CWD
+        try:
+            os.makedirs(cwd, exist_ok=True)
+        except OSError:
+            cwd = os.getcwd()
+    elif not os.path.isdir(cwd):
+        raise BadRequest(400, "cwd %r is not a directory in the sandbox" % cwd)
+    try:
+        ctx = Context(lang, cwd)
+    except OSError as e:
+        raise BadRequest(500, "Failed to create context: could not start the %s kernel: %s" % (lang, e))
+    with GLOCK:
+        CONTEXTS[ctx.id] = ctx
+    return ctx
+
+
+def default_context(lang):
+    with GLOCK:
+        cid = DEFAULTS.get(lang)
+        ctx = CONTEXTS.get(cid) if cid else None
+        if ctx is not None:
+            return ctx
+    if lang not in SERVED:
+        raise unserved(lang)
+    ctx = new_context(lang)
+    with GLOCK:
+        cid = DEFAULTS.get(lang)
+        if cid in CONTEXTS:  # another request made one meanwhile
+            CONTEXTS.pop(ctx.id, None)
+            ctx.remove()
+            return CONTEXTS[cid]
+        DEFAULTS[lang] = ctx.id
+    return ctx
+
+
+def serve(port):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(Routes, BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "sbx-interp"
+        timeout = 600
+
+        def setup(self):
+            super().setup()
+            import socket
+
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    ThreadingHTTPServer.daemon_threads = True
+    ThreadingHTTPServer.allow_reuse_address = True
+    return ThreadingHTTPServer(("0.0.0.0", port), Handler)
+
+
+class Routes:
+    """The routes, mixed into http.server's handler (imported once the kernel is starting)."""
+
+    def log_message(self, *a):
+        pass
+
+    def reply(self, status, body, ctype="application/json"):
+        data = body if isinstance(body, bytes) else (json.dumps(body) if ctype == "application/json" else body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def text(self, status, text):
+        self.reply(status, text, "text/plain; charset=utf-8")
+
+    def body(self):
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            data = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                data += self.rfile.read(size)
+                self.rfile.readline()
+        else:
+            n = int(self.headers.get("Content-Length") or 0)
+            data = self.rfile.read(n) if n else b""
+        if not data.strip():
+            return {}
+        try:
+            obj = json.loads(data)
+        except ValueError as e:
+            raise BadRequest(422, "the body is not JSON: %s" % e)
+        if not isinstance(obj, dict):
+            raise BadRequest(422, "the body is not a JSON object")
+        return obj
+
+    def route(self, method):
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        parts = path.strip("/").split("/")
+        try:
+            if path == "/health":
+                if method != "GET":
+                    return self.reply(405, {"detail": "Method Not Allowed"})
+                ctx = CONTEXTS.get(DEFAULTS.get("python"))
+                if ctx is not None:
+                    ctx.kernel.ready.wait(10)
+                return self.reply(200, "OK")
+            if path == "/execute" and method == "POST":
+                return self.execute(self.body())
+            if path == "/contexts":
+                if method == "GET":
+                    with GLOCK:
+                        ctxs = [c.info() for c in CONTEXTS.values()]
+                    return self.reply(200, ctxs)
+                if method == "POST":
+                    req = self.body()
+                    cwd = req.get("cwd")
+                    if cwd is not None and not isinstance(cwd, str):
+                        raise BadRequest(422, "cwd must be a string")
+                    return self.reply(200, new_context(normalize(req.get("language")), cwd or None).info())
+            if len(parts) in (2, 3) and parts[0] == "contexts":
+                with GLOCK:
+                    ctx = CONTEXTS.get(parts[1])
+                if len(parts) == 2 and method == "DELETE":
+                    if ctx is None:
+                        return self.text(404, "Context %s not found" % parts[1])
+                    with GLOCK:
+                        CONTEXTS.pop(ctx.id, None)
+                    ctx.remove()
+                    return self.reply(200, None)
+                if len(parts) == 3 and parts[2] == "restart" and method == "POST":
+                    if ctx is None:
+                        return self.text(404, "Context %s not found" % parts[1])
+                    try:
+                        ctx.restart()
+                    except OSError as e:
+                        return self.text(500, "Failed to restart context %s: %s" % (ctx.id, e))
+                    return self.reply(200, None)
+            if path in ("/execute", "/contexts") or parts[0] == "contexts" and len(parts) <= 3:
+                return self.reply(405, {"detail": "Method Not Allowed"})
+            return self.reply(404, {"detail": "Not Found"})
+        except BadRequest as e:
+            return self.text(e.status, e.text) if e.status != 422 else self.reply(422, {"detail": e.text})
+
+    def do_GET(self):
+        self.route("GET")
+
+    def do_POST(self):
+        self.route("POST")
+
+    def do_DELETE(self):
+        self.route("DELETE")
+
+    def gone(self):
+        import select
+        import socket
+
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            if not r:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def execute(self, req):
+        code = req.get("code")
+        if not isinstance(code, str):
+            raise BadRequest(422, "code must be a string")
+        cid, language = req.get("context_id"), req.get("language")
+        env = req.get("env_vars") or {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and "\0" not in k for k in env):
+            raise BadRequest(422, "env_vars must be an object of names to strings")
+        env = {k: "" if v is None else str(v) for k, v in env.items()}
+        if cid and language:
+            raise BadRequest(400, "Only one of context_id or language can be provided")
+        if cid:
+            with GLOCK:
+                ctx = CONTEXTS.get(cid)
+            if ctx is None:
+                raise BadRequest(404, "Context %s not found" % cid)
+        else:
+            ctx = default_context(normalize(language))
+        if ctx.language == "bash":
+            import re
+            bad = [k for k in env if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k)]
+            if bad:
+                raise BadRequest(422, "env_vars: %r cannot be a shell variable's name" % bad[0])
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
+        def emit(obj):
+            data = (json.dumps(obj) + "\n").encode()
+            try:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            except OSError:
+                raise ClientGone()
+
+        try:
+            ctx.execute(code, env, emit, self.gone)
+            emit({"type": "end_of_execution"})
+            self.wfile.write(b"0\r\n\r\n")
+        except (ClientGone, OSError):
+            self.close_connection = True
+
+
+def main():
+    port = int(os.environ.get("SBX_INTERP_PORT") or 49999)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # the kernel starts while the HTTP server is imported
+        ctx = new_context("python")
+        DEFAULTS["python"] = ctx.id
+    except BadRequest as e:
+        log(e.text)
+    srv = serve(port)
+    log("listening on port %d" % port)
+    try:
+        srv.serve_forever(poll_interval=0.5)
+    finally:
+        for c in list(CONTEXTS.values()):
+            c.remove()
+
+
+if __name__ == "__main__":
+    main()
