@@ -5,6 +5,10 @@
 //! error body `{code, message}`. What the node does not do (pause, snapshots, forks, volumes,
 //! MCP, IAM, templates built through the API) is refused with a message that says so.
 
+// A refusal here is the answer itself (E2B's error body), made once per request: returned
+// as it is rather than boxed.
+#![allow(clippy::result_large_err)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

@@ -30,7 +30,6 @@ const COMPRESSED: u8 = 0x01;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Code {
     Canceled,
-    Unknown,
     InvalidArgument,
     DeadlineExceeded,
     NotFound,
@@ -38,12 +37,9 @@ pub enum Code {
     PermissionDenied,
     ResourceExhausted,
     FailedPrecondition,
-    Aborted,
-    OutOfRange,
     Unimplemented,
     Internal,
     Unavailable,
-    DataLoss,
     Unauthenticated,
 }
 
@@ -52,7 +48,6 @@ impl Code {
     pub fn as_str(self) -> &'static str {
         match self {
             Code::Canceled => "canceled",
-            Code::Unknown => "unknown",
             Code::InvalidArgument => "invalid_argument",
             Code::DeadlineExceeded => "deadline_exceeded",
             Code::NotFound => "not_found",
@@ -60,12 +55,9 @@ impl Code {
             Code::PermissionDenied => "permission_denied",
             Code::ResourceExhausted => "resource_exhausted",
             Code::FailedPrecondition => "failed_precondition",
-            Code::Aborted => "aborted",
-            Code::OutOfRange => "out_of_range",
             Code::Unimplemented => "unimplemented",
             Code::Internal => "internal",
             Code::Unavailable => "unavailable",
-            Code::DataLoss => "data_loss",
             Code::Unauthenticated => "unauthenticated",
         }
     }
@@ -74,7 +66,6 @@ impl Code {
     pub fn status(self) -> StatusCode {
         let s = match self {
             Code::Canceled => 499,
-            Code::Unknown => 500,
             Code::InvalidArgument => 400,
             Code::DeadlineExceeded => 504,
             Code::NotFound => 404,
@@ -82,12 +73,9 @@ impl Code {
             Code::PermissionDenied => 403,
             Code::ResourceExhausted => 429,
             Code::FailedPrecondition => 400,
-            Code::Aborted => 409,
-            Code::OutOfRange => 400,
             Code::Unimplemented => 501,
             Code::Internal => 500,
             Code::Unavailable => 503,
-            Code::DataLoss => 500,
             Code::Unauthenticated => 401,
         };
         StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
@@ -280,11 +268,6 @@ impl StreamSender {
         let _ = self.tx.send(end_envelope(r.err().as_ref())).await;
     }
 
-    /// Whether the caller has gone.
-    pub fn is_closed(&self) -> bool {
-        self.tx.is_closed()
-    }
-
     /// Resolves when the caller has gone.
     pub async fn closed(&self) {
         self.tx.closed().await
@@ -468,10 +451,9 @@ async fn read_all(body: Body, max: usize) -> Result<Bytes, RpcError> {
     }
 }
 
-/// Base64 of bytes fields (proto3 JSON: standard alphabet, padded; either alphabet read).
+/// Base64 of `bytes` fields (proto3 JSON: standard alphabet, padded; either alphabet read).
 pub mod b64 {
     use base64::Engine;
-    use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn encode(b: &[u8]) -> String {
         base64::engine::general_purpose::STANDARD.encode(b)
@@ -483,15 +465,6 @@ pub mod b64 {
             .decode(t)
             .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(t))
             .map_err(|e| format!("not base64: {e}"))
-    }
-
-    pub fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&encode(b))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let s = Option::<String>::deserialize(d)?.unwrap_or_default();
-        decode(&s).map_err(serde::de::Error::custom)
     }
 }
 

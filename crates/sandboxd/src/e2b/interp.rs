@@ -54,10 +54,12 @@ pub fn ready_check() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::process::CommandExt;
     use std::process::{Child, Command as Process, Stdio};
     use std::time::{Duration, Instant};
 
-    /// The server, killed when dropped (its kernels end when their command pipe closes).
+    /// The server, killed when dropped with its whole process group (its kernels; and
+    /// python3 may be a wrapper, pyenv's shim, whose child is the server).
     struct Server {
         child: Child,
         base: String,
@@ -66,6 +68,8 @@ mod tests {
 
     impl Drop for Server {
         fn drop(&mut self) {
+            let group = format!("-{}", self.child.id());
+            let _ = Process::new("kill").args(["-KILL", "--", &group]).status();
             let _ = self.child.kill();
             let _ = self.child.wait();
             let _ = std::fs::remove_dir_all(&self.dir);
@@ -98,6 +102,7 @@ mod tests {
             .env("SBX_INTERP_PORT", port.to_string())
             .env("SBX_INTERP_CWD", &dir)
             .stdout(Stdio::null())
+            .process_group(0)
             .spawn()
             .unwrap();
         let server = Server {

@@ -110,7 +110,7 @@ fn call(method: &str, url: &str, headers: &[(&str, &str)], body: Option<&str>) -
 
 #[test]
 fn e2b_s_python_sdk_drives_a_node_unchanged() {
-    let (mut node, e2b, dir) = node();
+    let (node, e2b, dir) = node();
     let out = run_script(&e2b, "sdk_basics.py");
     eprintln!("{out}");
     node.assert_clean(Duration::from_secs(20));
@@ -119,7 +119,7 @@ fn e2b_s_python_sdk_drives_a_node_unchanged() {
 
 #[test]
 fn e2b_s_code_interpreter_sdk_runs_code_with_state() {
-    let (mut node, e2b, dir) = node();
+    let (node, e2b, dir) = node();
     let out = run_script(&e2b, "code_interpreter.py");
     eprintln!("{out}");
     node.assert_clean(Duration::from_secs(20));
@@ -128,7 +128,7 @@ fn e2b_s_code_interpreter_sdk_runs_code_with_state() {
 
 #[test]
 fn e2b_s_npm_sdk_drives_a_node_unchanged() {
-    let (mut node, e2b, dir) = node();
+    let (node, e2b, dir) = node();
     let out = run_script(&e2b, "basics.mjs");
     eprintln!("{out}");
     node.assert_clean(Duration::from_secs(20));
@@ -137,7 +137,7 @@ fn e2b_s_npm_sdk_drives_a_node_unchanged() {
 
 #[test]
 fn keys_tokens_and_errors_are_e2b_s() {
-    let (mut node, e2b, dir) = node();
+    let (node, e2b, dir) = node();
     let base = format!("http://{e2b}");
     // The control plane: X-API-KEY, E2B's error body.
     for headers in [vec![], vec![("X-API-KEY", "e2b_00")]] {
