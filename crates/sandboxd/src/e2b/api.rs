@@ -17,7 +17,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use sbx_api::{ApiError, SandboxObject, SandboxStatus};
 use serde::Deserialize;
@@ -56,6 +56,14 @@ pub(crate) fn router(node: Arc<Node>) -> Router {
         .route("/sandboxes/{id}/resume", post(not_yet_pause))
         .route("/sandboxes/{id}/snapshots", post(not_yet_snapshot))
         .route("/sandboxes/{id}/fork", post(not_yet_snapshot))
+        .route("/sandboxes/{id}/logs", get(not_yet_logs))
+        .route("/v2/sandboxes/{id}/logs", get(not_yet_logs))
+        .route("/templates", any(not_yet_templates))
+        .route("/templates/{*rest}", any(not_yet_templates))
+        .route("/v2/templates", any(not_yet_templates))
+        .route("/v2/templates/{*rest}", any(not_yet_templates))
+        .route("/v3/templates", any(not_yet_templates))
+        .route("/v3/templates/{*rest}", any(not_yet_templates))
         .fallback(not_served)
         .with_state(node)
 }
@@ -96,6 +104,17 @@ async fn not_yet_pause() -> Response {
 
 async fn not_yet_snapshot() -> Response {
     not_served_yet("snapshots and forks of a sandbox")
+}
+
+async fn not_yet_logs() -> Response {
+    not_served_yet("a sandbox's logs (its commands' output is kept by each command)")
+}
+
+async fn not_yet_templates() -> Response {
+    not_served_yet(
+        "building templates through E2B's API (a templateID is an OCI image reference or \
+         a template key of the node: POST /internal/templates of its own API builds one)",
+    )
 }
 
 async fn not_served(uri: axum::http::Uri) -> Response {

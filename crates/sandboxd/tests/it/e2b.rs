@@ -160,6 +160,51 @@ fn keys_tokens_and_errors_are_e2b_s() {
     let token = sb["envdAccessToken"].as_str().unwrap().to_string();
     assert!(token.starts_with("sbt_"), "{sb}");
     assert_eq!(sb["envdVersion"], "0.5.7", "{sb}");
+    // Paging: X-Next-Token, then nextToken.
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/v2/sandboxes"),
+        &key,
+        Some(r#"{"templateID":"base","timeout":60,"metadata":{"page":"yes"}}"#),
+    );
+    assert_eq!(status, 201, "{body}");
+    let second = serde_json::from_str::<Value>(&body).unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let agent = ureq::AgentBuilder::new().build();
+    let page = |q: &str| {
+        let r = agent
+            .get(&format!("{base}/v2/sandboxes?{q}"))
+            .set("X-API-KEY", KEY)
+            .call()
+            .unwrap();
+        let next = r.header("x-next-token").map(str::to_string);
+        let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+        let ids: Vec<String> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["sandboxID"].as_str().unwrap().to_string())
+            .collect();
+        (ids, next)
+    };
+    let (first_page, next) = page("limit=1&state=running");
+    assert_eq!(first_page.len(), 1);
+    let next = next.expect("X-Next-Token");
+    let (second_page, last) = page(&format!("limit=1&nextToken={next}"));
+    assert_eq!(second_page.len(), 1);
+    assert_ne!(first_page, second_page);
+    assert!(last.is_none(), "{last:?}");
+    let mut both = [first_page[0].clone(), second_page[0].clone()];
+    both.sort();
+    let mut want = [id.clone(), second.clone()];
+    want.sort();
+    assert_eq!(both, want);
+    assert_eq!(page("metadata=page%3Dyes").0, vec![second.clone()]);
+    assert!(page("state=paused").0.is_empty());
+    let (status, _) = call("DELETE", &format!("{base}/sandboxes/{second}"), &key, None);
+    assert_eq!(status, 204);
     // What the node does not do is refused, not ignored.
     let (status, body) = call(
         "POST",
