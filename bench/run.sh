@@ -35,3 +35,5 @@ target/release/sbx-bench --url "http://127.0.0.1:$port" --url-no-net "http://127
   --rootfs "$images/base/rootfs" "$@"
 echo
 bench/nat.sh "http://127.0.0.1:$port"
+echo
+bench/e2b.sh

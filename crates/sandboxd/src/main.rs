@@ -185,12 +185,18 @@ fn host_memory() -> u64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // What the node's caller left open is passed to nothing the node starts (an agent would
+    // carry it into its sandbox).
+    let inherited = sbx_runtime::hostfs::cloexec_inherited();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
+    if let Err(e) = inherited {
+        tracing::warn!(error = %e, "could not mark inherited descriptors close-on-exec");
+    }
     let cli = Cli::parse();
     let images_dir = cli
         .images_dir

@@ -197,6 +197,28 @@ fn escape_mount_path(p: &str) -> String {
     out
 }
 
+/// Marks every descriptor of this process from 3 up close-on-exec (`close_range` with
+/// `CLOSE_RANGE_CLOEXEC`): what the node's caller left open (a shell's pipe, a supervisor's
+/// socket) is not passed on to anything the node starts, sandboxes' agents above all. Call
+/// first thing, before the process opens descriptors of its own.
+pub fn cloexec_inherited() -> std::io::Result<()> {
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors of this
+    // process; it frees nothing that any code holds.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC as libc::c_uint,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// A short, stable hash of `s` (the first 8 bytes of its SHA-256) in hex: names derived from
 /// paths stay the same across builds and Rust versions (std's hasher does not promise that).
 pub fn short_hash(s: &[u8]) -> String {

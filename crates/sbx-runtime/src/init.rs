@@ -260,9 +260,24 @@ fn read_byte(fd: &OwnedFd) -> Result<u8, InitError> {
     Ok(b[0])
 }
 
+/// Closes every descriptor from 3 up (`close_range`).
+fn close_inherited() -> Result<(), InitError> {
+    // SAFETY: called first in `enter`, when this process holds no descriptor of its own above
+    // stdio (its config was read from stdin): closing them leaves no owner with a dangling one.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error()).ctx(|| "close inherited descriptors".into())
+    }
+}
+
 /// Runs stage 0 and stage 1. Returns only in stage 1, as the agent, with its listening socket;
 /// stage 0 prints `pid N` (the agent's host pid) on stdout and exits the process.
 pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
+    // Nothing the node's process had open reaches the sandbox: every descriptor but stdio
+    // (the node's pipes to this stage) is closed before anything else.
+    close_inherited()?;
     let pid = std::process::id().to_string();
     for f in &cfg.cgroup_procs {
         fs::write(f, &pid).ctx(|| format!("join {}", f.display()))?;

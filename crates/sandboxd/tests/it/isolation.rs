@@ -372,3 +372,40 @@ fn the_agent_cannot_be_inspected_from_inside() {
     assert!(out.contains("OWN-FD-SEEN"), "{out}");
     node.assert_clean(CLEAN);
 }
+
+/// A descriptor the node's caller left open (not close-on-exec) reaches no sandbox: the node
+/// marks what it inherits close-on-exec, and an agent's init closes all but stdio.
+#[test]
+fn a_descriptor_the_node_inherits_reaches_no_sandbox() {
+    use std::os::fd::AsRawFd;
+    let dir = std::env::temp_dir().join(unique("sbx-test-fd"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let canary = dir.join("sbx-inherited-canary");
+    let file = std::fs::File::create(&canary).unwrap();
+    // SAFETY: dup of a descriptor this test owns; the copy (not close-on-exec, as dup makes
+    // it) is closed below once the node has started.
+    let leaked = unsafe { libc::dup(file.as_raw_fd()) };
+    assert!(leaked > 2);
+    let node = TestNode::start();
+    // SAFETY: the copy made above, closed once.
+    unsafe { libc::close(leaked) };
+    let v = node.run_ok(&json!({
+        "command": "ls -l /proc/[0-9]*/fd/ 2>/dev/null; echo done",
+    }));
+    let out = stdout(&v);
+    assert!(out.contains("done"), "{v}");
+    assert!(!out.contains("sbx-inherited-canary"), "{out}");
+    let kept = node.create_sandbox(&json!({}));
+    let id = kept["id"].as_str().unwrap().to_string();
+    let v = node.exec(
+        &id,
+        &json!({ "command": "ls -l /proc/1/fd/; echo done", "wait_seconds": 10 }),
+    );
+    let out = stdout(&v);
+    assert!(
+        out.contains("done") && !out.contains("sbx-inherited-canary"),
+        "{out}"
+    );
+    node.delete_sandbox(&id);
+    let _ = std::fs::remove_dir_all(dir);
+}
