@@ -133,21 +133,7 @@ impl Node {
             )
             .with_param("checkpoint"));
         }
-        let mut expires_in_ms = None;
-        if let Some(at) = &req.expires_at {
-            let at_ns = sbx_api::parse_rfc3339(at).ok_or_else(|| {
-                ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
-            })?;
-            let left_ns = at_ns - crate::image::now_ns();
-            if left_ns <= 0 {
-                return Err(ApiError::new(
-                    ErrorCode::ExpiresInThePast,
-                    "expires_at is not in the future",
-                )
-                .with_param("expires_at"));
-            }
-            expires_in_ms = Some((left_ns / 1_000_000) as u64 + 1);
-        }
+        let expires_in_ms = req.expires_at.as_deref().map(expires_in_ms).transpose()?;
         let memory = req
             .limits
             .memory_bytes
@@ -328,4 +314,21 @@ impl Node {
         )
         .await
     }
+}
+
+/// How many ms until `expires_at` (RFC 3339, in the future; rounded up): 400 invalid_field
+/// for another text, 400 expires_in_the_past for a time that has passed.
+pub(crate) fn expires_in_ms(at: &str) -> Result<u64, ApiError> {
+    let at_ns = sbx_api::parse_rfc3339(at).ok_or_else(|| {
+        ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
+    })?;
+    let left_ns = at_ns - crate::image::now_ns();
+    if left_ns <= 0 {
+        return Err(ApiError::new(
+            ErrorCode::ExpiresInThePast,
+            "expires_at is not in the future",
+        )
+        .with_param("expires_at"));
+    }
+    Ok((left_ns / 1_000_000) as u64 + 1)
 }

@@ -318,23 +318,10 @@ impl Node {
         m: &Arc<Managed>,
         at: Option<String>,
     ) -> Result<(), ApiError> {
-        let left_ms = match &at {
-            None => None,
-            Some(s) => {
-                let at_ns = sbx_api::parse_rfc3339(s).ok_or_else(|| {
-                    ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
-                })?;
-                let left_ns = at_ns - crate::image::now_ns();
-                if left_ns <= 0 {
-                    return Err(ApiError::new(
-                        ErrorCode::ExpiresInThePast,
-                        "expires_at is not in the future",
-                    )
-                    .with_param("expires_at"));
-                }
-                Some((left_ns / 1_000_000) as u64 + 1)
-            }
-        };
+        let left_ms = at
+            .as_deref()
+            .map(crate::node::machine::expires_in_ms)
+            .transpose()?;
         // The rules' lock before the expiry's, as PATCH of egress takes them.
         let egress = m.egress.locked();
         let mut expiry = m.expiry.locked();
