@@ -599,19 +599,7 @@ async fn connect(State(node): St, Path(id): Path<String>, body: Bytes) -> Respon
 
 /// The query's pairs (`metadata`, `state`, `nextToken`, `limit`; `state` may repeat).
 fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
-    q.unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            let dec = |s: &str| {
-                percent_encoding::percent_decode_str(&s.replace('+', " "))
-                    .decode_utf8_lossy()
-                    .into_owned()
-            };
-            (dec(k), dec(v))
-        })
-        .collect()
+    super::url_pairs(q.unwrap_or(""))
 }
 
 /// `metadata=k1%3Dv1%26k2%3Dv2` (one query parameter holding a query of its own).

@@ -137,6 +137,22 @@ fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
         .filter(|s| !s.is_empty())
 }
 
+/// A query's `a=b&c=d` pairs, `+` and percent escapes decoded.
+pub(crate) fn url_pairs(q: &str) -> Vec<(String, String)> {
+    let dec = |s: &str| {
+        percent_encoding::percent_decode_str(&s.replace('+', " "))
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (dec(k), dec(v))
+        })
+        .collect()
+}
+
 /// Whether the caller holds one of the node's keys (`X-API-KEY`, or `Authorization: Bearer`),
 /// or, on a node without keys, calls from loopback.
 pub(crate) fn caller_may(shared: &Shared, headers: &hyper::HeaderMap, peer: SocketAddr) -> bool {

@@ -31,24 +31,12 @@ const MAX_PARTS: usize = 1000;
 fn query(req: &Request<Body>) -> Vec<(String, String)> {
     req.uri()
         .query()
-        .map(|q| url_pairs(q).into_iter().collect::<Vec<(String, String)>>())
-        .unwrap_or_default()
-}
-
-/// `a=b&c=d` with `+` and percent escapes decoded.
-fn url_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|s| !s.is_empty())
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            let dec = |s: &str| {
-                percent_encoding::percent_decode_str(&s.replace('+', " "))
-                    .decode_utf8_lossy()
-                    .into_owned()
-            };
-            (dec(k), dec(v))
+        .map(|q| {
+            crate::e2b::url_pairs(q)
+                .into_iter()
+                .collect::<Vec<(String, String)>>()
         })
-        .collect()
+        .unwrap_or_default()
 }
 
 fn param(q: &[(String, String)], k: &str) -> Option<String> {
@@ -685,7 +673,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            url_pairs("path=%2Fhome%2Fuser%2Fa+b.txt&username=user"),
+            crate::e2b::url_pairs("path=%2Fhome%2Fuser%2Fa+b.txt&username=user"),
             vec![
                 ("path".to_string(), "/home/user/a b.txt".to_string()),
                 ("username".to_string(), "user".to_string())

@@ -472,15 +472,7 @@ impl Node {
         })
         .await
         .map_err(agent_lost)?;
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            conn.request(&HostMsg::Sync { token: 0 }),
-        )
-        .await
-        .map_err(|_| agent_lost(crate::agent::AgentError::Timeout))?
-        .map_err(agent_lost)?;
-        conn.release();
-        Ok(())
+        acted_on(conn).await
     }
 
     /// `POST …/exec/{exec_id}/signal`: 409 exec_ended when the command has ended (recorded, of
@@ -510,15 +502,7 @@ impl Node {
         .await
         .map_err(agent_lost)?;
         // Answered once the agent has sent it.
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            conn.request(&HostMsg::Sync { token: 0 }),
-        )
-        .await
-        .map_err(|_| agent_lost(crate::agent::AgentError::Timeout))?
-        .map_err(agent_lost)?;
-        conn.release();
-        Ok(())
+        acted_on(conn).await
     }
 }
 
@@ -559,4 +543,18 @@ pub(super) async fn live_exec(
         Err(e) if e.code == ErrorCode::ExecNotFound && row.final_json.is_some() => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// Waits until the agent has acted on what was sent on `conn` before (a Sync after it is
+/// answered in order), then gives the connection back.
+async fn acted_on(mut conn: AgentConn) -> Result<(), ApiError> {
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        conn.request(&HostMsg::Sync { token: 0 }),
+    )
+    .await
+    .map_err(|_| agent_lost(crate::agent::AgentError::Timeout))?
+    .map_err(agent_lost)?;
+    conn.release();
+    Ok(())
 }
