@@ -312,7 +312,9 @@ impl Node {
                 .locked()
                 .values()
                 .any(|m| m.machine.locked().is_some());
-            if !kept_running {
+            if kept_running {
+                net.leave_running();
+            } else {
                 net.uninstall();
             }
         }

@@ -304,6 +304,16 @@ impl NodeNet {
         }
     }
 
+    /// Leaves the namespaces of the sandboxes that run on after the node stops as they are
+    /// (their elements stay in the table, for the next node to adopt): a lease dropped would
+    /// be released, and the next node would find the sandbox off the network.
+    pub fn leave_running(&self) {
+        let leases: Vec<Lease> = self.leases.locked().drain().map(|(_, l)| l).collect();
+        for l in leases {
+            l.leave_running();
+        }
+    }
+
     /// Removes the node's table (at a stop that leaves no sandbox running).
     pub fn uninstall(&self) {
         if let Err(e) = self.network.uninstall() {

@@ -251,7 +251,8 @@ struct State {
     busy: HashSet<u32>,
     /// Leased slots with rules of their own in the table ([`Network::set_rules`]).
     ruled: HashSet<u32>,
-    /// Slots whose `live` element a previous node left (their sandboxes may still run): kept
+    /// Slots whose `live` element or host-side interface a previous node left (their
+    /// sandboxes may still run): kept
     /// from the pool until [`Network::adopt`] leases them or [`Network::remove_leftovers`]
     /// finds them left over, so that the pool's thread never takes an adopted sandbox's slot.
     held_back: HashSet<u32>,
@@ -635,7 +636,15 @@ impl Network {
             let mut nf = locked(&inner.nf);
             let keep = nft::list_live(&mut nf, &inner.cfg.table)?.unwrap_or_default();
             nft::load(&mut nf, &inner.ruleset(), &keep)?;
+            // A host-side interface of the range means a namespace some process still holds
+            // (a sandbox that runs on, or one the kernel has yet to remove): its slot waits too.
+            let links = link::list(&mut locked(&inner.rt))?;
             let mut st = locked(&inner.state);
+            for (_, name) in &links {
+                if let Some(slot) = inner.slot_of_ifname(name) {
+                    st.held_back.insert(slot);
+                }
+            }
             for (name, addr) in &keep {
                 if let Some(slot) = inner.slot_of(*addr) {
                     if inner.slot_of_ifname(name) == Some(slot) {
@@ -991,9 +1000,10 @@ impl Lease {
         }
     }
 
-    /// Forgets the lease without releasing anything: what a node that dies does.
-    #[cfg(test)]
-    fn abandon(mut self) {
+    /// Forgets the lease without releasing anything, for a sandbox that runs on after the
+    /// node stops (the next node adopts it): its element stays in the table, its namespace
+    /// lives on with its processes. Also what a node that dies does.
+    pub fn leave_running(mut self) {
         self.ns.take();
     }
 

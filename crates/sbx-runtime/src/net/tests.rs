@@ -603,7 +603,7 @@ fn a_restarted_node_adopts_running_sandboxes_and_removes_leftovers() {
             })
             .collect();
         for l in leases {
-            l.abandon();
+            l.leave_running();
         }
         let mut h = handles.into_iter();
         (
@@ -684,6 +684,57 @@ fn a_restarted_node_adopts_running_sandboxes_and_removes_leftovers() {
     drop(fresh);
     net.release(adopted).expect("release");
     drop(stray);
+    let audit = net.audit_settled(Duration::from_secs(20)).expect("audit");
+    assert!(audit.is_clean() && audit.interfaces.is_empty(), "{audit:?}");
+}
+
+#[test]
+fn a_running_sandbox_whose_element_was_lost_keeps_its_slot_for_adoption() {
+    if !root() {
+        return;
+    }
+    let mut lab = lab(config());
+    // A node that dropped a kept sandbox's lease at its exit removed its element; the
+    // namespace lives on with the sandbox's processes (here, a handle on it).
+    let (handle, address) = {
+        let net = lab.net();
+        let lease = net.take().expect("take");
+        let out = (lease.ns_handle().expect("handle"), lease.address());
+        drop(lease);
+        out
+    };
+    lab.net.take();
+    let node = dup(&lab.node);
+    lab.net = Some(within(&node, || Network::new(config())));
+    let net = lab.net();
+    assert!(net.audit().expect("audit").elements.is_empty());
+    // Its slot is out of the free list from the start: the pool's thread, which starts with
+    // the network, never tries it (a make that fails there holds the slot meanwhile, and the
+    // adoption would find it in use).
+    let slot = net.inner.slot_of(address).expect("slot");
+    assert!(
+        !locked(&net.inner.state).free.contains(&slot),
+        "the slot of a running sandbox's interface is free"
+    );
+    // The pool fills before the adoption and takes none of the slot whose interface is there.
+    net.fill(3).expect("fill");
+    let early: Vec<Lease> = (0..3).map(|_| net.take().expect("take")).collect();
+    assert!(
+        early.iter().all(|l| l.address() != address),
+        "the pool took the slot of a sandbox that runs"
+    );
+    drop(early);
+    let adopted = net.adopt(handle).expect("adopt");
+    assert_eq!(adopted.address(), address);
+    let gw = net.gateway();
+    let t = serve_once(listen(&lab.node, sa(gw, OPEN_TCP)));
+    assert_eq!(
+        connect(&adopted.ns_handle().expect("handle"), sa(gw, OPEN_TCP)),
+        Ok(address.to_string())
+    );
+    t.join().expect("server");
+    net.remove_leftovers().expect("remove");
+    net.release(adopted).expect("release");
     let audit = net.audit_settled(Duration::from_secs(20)).expect("audit");
     assert!(audit.is_clean() && audit.interfaces.is_empty(), "{audit:?}");
 }
@@ -850,7 +901,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
     // The node restarts: the sandbox keeps its namespace, which is adopted by its agent's
     // pidfd, with its address.
     let address = lease.address();
-    lease.abandon();
+    lease.leave_running();
     lab.net.take();
     let node = dup(&lab.node);
     lab.net = Some(within(&node, || Network::new(config())));
