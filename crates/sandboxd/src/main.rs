@@ -80,6 +80,11 @@ struct Cli {
     /// Commands one sandbox may run at once.
     #[arg(long, default_value_t = 4)]
     max_execs_per_sandbox: usize,
+    /// How long a kept sandbox may be idle before it pauses (its processes frozen, its
+    /// memory kept; the next use thaws it in about a millisecond), where its create gives no
+    /// sleep_after_seconds: seconds, or `never`.
+    #[arg(long, default_value = "30", value_name = "SECONDS|never")]
+    sleep_after_seconds: SleepAfterFlag,
     /// The config file (TOML): the functions interface's settings (see config.rs / README).
     /// Its max_concurrent_exec_per_sandbox, default_cpus and default_memory_mb override the
     /// options above.
@@ -324,6 +329,7 @@ fn main() -> anyhow::Result<()> {
             all
         }),
         max_sandboxes: fn_cfg.max_sandboxes,
+        sleep_after: cli.sleep_after_seconds.resolve(),
     };
     store.idem_tidy().context("tidy idempotency records")?;
     node::credentials::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
@@ -374,6 +380,7 @@ fn main() -> anyhow::Result<()> {
         }
         gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
+        node.start_sleeper();
         let cors_origins = cli
             .cors_origins
             .iter()
@@ -544,5 +551,28 @@ async fn stop_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+}
+
+/// `--sleep-after-seconds`: seconds (a number ≥ 0) or `never`.
+#[derive(Debug, Clone, Copy)]
+struct SleepAfterFlag(Option<f64>);
+
+impl std::str::FromStr for SleepAfterFlag {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "never" || s == "null" {
+            return Ok(SleepAfterFlag(None));
+        }
+        match s.parse::<f64>() {
+            Ok(v) if v.is_finite() && v >= 0.0 => Ok(SleepAfterFlag(Some(v))),
+            _ => Err(format!("{s:?} is not a number of seconds or never")),
+        }
+    }
+}
+
+impl SleepAfterFlag {
+    fn resolve(self) -> Option<Duration> {
+        self.0.map(Duration::from_secs_f64)
     }
 }

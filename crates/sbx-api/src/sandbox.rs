@@ -334,6 +334,13 @@ pub struct SandboxObject {
     /// (`http://{port}-sbx-….localhost:7780`); `None` when the node's preview listener is off.
     #[serde(default)]
     pub preview_url: Option<String>,
+    /// Paused now: idle for its `sleep_after_seconds`, its processes are frozen (its memory
+    /// kept); the next use of it resumes it in about a millisecond.
+    #[serde(default)]
+    pub paused: bool,
+    /// How long it may be idle before it pauses, in seconds (null: never by itself).
+    #[serde(default)]
+    pub sleep_after_seconds: Option<f64>,
 }
 
 #[cfg(test)]

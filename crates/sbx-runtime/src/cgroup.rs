@@ -439,6 +439,65 @@ impl Group {
             .is_some_and(|s| s.trim() == "FROZEN")
     }
 
+    /// Freezes (`true`) or thaws the group and waits until the kernel says it is so (a
+    /// freeze settles in about a millisecond; `wait` bounds it). Errors when the layout has
+    /// no freezer or the state was not reached in time (the group is thawed again then).
+    pub fn freeze(&self, frozen: bool, wait: Duration) -> Result<(), CgroupError> {
+        let what = || {
+            self.dir("freezer")
+                .map(Path::to_path_buf)
+                .unwrap_or_default()
+        };
+        if self.dirs.is_empty() || !self.set_frozen(frozen) {
+            return Err(CgroupError::NoController("freezer"));
+        }
+        let deadline = Instant::now() + wait;
+        let mut pause = Duration::from_micros(100);
+        loop {
+            let thawed = !self.is_frozen() && !self.is_freezing();
+            if (frozen && self.is_frozen()) || (!frozen && thawed) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                if frozen {
+                    self.set_frozen(false);
+                }
+                return Err(CgroupError::Io {
+                    path: what(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        if frozen {
+                            "did not freeze in time"
+                        } else {
+                            "did not thaw in time"
+                        },
+                    ),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+    }
+
+    /// Whether the group is being frozen or is frozen (v1 `FREEZING`/`FROZEN`, v2
+    /// `cgroup.freeze` 1).
+    pub fn is_paused(&self) -> bool {
+        if self.dirs.is_empty() {
+            return false;
+        }
+        self.is_frozen() || self.is_freezing()
+    }
+
+    fn is_freezing(&self) -> bool {
+        if self.is_v2() {
+            return fs::read_to_string(self.dirs[0].1.join("cgroup.freeze"))
+                .is_ok_and(|s| s.trim() == "1");
+        }
+        self.dir("freezer")
+            .and_then(|d| fs::read_to_string(d.join("freezer.state")).ok())
+            .is_some_and(|s| s.trim() == "FREEZING")
+    }
+
     /// Lifts the group's CPU quota: processes that are being killed must not wait for the
     /// quota's next period to exit (a throttled fork bomb takes minutes to die otherwise).
     fn lift_cpu_limit(&self) {

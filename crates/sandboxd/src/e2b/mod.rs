@@ -213,10 +213,21 @@ pub(crate) async fn sandbox_side(
     id: &str,
     port: u16,
 ) -> Response {
-    if port == ENVD_PORT {
-        return envd::handle(shared, req.map(Body::new), peer, id).await;
+    // A request for the sandbox thaws it if it is paused, and holds it awake until answered.
+    let held = match shared.node.use_sandbox(id) {
+        Some(Ok(h)) => Some(h),
+        Some(Err(e)) => return e2b_error(StatusCode::INTERNAL_SERVER_ERROR, e.message),
+        None => None,
+    };
+    let resp = if port == ENVD_PORT {
+        envd::handle(shared, req.map(Body::new), peer, id).await
+    } else {
+        proxy(req, peer, shared, id, port).await
+    };
+    match held {
+        Some(h) => crate::http::hold_while_sent(resp, h),
+        None => resp,
     }
-    proxy(req, peer, shared, id, port).await
 }
 
 /// A request for port `port` of the sandbox, forwarded to it: a public port to anybody,
@@ -253,7 +264,7 @@ async fn proxy(
         Err(e) => return e2b_error(StatusCode::BAD_GATEWAY, e.message),
     };
     let host = header_str(&req, "host").unwrap_or("localhost").to_string();
-    match crate::preview::forward_to(req, ns, port, peer, host).await {
+    match crate::preview::forward_to(req, ns, port, peer, host, None).await {
         Ok(r) => r,
         Err(e) => e2b_error(
             StatusCode::BAD_GATEWAY,

@@ -64,12 +64,52 @@ pub(super) async fn edge(
         .and_then(|()| check_content_type(&req, has_body));
     let resp = match checked {
         Ok(()) => {
+            // A request that uses a kept sandbox thaws it if it is paused and holds it awake
+            // until its answer is sent in full.
+            let held = match used_sandbox(req.uri().path()).and_then(|id| st.node.use_sandbox(id)) {
+                Some(Ok(h)) => Some(h),
+                Some(Err(e)) => {
+                    return finish(
+                        error_response(&e, &rid, docs),
+                        &rid,
+                        has_body,
+                        origin.as_deref(),
+                    )
+                }
+                None => None,
+            };
             let resp = next.run(req).await;
-            as_error_body(resp, &rid, docs).await
+            let resp = as_error_body(resp, &rid, docs).await;
+            match held {
+                Some(h) => hold_while_sent(resp, h),
+                None => resp,
+            }
         }
         Err(e) => error_response(&e, &rid, docs),
     };
     finish(resp, &rid, has_body, origin.as_deref())
+}
+
+/// The sandbox a request uses: `/v1/sandboxes/{id}/<anything>` (its commands, files,
+/// terminals, streams). Reading, changing or deleting the sandbox itself does not use it.
+fn used_sandbox(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let (id, sub) = rest.split_once('/')?;
+    (!id.is_empty() && !sub.is_empty()).then_some(id)
+}
+
+/// `resp` with `held` kept until its body has been sent (or dropped).
+pub(crate) fn hold_while_sent(
+    resp: Response,
+    held: crate::node::sandbox::sleep::InUse,
+) -> Response {
+    use http_body_util::BodyExt;
+    let (parts, body) = resp.into_parts();
+    let body = body.map_frame(move |f| {
+        let _ = &held;
+        f
+    });
+    Response::from_parts(parts, axum::body::Body::new(body))
 }
 
 /// The headers every answer gets: its request id, CORS headers for an origin `--cors-origin`

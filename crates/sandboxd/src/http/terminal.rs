@@ -63,9 +63,16 @@ pub(super) async fn terminal(
             )
         }
     };
+    let held = match st.node.use_sandbox(&id) {
+        Some(Ok(h)) => Some(h),
+        Some(Err(e)) => return fail(e),
+        None => None,
+    };
     ws.max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
         .on_upgrade(move |ws| async move {
+            // The sandbox stays awake while its terminal is open.
+            let _held = held;
             if let Err(e) = session(ws, socket, exec_id, from).await {
                 tracing::info!(error = %e, "terminal session ended");
             }

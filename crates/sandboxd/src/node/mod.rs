@@ -54,6 +54,9 @@ pub struct NodeConfig {
     pub image_allowlist: Option<Vec<String>>,
     /// The most sandboxes (runs' and kept ones) the node holds at once.
     pub max_sandboxes: usize,
+    /// How long a kept sandbox may be idle before it pauses, where its create said nothing
+    /// (`--sleep-after-seconds`; `None`: never).
+    pub sleep_after: Option<Duration>,
 }
 
 /// A sandbox in the table.

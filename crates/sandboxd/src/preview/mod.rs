@@ -246,6 +246,12 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
             ))
         }
     }
+    // A paused sandbox is thawed for the request, and kept awake until it is answered.
+    let held = match shared.node.use_sandbox(&target.id) {
+        Some(Ok(h)) => Some(h),
+        Some(Err(e)) => return fail(e),
+        None => None,
+    };
     let ns = match shared.node.sandbox_netns(&target.id, port) {
         Ok(ns) => ns,
         Err(e) => return fail(e),
@@ -258,6 +264,7 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
         client: peer,
         host,
         proto: if shared.https { "https" } else { "http" },
+        held,
     };
     let req = Request::from_parts(parts, body);
     match upstream::forward(req, stream, fwd).await {
@@ -280,6 +287,7 @@ pub(crate) async fn forward_to(
     port: u16,
     client: SocketAddr,
     host: String,
+    held: Option<crate::node::sandbox::sleep::InUse>,
 ) -> Result<Response<Body>, String> {
     let stream = upstream::connect(ns, port)
         .await
@@ -288,6 +296,7 @@ pub(crate) async fn forward_to(
         client,
         host,
         proto: "http",
+        held,
     };
     upstream::forward(req, stream, fwd)
         .await

@@ -79,6 +79,8 @@ pub(super) struct Forwarded {
     /// The preview host the client asked for.
     pub host: String,
     pub proto: &'static str,
+    /// Holds the sandbox awake until the answer is sent (or the upgraded connection ends).
+    pub held: Option<crate::node::sandbox::sleep::InUse>,
 }
 
 /// Why a request did not get the service's answer.
@@ -159,7 +161,9 @@ pub(super) async fn forward(
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_upgrade) = client_upgrade {
             let service_upgrade = hyper::upgrade::on(&mut resp);
+            let held = fwd.held;
             tokio::spawn(async move {
+                let _held = held;
                 let (client, service) = match tokio::join!(client_upgrade, service_upgrade) {
                     (Ok(c), Ok(s)) => (c, s),
                     (Err(e), _) | (_, Err(e)) => {
@@ -175,7 +179,11 @@ pub(super) async fn forward(
         }
     }
     crate::hop::strip_hop_by_hop(resp.headers_mut(), false);
-    Ok(resp.map(Body::new))
+    let resp = resp.map(Body::new);
+    Ok(match fwd.held {
+        Some(h) => crate::http::hold_while_sent(resp, h),
+        None => resp,
+    })
 }
 
 #[cfg(test)]

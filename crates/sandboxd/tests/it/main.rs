@@ -26,5 +26,6 @@ mod runtime;
 mod sandboxes;
 mod secrets;
 mod semantics;
+mod sleep;
 mod terminal;
 mod timeouts;

@@ -233,6 +233,7 @@ impl Node {
             public_ports: req.public_ports.clone(),
             public_ports_except: req.public_ports_except.clone(),
             token: None,
+            sleep_after: sleep::SleepAfter::from_request(req.sleep_after_seconds),
         };
         if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
             self.apply_template(&mut spec, key, &req.limits)?;
@@ -350,6 +351,14 @@ impl Node {
         let Some(sb) = m.machine() else {
             return;
         };
+        // A paused machine is thawed first: its agent answers, its start command gets its
+        // signal.
+        if self.is_paused(m) {
+            if let Err(e) = sb.set_paused(false) {
+                tracing::warn!(sandbox = %m.id, error = %e, "thaw before the end");
+            }
+            self.forget_pause(m);
+        }
         let resolved = m.resolved();
         let stop_first = resolved.start.is_some() && sb.is_alive();
         if stop_first
@@ -525,6 +534,13 @@ impl Node {
             };
             match alive {
                 Some(sb) => {
+                    // Paused when the previous node went: it runs on thawed (and pauses
+                    // again when idle).
+                    if sb.is_paused() {
+                        if let Err(e) = sb.set_paused(false) {
+                            tracing::warn!(sandbox = %m.id, error = %e, "thaw an adopted sandbox");
+                        }
+                    }
                     let sb = Arc::new(sb);
                     {
                         let mut mm = m.machine.locked();

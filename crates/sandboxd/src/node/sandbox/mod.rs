@@ -8,6 +8,7 @@ mod egress;
 mod exec;
 mod lifecycle;
 mod output;
+pub(crate) mod sleep;
 
 pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
 use exec::*;
@@ -88,6 +89,9 @@ pub struct StoredSpec {
     /// in the state database.
     #[serde(default, with = "access::sealed_token")]
     pub token: Option<SandboxToken>,
+    /// `sleep_after_seconds` as the create gave it (absent: the node's default).
+    #[serde(default)]
+    pub sleep_after: sleep::SleepAfter,
 }
 
 impl StoredSpec {
@@ -261,6 +265,9 @@ pub struct Managed {
     /// When it expires (a PATCH changes it), and the number of the timer in force: a timer
     /// armed before the last change does nothing when it fires.
     pub(crate) expiry: Mutex<(Option<String>, u64)>,
+    /// When it was last used, by how many now, and whether it is paused
+    /// ([`sleep`](super::sandbox::sleep)).
+    pub(crate) idle: Mutex<sleep::Idle>,
 }
 
 impl Managed {
@@ -275,6 +282,7 @@ impl Managed {
             cancel: Cancel::new(),
             egress: Mutex::new(spec.egress.clone()),
             expiry: Mutex::new((spec.expires_at.clone(), 0)),
+            idle: Mutex::new(sleep::Idle::new()),
             spec,
         }
     }
@@ -377,6 +385,8 @@ impl Node {
             public_ports: m.spec.public_ports.clone(),
             public_ports_except: m.spec.public_ports_except.clone(),
             preview_url: self.preview_url(&m.id),
+            paused: self.is_paused(m),
+            sleep_after_seconds: self.sleep_after(m).map(|d| d.as_secs_f64()),
         }
     }
 
@@ -516,6 +526,7 @@ mod tests {
             public_ports: Vec::new(),
             public_ports_except: None,
             token: None,
+            sleep_after: sleep::SleepAfter::default(),
         }
     }
 
