@@ -14,6 +14,8 @@ export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
 if [ -z "${III_BIN:-}" ] && [ -x ../shared/tools/iii ]; then
   export III_BIN="$(cd ../shared/tools && pwd)/iii"
 fi
+# CRIU >= 4.2 for sleep, snapshots and forks (tests/it/sleep.rs checkpoints real sandboxes).
+scripts/criu.sh
 # E2B's own SDKs (PyPI and npm, pinned) for the E2B compatibility tests (tests/it/e2b.rs).
 scripts/e2b-sdks.sh
 cargo build --workspace --all-targets

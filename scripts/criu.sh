@@ -1,6 +1,12 @@
 #!/bin/sh
-# Install CRIU >= 4.2 on Debian 12 (bookworm) from Debian's `unstable` suite. Idempotent; root.
+# Installs CRIU >= 4.2 (the node's sleep, snapshots and forks checkpoint sandboxes with it), as
+# root; idempotent. In order: a criu >= 4.2 already first in PATH or at $WRAPPER is kept; one
+# the machine's own apt sources offer is installed with apt; on Debian 12 (whose 3.17 fails on
+# recent kernels) criu is taken from Debian's `unstable` suite as below. Exits non-zero when
+# none of these works (a node then runs without CRIU: it says so in GET /internal/node and
+# answers sleep and snapshot calls 503 not_served_here).
 #
+# Debian 12:
 # Why not `apt-get install criu/unstable` with a pin: criu 4.2.1-1 in unstable depends on
 # libc6 (>= 2.38), libgnutls30t64, libnl-3-200 (>= 3.11) and a libcompel1 of its own; on
 # bookworm (libc6 2.36) apt can only satisfy that by taking libc6/libc-bin/base-files from
@@ -31,9 +37,31 @@ version_ok() {
 }
 
 if [ -x "$WRAPPER" ] && version_ok "$WRAPPER"; then
-    echo "criu $("$WRAPPER" --version | sed -n 's/^Version: *//p') already installed ($WRAPPER)"
+    echo "sbx: criu $("$WRAPPER" --version | sed -n 's/^Version: *//p') is installed ($WRAPPER)" >&2
     exit 0
 fi
+if command -v criu >/dev/null 2>&1 && version_ok "$(command -v criu)"; then
+    echo "sbx: criu $(criu --version | sed -n 's/^Version: *//p') is installed ($(command -v criu))" >&2
+    exit 0
+fi
+# The machine's own sources, where they have 4.2 or newer (Debian 13's backports, Ubuntu's
+# later releases).
+candidate=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *//p')
+case "$candidate" in
+    ""|"(none)") ;;
+    *)
+        if dpkg --compare-versions "$candidate" ge 4.2; then
+            echo "sbx: installing criu $candidate" >&2
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq criu >&2
+            version_ok "$(command -v criu)" && exit 0
+        fi
+        ;;
+esac
+if ! grep -q '^ID=debian' /etc/os-release 2>/dev/null; then
+    echo "sbx: no criu >= 4.2 for this system: sleep, snapshots and forks are off" >&2
+    exit 1
+fi
+echo "sbx: installing criu from Debian's unstable suite into $PREFIX" >&2
 
 # 1. The mirror: the first URI of a deb822 stanza whose suites are Debian's main archive (not
 #    -security), else the first such line of /etc/apt/sources.list.
@@ -56,9 +84,9 @@ done
 if [ -z "$mirror" ] && [ -f /etc/apt/sources.list ]; then
     mirror=$(awk '$1 == "deb" && $0 !~ /security/ { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z+]+:\/\//) { print $i; exit } }' /etc/apt/sources.list)
 fi
-[ -n "$mirror" ] || { echo "install.sh: no Debian mirror found in the apt sources" >&2; exit 1; }
+[ -n "$mirror" ] || { echo "criu.sh: no Debian mirror found in the apt sources" >&2; exit 1; }
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-echo "mirror: $mirror"
+echo "sbx: criu: mirror $mirror" >&2
 
 # 2. A private apt state with unstable only.
 mkdir -p "$STATE/lists/partial" "$STATE/archives/partial" "$STATE/etc/preferences.d" "$STATE/debs"
@@ -91,7 +119,7 @@ LIBDIR=$PREFIX/usr/lib/x86_64-linux-gnu
 LD=$LIBDIR/ld-linux-x86-64.so.2
 if "$PREFIX.new/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$PREFIX.new/usr/lib/x86_64-linux-gnu" \
         --list "$PREFIX.new/usr/sbin/criu" | grep -q 'not found'; then
-    echo "install.sh: criu needs a library not in PKGS:" >&2
+    echo "criu.sh: criu needs a library not in PKGS:" >&2
     "$PREFIX.new/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$PREFIX.new/usr/lib/x86_64-linux-gnu" \
         --list "$PREFIX.new/usr/sbin/criu" | grep 'not found' >&2
     exit 1
@@ -103,11 +131,11 @@ mv "$PREFIX.new" "$PREFIX"; rm -rf "$PREFIX.old"
 mkdir -p "$(dirname "$WRAPPER")"
 cat > "$WRAPPER.tmp" <<EOF
 #!/bin/sh
-# criu from Debian unstable with its own libc, kept apart from the system (install.sh)
+# criu from Debian unstable with its own libc, kept apart from the system (scripts/criu.sh)
 exec $LD --library-path $LIBDIR $PREFIX/usr/sbin/criu "\$@"
 EOF
 chmod 755 "$WRAPPER.tmp"; mv "$WRAPPER.tmp" "$WRAPPER"
 
-"$WRAPPER" --version
-version_ok "$WRAPPER" || { echo "install.sh: criu is older than $MIN_MAJOR.$MIN_MINOR" >&2; exit 1; }
-"$WRAPPER" check || echo "install.sh: criu check reported missing features (see above)" >&2
+"$WRAPPER" --version >&2
+version_ok "$WRAPPER" || { echo "criu.sh: criu is older than $MIN_MAJOR.$MIN_MINOR" >&2; exit 1; }
+"$WRAPPER" check >&2 || echo "criu.sh: criu check reported missing features (see above)" >&2
