@@ -352,3 +352,76 @@ mod tests {
         assert!(!sb.is_alive());
     }
 }
+
+/// Create → running → destroy time of the namespace driver (root, the base image, the agent
+/// built beside the tests): `cargo test -p sbx-runtime --release bench_create -- --ignored
+/// --nocapture`.
+#[cfg(test)]
+mod bench {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn bench_create() {
+        let exe = std::env::current_exe().expect("exe");
+        let Some(agent) = exe
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("sbx-agent"))
+        else {
+            return;
+        };
+        let rootfs = PathBuf::from("/var/lib/sbx/images/base/rootfs");
+        if !agent.is_file() || !rootfs.is_dir() || !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root, the agent and the base image");
+            return;
+        }
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("sbx-bench-{pid}"));
+        let driver = NamespaceDriver::with_cgroup_name(
+            agent,
+            &format!("sbx-bench-{pid}"),
+            &dir.display().to_string(),
+            100_000,
+            65_536,
+        )
+        .expect("driver");
+        let n = 20;
+        let mut create = Vec::new();
+        for i in 0..n {
+            let id = format!("bench{i}");
+            let spec = SandboxSpec {
+                id: id.clone(),
+                lowers: vec![rootfs.clone()],
+                dir: dir.join(&id),
+                hostname: id.clone(),
+                limits: Limits {
+                    memory_bytes: 256 << 20,
+                    vcpus: 1,
+                    pids: 256,
+                },
+                tmp_memory: false,
+                image_env: Vec::new(),
+                image_user: None,
+                image_workdir: None,
+                netns: None,
+                resolv_conf: None,
+                ca_bundle: None,
+            };
+            let t = std::time::Instant::now();
+            let sb = driver.create(&spec).expect("create");
+            create.push(t.elapsed());
+            driver.destroy(&sb).expect("destroy");
+            let _ = remove_dir(&spec.dir);
+        }
+        driver.release();
+        let _ = std::fs::remove_dir_all(&dir);
+        create.sort();
+        eprintln!(
+            "create ({n}): p50 {:?}, mean {:?}, max {:?}",
+            create[n / 2],
+            create.iter().sum::<Duration>() / n as u32,
+            create[n - 1]
+        );
+    }
+}
