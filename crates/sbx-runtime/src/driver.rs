@@ -131,6 +131,20 @@ pub trait Driver: Send + Sync {
     fn release(&self) {}
 }
 
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        crate::sock::unregister_agent(&self.socket, self.pid);
+    }
+}
+
+/// The node reaches the agent of host pid `pid` through its sandbox's network namespace,
+/// under the name `socket` ([`crate::sock::register_agent`]).
+fn register(socket: &Path, pid: u32, pidfd: Option<&PidFd>) {
+    if let Some(fd) = pidfd.and_then(|p| p.try_clone_fd().ok()) {
+        crate::sock::register_agent(socket, pid, fd);
+    }
+}
+
 /// Sandboxes as Linux namespaces + cgroups + seccomp + an overlay root, with `sbx-agent` as PID 1.
 #[derive(Debug)]
 pub struct NamespaceDriver {
@@ -257,6 +271,7 @@ impl Driver for NamespaceDriver {
             }
         };
         let pidfd = PidFd::open(pid).ok();
+        register(&spec.dir.join("agent.sock"), pid, pidfd.as_ref());
         Ok(Sandbox {
             id: spec.id.clone(),
             pid,
@@ -291,6 +306,7 @@ impl Driver for NamespaceDriver {
             return None;
         }
         let pidfd = PidFd::open(pid).ok()?;
+        register(&dir.join("agent.sock"), pid, Some(&pidfd));
         Some(Sandbox {
             id: id.to_string(),
             pid,

@@ -87,6 +87,11 @@ use ipnet::Ipv4Net;
 pub use ct::CtEntry;
 use nl::Conn;
 
+/// The ids a sandbox's user namespace maps (`0 base count`): a sandbox's network namespace
+/// is owned by a user namespace made for it with these, which the sandbox joins (the driver's
+/// `uid_base` and `uid_count`, the same for every sandbox).
+pub const SANDBOX_IDS: (u32, u32) = (100_000, 65_536);
+
 /// The name of the sandbox's side of its veth.
 pub const INNER_IFNAME: &str = "eth0";
 /// The longest interface-name prefix: the name is the prefix and a slot number of up to 5
@@ -375,7 +380,7 @@ impl Inner {
         let gw = self.gateway;
         let addr = self.address(slot);
         let ifname = self.ifname(slot);
-        let (ns, mut inside) = ns::make(|| {
+        let (ns, mut inside) = ns::make_owned(SANDBOX_IDS, || {
             // Before eth0 exists, so that it never has an IPv6 address (a kernel without
             // IPv6 has no such file, and no IPv6).
             match ns::sysctl("net/ipv6/conf/default/disable_ipv6", "1") {

@@ -754,6 +754,10 @@ fn the_path_of_a_lease_names_its_namespace_for_init() {
     })
     .expect("joined");
     assert_eq!(seen, want);
+    // Owned by a user namespace of its own (not the host's), which the sandbox joins.
+    let f = std::fs::File::open(lease.ns_path()).expect("open");
+    let owner = crate::init::owner_userns(&f).expect("owner");
+    assert!(!crate::init::is_initial_userns(&owner).expect("compare"));
 }
 
 #[test]
