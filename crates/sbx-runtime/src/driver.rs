@@ -251,6 +251,75 @@ impl NamespaceDriver {
     }
 }
 
+impl NamespaceDriver {
+    /// Puts a sandbox to sleep: freezes it, dumps its tree into `images` with `criu`
+    /// ([`crate::criu::dump`]), and waits until its agent has ended (reaped). Its cgroups,
+    /// directory and (for `network`) lease are kept: the caller holds them until the wake.
+    /// Before: the agent made dumpable (the `SetDumpable` request) and every connection of the
+    /// node to it closed. On an error the sandbox runs on (thawed).
+    pub fn sleep(
+        &self,
+        sandbox: &Sandbox,
+        criu: &crate::criu::Criu,
+        images: &Path,
+        network: bool,
+    ) -> Result<(), RuntimeError> {
+        crate::criu::dump(
+            criu,
+            &crate::criu::DumpSpec {
+                pid: sandbox.pid,
+                group: &sandbox.group,
+                images,
+                network,
+                leave_running: false,
+            },
+        )?;
+        if let Some(p) = &sandbox.pidfd {
+            p.wait_exit(Duration::from_secs(10));
+        }
+        Ok(())
+    }
+
+    /// Wakes a sandbox put to sleep by [`NamespaceDriver::sleep`]: restores it from `images`
+    /// into its directory and cgroups (`spec` is the one it was made with; for a network,
+    /// `lease` is the lease it kept: its `eth0` moves into the restored namespace). Returns the
+    /// sandbox with its agent's new pid and pidfd; the node then makes the agent not dumpable
+    /// again (`SetDumpable`), and records the new pid and start time.
+    pub fn wake(
+        &self,
+        spec: &SandboxSpec,
+        criu: &crate::criu::Criu,
+        images: &Path,
+        lease: Option<&crate::net::Lease>,
+    ) -> Result<Sandbox, RuntimeError> {
+        let pid = crate::criu::restore(
+            criu,
+            &crate::criu::RestoreSpec {
+                images,
+                lowers: &spec.lowers,
+                dir: &spec.dir,
+                agent: &self.agent,
+                ca_bundle: spec.ca_bundle.as_deref(),
+                network: lease.map(|l| (l.ns_path(), l.address(), l.gateway())),
+            },
+        )?;
+        let pidfd = PidFd::open(pid).map_err(|e| RuntimeError::Io {
+            what: "pidfd of the restored agent".into(),
+            source: e,
+        })?;
+        register(&spec.dir.join("agent.sock"), pid, Some(&pidfd));
+        Ok(Sandbox {
+            id: spec.id.clone(),
+            pid,
+            start_time: crate::process::start_time(pid),
+            socket: spec.dir.join("agent.sock"),
+            dir: spec.dir.clone(),
+            group: self.cgroups.group(&spec.id),
+            pidfd: Some(pidfd),
+        })
+    }
+}
+
 impl Driver for NamespaceDriver {
     fn name(&self) -> &'static str {
         "namespace"

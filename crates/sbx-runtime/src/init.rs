@@ -353,6 +353,12 @@ pub fn enter(cfg: &InitConfig) -> Result<std::convert::Infallible, InitError> {
     for d in [&upper, &work, &root] {
         fs::create_dir_all(d).ctx(|| format!("mkdir {}", d.display()))?;
     }
+    // Searchable (only) by sandbox root, whose stage 1 reaches the root through it.
+    fs::set_permissions(
+        &cfg.dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .ctx(|| format!("chmod {}", cfg.dir.display()))?;
     // The upper directory is the sandbox root's own /.
     std::os::unix::fs::chown(&upper, Some(cfg.uid_base), Some(cfg.uid_base))
         .ctx(|| "chown upper".into())?;
@@ -386,7 +392,7 @@ pub fn enter(cfg: &InitConfig) -> Result<std::convert::Infallible, InitError> {
         ForkResult::Child => {
             drop(to_child_w);
             drop(to_parent_r);
-            let e = match stage1(cfg, joined, &root, &to_child_r, &to_parent_w) {
+            let e = match stage1(cfg, joined, &to_child_r, &to_parent_w) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -624,10 +630,12 @@ fn child_error(first: u8, from_child: &OwnedFd) -> InitError {
 fn stage1(
     cfg: &InitConfig,
     joined: Option<(OwnedFd, OwnedFd)>,
-    root: &Path,
     from_parent: &OwnedFd,
     to_parent: &OwnedFd,
 ) -> Result<std::convert::Infallible, InitError> {
+    // Still host root: from here on the root is reached relative to the sandbox's directory
+    // (searchable, under the node's 0700 data directory, which sandbox root may not search).
+    chdir(&cfg.dir).ctx(|| format!("chdir {}", cfg.dir.display()))?;
     let mut namespaces = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
@@ -670,7 +678,7 @@ fn stage1(
     // sysfs shows the network namespace of who mounts it: this one's.
     mnt(
         Some("sysfs"),
-        &root.join("sys"),
+        Path::new("rootfs/sys"),
         Some("sysfs"),
         MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         None,
@@ -687,7 +695,7 @@ fn stage1(
     // SAFETY: stage 1 is single-threaded, so the child may run any code after fork.
     match unsafe { fork() }.ctx(|| "fork PID 1".into())? {
         ForkResult::Child => {
-            let e = match stage2(root, &args) {
+            let e = match stage2(Path::new("rootfs"), &args) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -709,7 +717,8 @@ fn stage1(
 /// then the exec of the agent. Returns only an error.
 fn stage2(root: &Path, args: &str) -> Result<std::convert::Infallible, InitError> {
     nix::unistd::setsid().ctx(|| "setsid".into())?;
-    let proc_dir = root.join("proc");
+    chdir(root).ctx(|| "chdir root".into())?;
+    let proc_dir = Path::new("proc");
     mnt(
         Some("proc"),
         &proc_dir,
@@ -717,7 +726,7 @@ fn stage2(root: &Path, args: &str) -> Result<std::convert::Infallible, InitError
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         None,
     )?;
-    let null = root.join("dev/null");
+    let null = Path::new("dev/null");
     for masked in ["kcore", "keys", "timer_list", "sysrq-trigger"] {
         let p = proc_dir.join(masked);
         if p.exists() {
@@ -730,7 +739,6 @@ fn stage2(root: &Path, args: &str) -> Result<std::convert::Infallible, InitError
             )?;
         }
     }
-    chdir(root).ctx(|| "chdir root".into())?;
     pivot_root(".", ".").ctx(|| "pivot_root".into())?;
     umount2(".", MntFlags::MNT_DETACH).ctx(|| "detach old root".into())?;
     chdir("/").ctx(|| "chdir /".into())?;

@@ -871,3 +871,57 @@ pub fn userns_with_netns((base, count): (u32, u32)) -> io::Result<OwnedFd> {
     let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
     result
 }
+
+/// A mount made in a new mount namespace of a child before it execs (for criu's `--root`):
+/// prepared before the fork, applied in the child with raw syscalls only.
+#[derive(Debug)]
+pub struct PrivateMount {
+    target: CString,
+    data: CString,
+}
+
+impl PrivateMount {
+    /// An overlay with mount options `data` at `target`.
+    pub fn overlay(target: &Path, data: &str) -> io::Result<PrivateMount> {
+        Ok(PrivateMount {
+            target: CString::new(target.as_os_str().as_bytes())?,
+            data: CString::new(data)?,
+        })
+    }
+
+    /// In the child (between fork and exec): a mount namespace of its own, private, with the
+    /// mount made in it.
+    pub fn apply(&self) -> io::Result<()> {
+        // SAFETY: unshare takes flags only.
+        if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: every pointer is to a NUL-terminated string that lives for the call, or null.
+        let r = unsafe {
+            libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: as above; `data` is the overlay's option string.
+        let r = unsafe {
+            libc::mount(
+                c"overlay".as_ptr(),
+                self.target.as_ptr(),
+                c"overlay".as_ptr(),
+                0,
+                self.data.as_ptr() as *const libc::c_void,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
