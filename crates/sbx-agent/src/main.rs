@@ -1,7 +1,9 @@
 //! `sbx-agent`: PID 1 of every sandbox.
 //!
 //! `sbx-agent init` is started by the node with an `InitConfig` on stdin. It builds the sandbox
-//! (sbx-runtime's stages 0 and 1) and then serves the node on the socket that stage 0 bound:
+//! (sbx-runtime's init stages), whose PID 1 execs `sbx-agent serve` from the binary bound
+//! read-only inside the sandbox; that serves the node on the abstract socket PID 1 bound in
+//! the sandbox's network namespace:
 //! it starts commands, keeps their output in a ring, reaps every zombie, enforces deadlines and
 //! reports exits with usage.
 
@@ -17,6 +19,14 @@ mod watch;
 use std::io::Read;
 
 fn main() {
+    // Started by criu as the restore's action script (see sbx_runtime::criu::hook).
+    if sbx_runtime::criu::is_hook() {
+        if let Err(e) = sbx_runtime::criu::hook() {
+            eprintln!("sbx-agent criu hook: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let mut args = std::env::args().skip(1);
     match args.next().as_deref() {
         Some("init") => {
@@ -32,7 +42,24 @@ fn main() {
                     std::process::exit(1);
                 }
             };
-            let listener = match sbx_runtime::init::enter(&cfg) {
+            let Err(e) = sbx_runtime::init::enter(&cfg);
+            {
+                eprintln!("sbx-agent: {e}");
+                std::process::exit(1);
+            }
+        }
+        // PID 1 of the sandbox, exec'd by init from inside it: serves the node on the
+        // listener it inherits.
+        Some("serve") => {
+            let cfg: sbx_runtime::init::AgentArgs =
+                match serde_json::from_str(&args.next().unwrap_or_default()) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("sbx-agent: bad arguments: {e}");
+                        std::process::exit(1);
+                    }
+                };
+            let listener = match sbx_runtime::init::agent_listener() {
                 Ok(l) => l,
                 Err(e) => {
                     eprintln!("sbx-agent: {e}");

@@ -54,11 +54,24 @@ async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                spawn_local(connection(agent.clone(), stream));
+                // Only the node, from outside the sandbox, is served: its pid reads 0 in this
+                // PID namespace. A process of the sandbox is refused.
+                if from_outside(&stream) {
+                    spawn_local(connection(agent.clone(), stream));
+                }
             }
             Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
         }
     }
+}
+
+/// Whether the peer of `stream` is outside the agent's PID namespace (its pid reads 0 here).
+/// An agent started outside a sandbox (its tests) is PID 1 of nothing: every peer is served.
+fn from_outside(stream: &tokio::net::UnixStream) -> bool {
+    if std::process::id() != 1 {
+        return true;
+    }
+    matches!(sbx_runtime::sock::peer_pid(stream), Ok(0))
 }
 
 async fn reaper(agent: Rc<Agent>) {
@@ -298,6 +311,11 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
         },
         HostMsg::Sync { token } => {
             send(out, &AgentMsg::Synced { token }).await;
+        }
+        HostMsg::SetDumpable { dumpable } => {
+            let _ = sbx_runtime::process::set_dumpable(dumpable);
+            let dumpable = sbx_runtime::process::is_dumpable();
+            send(out, &AgentMsg::Dumpable { dumpable }).await;
         }
         // File operations are the connection's (see `connection`).
         HostMsg::Fs { .. } | HostMsg::FsEnd { .. } => {}

@@ -172,6 +172,9 @@ pub enum HostMsg {
     },
     /// Ends watch `id` (answered `WatchEnded` without an error).
     Unwatch { id: String },
+    /// Makes the agent dumpable (just before a checkpoint) or not (after a wake, and while
+    /// awake). Answered by `Dumpable` with the state now.
+    SetDumpable { dumpable: bool },
 }
 
 /// How a command ended, as [`ExitInfo::status`]. On the wire: `"exited"`, `"timed_out"`,
@@ -258,6 +261,8 @@ pub enum AgentMsg {
     Execs { execs: Vec<ExecState> },
     /// Answer to `Sync`.
     Synced { token: u64 },
+    /// Whether the agent is dumpable now (the answer to `SetDumpable`).
+    Dumpable { dumpable: bool },
     /// A download of file operation `id` starts: data frames of stream `file` follow, from
     /// position `offset`, `length` bytes (`None`: as many as there are), then `FsDone`.
     FsOpened {

@@ -427,8 +427,45 @@ impl Group {
         }
     }
 
+    /// Freezes the group and waits until every task is frozen (a checkpoint's first step:
+    /// CRIU then finds it FROZEN and skips its own 100 ms polling). False when the group has
+    /// no freezer or it did not freeze within `wait` (it is thawed again then).
+    pub fn freeze(&self, wait: Duration) -> bool {
+        if !self.set_frozen(true) {
+            return false;
+        }
+        let end = std::time::Instant::now() + wait;
+        while !self.is_frozen() {
+            if std::time::Instant::now() >= end {
+                self.set_frozen(false);
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        true
+    }
+
+    /// Thaws the group (after a checkpoint, or one that failed).
+    pub fn thaw(&self) -> bool {
+        self.set_frozen(false)
+    }
+
+    /// The group's v1 freezer directory (for `criu --freeze-cgroup`), or its v2 directory.
+    pub fn freezer_dir(&self) -> Option<PathBuf> {
+        if self.is_v2() {
+            return self.dirs.first().map(|(_, d)| d.clone());
+        }
+        self.dir("freezer").map(Path::to_path_buf)
+    }
+
+    /// The group's directory of each controller, as a path under that controller's
+    /// hierarchy's root (for `criu --cgroup-root CTRL:PATH`): (controller, path).
+    pub fn dirs(&self) -> Vec<(Option<&'static str>, PathBuf)> {
+        self.dirs.clone()
+    }
+
     /// Whether every task of the group is frozen now (not only being frozen).
-    fn is_frozen(&self) -> bool {
+    pub fn is_frozen(&self) -> bool {
         if self.is_v2() {
             return fs::read_to_string(self.dirs[0].1.join("cgroup.events"))
                 .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))

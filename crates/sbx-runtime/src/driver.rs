@@ -146,6 +146,20 @@ pub trait Driver: Send + Sync {
     fn release(&self) {}
 }
 
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        crate::sock::unregister_agent(&self.socket, self.pid);
+    }
+}
+
+/// The node reaches the agent of host pid `pid` through its sandbox's network namespace,
+/// under the name `socket` ([`crate::sock::register_agent`]).
+fn register(socket: &Path, pid: u32, pidfd: Option<&PidFd>) {
+    if let Some(fd) = pidfd.and_then(|p| p.try_clone_fd().ok()) {
+        crate::sock::register_agent(socket, pid, fd);
+    }
+}
+
 /// Sandboxes as Linux namespaces + cgroups + seccomp + an overlay root, with `sbx-agent` as PID 1.
 #[derive(Debug)]
 pub struct NamespaceDriver {
@@ -252,6 +266,75 @@ impl NamespaceDriver {
     }
 }
 
+impl NamespaceDriver {
+    /// Puts a sandbox to sleep: freezes it, dumps its tree into `images` with `criu`
+    /// ([`crate::criu::dump`]), and waits until its agent has ended (reaped). Its cgroups,
+    /// directory and (for `network`) lease are kept: the caller holds them until the wake.
+    /// Before: the agent made dumpable (the `SetDumpable` request) and every connection of the
+    /// node to it closed. On an error the sandbox runs on (thawed).
+    pub fn sleep(
+        &self,
+        sandbox: &Sandbox,
+        criu: &crate::criu::Criu,
+        images: &Path,
+        network: bool,
+    ) -> Result<(), RuntimeError> {
+        crate::criu::dump(
+            criu,
+            &crate::criu::DumpSpec {
+                pid: sandbox.pid,
+                group: &sandbox.group,
+                images,
+                network,
+                leave_running: false,
+            },
+        )?;
+        if let Some(p) = &sandbox.pidfd {
+            p.wait_exit(Duration::from_secs(10));
+        }
+        Ok(())
+    }
+
+    /// Wakes a sandbox put to sleep by [`NamespaceDriver::sleep`]: restores it from `images`
+    /// into its directory and cgroups (`spec` is the one it was made with; for a network,
+    /// `lease` is the lease it kept: its `eth0` moves into the restored namespace). Returns the
+    /// sandbox with its agent's new pid and pidfd; the node then makes the agent not dumpable
+    /// again (`SetDumpable`), and records the new pid and start time.
+    pub fn wake(
+        &self,
+        spec: &SandboxSpec,
+        criu: &crate::criu::Criu,
+        images: &Path,
+        lease: Option<&crate::net::Lease>,
+    ) -> Result<Sandbox, RuntimeError> {
+        let pid = crate::criu::restore(
+            criu,
+            &crate::criu::RestoreSpec {
+                images,
+                lowers: &spec.lowers,
+                dir: &spec.dir,
+                agent: &self.agent,
+                ca_bundle: spec.ca_bundle.as_deref(),
+                network: lease.map(|l| (l.ns_path(), l.address(), l.gateway())),
+            },
+        )?;
+        let pidfd = PidFd::open(pid).map_err(|e| RuntimeError::Io {
+            what: "pidfd of the restored agent".into(),
+            source: e,
+        })?;
+        register(&spec.dir.join("agent.sock"), pid, Some(&pidfd));
+        Ok(Sandbox {
+            id: spec.id.clone(),
+            pid,
+            start_time: crate::process::start_time(pid),
+            socket: spec.dir.join("agent.sock"),
+            dir: spec.dir.clone(),
+            group: self.cgroups.group(&spec.id),
+            pidfd: Some(pidfd),
+        })
+    }
+}
+
 impl Driver for NamespaceDriver {
     fn name(&self) -> &'static str {
         "namespace"
@@ -272,6 +355,7 @@ impl Driver for NamespaceDriver {
             }
         };
         let pidfd = PidFd::open(pid).ok();
+        register(&spec.dir.join("agent.sock"), pid, pidfd.as_ref());
         Ok(Sandbox {
             id: spec.id.clone(),
             pid,
@@ -306,6 +390,7 @@ impl Driver for NamespaceDriver {
             return None;
         }
         let pidfd = PidFd::open(pid).ok()?;
+        register(&dir.join("agent.sock"), pid, Some(&pidfd));
         Some(Sandbox {
             id: id.to_string(),
             pid,
@@ -365,5 +450,78 @@ mod tests {
         child.kill().expect("kill");
         child.wait().expect("reaped");
         assert!(!sb.is_alive());
+    }
+}
+
+/// Create → running → destroy time of the namespace driver (root, the base image, the agent
+/// built beside the tests): `cargo test -p sbx-runtime --release bench_create -- --ignored
+/// --nocapture`.
+#[cfg(test)]
+mod bench {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn bench_create() {
+        let exe = std::env::current_exe().expect("exe");
+        let Some(agent) = exe
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("sbx-agent"))
+        else {
+            return;
+        };
+        let rootfs = PathBuf::from("/var/lib/sbx/images/base/rootfs");
+        if !agent.is_file() || !rootfs.is_dir() || !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root, the agent and the base image");
+            return;
+        }
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("sbx-bench-{pid}"));
+        let driver = NamespaceDriver::with_cgroup_name(
+            agent,
+            &format!("sbx-bench-{pid}"),
+            &dir.display().to_string(),
+            100_000,
+            65_536,
+        )
+        .expect("driver");
+        let n = 20;
+        let mut create = Vec::new();
+        for i in 0..n {
+            let id = format!("bench{i}");
+            let spec = SandboxSpec {
+                id: id.clone(),
+                lowers: vec![rootfs.clone()],
+                dir: dir.join(&id),
+                hostname: id.clone(),
+                limits: Limits {
+                    memory_bytes: 256 << 20,
+                    vcpus: 1,
+                    pids: 256,
+                },
+                tmp_memory: false,
+                image_env: Vec::new(),
+                image_user: None,
+                image_workdir: None,
+                netns: None,
+                resolv_conf: None,
+                ca_bundle: None,
+            };
+            let t = std::time::Instant::now();
+            let sb = driver.create(&spec).expect("create");
+            create.push(t.elapsed());
+            driver.destroy(&sb).expect("destroy");
+            let _ = remove_dir(&spec.dir);
+        }
+        driver.release();
+        let _ = std::fs::remove_dir_all(&dir);
+        create.sort();
+        eprintln!(
+            "create ({n}): p50 {:?}, mean {:?}, max {:?}",
+            create[n / 2],
+            create.iter().sum::<Duration>() / n as u32,
+            create[n - 1]
+        );
     }
 }

@@ -168,9 +168,8 @@ fn loopback_up() -> Result<(), InitError> {
     Ok(())
 }
 
-/// Joins the network namespace at `path` (before the other namespaces are unshared: the
-/// sandbox's user namespace, made later, does not own it, as it does not own one unshared
-/// here).
+/// Joins the network namespace at `path` (tests: a lease's path names its namespace).
+#[cfg(test)]
 pub(crate) fn join_netns(path: &Path) -> Result<(), InitError> {
     let ns = fs::File::open(path).ctx(|| format!("open {}", path.display()))?;
     nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
@@ -260,6 +259,26 @@ fn read_byte(fd: &OwnedFd) -> Result<u8, InitError> {
     Ok(b[0])
 }
 
+/// Marks every descriptor from `from` up close-on-exec (`close_range` with
+/// `CLOSE_RANGE_CLOEXEC`): none of them reaches what the process execs.
+fn cloexec_from(from: u32) -> Result<(), InitError> {
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on descriptors; no owner
+    // loses its descriptor.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            from,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error()).ctx(|| "close-on-exec inherited descriptors".into())
+    }
+}
+
 /// Closes every descriptor from 3 up (`close_range`).
 fn close_inherited() -> Result<(), InitError> {
     // SAFETY: called first in `enter`, when this process holds no descriptor of its own above
@@ -272,9 +291,55 @@ fn close_inherited() -> Result<(), InitError> {
     }
 }
 
-/// Runs stage 0 and stage 1. Returns only in stage 1, as the agent, with its listening socket;
-/// stage 0 prints `pid N` (the agent's host pid) on stdout and exits the process.
-pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
+/// Where the agent's binary is bound (read-only) inside every sandbox, and exec'd from.
+pub const AGENT_PATH: &str = "/dev/.sbx-agent";
+/// The agent's listening socket: this abstract name in the sandbox's network namespace.
+pub const AGENT_SOCKET: &str = "sbx-agent";
+/// The descriptor the agent finds its listening socket on after its exec.
+const AGENT_LISTEN_FD: i32 = 3;
+
+/// What the agent is told on its command line (`sbx-agent serve <json>`): its defaults for
+/// commands.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AgentArgs {
+    pub hostname: String,
+    #[serde(default)]
+    pub image_env: Vec<(String, String)>,
+    #[serde(default)]
+    pub image_user: Option<String>,
+    #[serde(default)]
+    pub image_workdir: Option<String>,
+}
+
+/// The user namespace that owns the network namespace `ns` (`NS_GET_USERNS`).
+pub(crate) fn owner_userns(ns: &fs::File) -> Result<OwnedFd, InitError> {
+    const NS_GET_USERNS: libc::c_ulong = 0xb701;
+    // SAFETY: NS_GET_USERNS takes no argument and returns a new descriptor or -1.
+    let fd = unsafe { libc::ioctl(ns.as_raw_fd(), NS_GET_USERNS as _) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error())
+            .ctx(|| "the owner of the network namespace".into());
+    }
+    // SAFETY: the ioctl returned a new descriptor nothing else owns.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+}
+
+/// Whether `userns` is the caller's own user namespace (the host's).
+pub(crate) fn is_initial_userns(userns: &OwnedFd) -> Result<bool, InitError> {
+    use std::os::unix::fs::MetadataExt;
+    let ours = fs::metadata("/proc/self/ns/user").ctx(|| "stat /proc/self/ns/user".into())?;
+    let theirs = fs::File::from(userns.try_clone().ctx(|| "dup".into())?)
+        .metadata()
+        .ctx(|| "stat a user namespace".into())?;
+    Ok(ours.ino() == theirs.ino() && ours.dev() == theirs.dev())
+}
+
+/// Runs stage 0 (here, host root), which forks stage 1 (in the sandbox's user namespace,
+/// where it makes the other namespaces) and mounts the root in stage 1's mount namespace;
+/// stage 1 forks stage 2, PID 1 of the sandbox, which pivots into the root, binds the agent's
+/// socket and execs the agent from [`AGENT_PATH`]. Stage 0 prints `pid N` (the agent's host
+/// pid) on stdout and exits the process; this returns only an error.
+pub fn enter(cfg: &InitConfig) -> Result<std::convert::Infallible, InitError> {
     // Nothing the node's process had open reaches the sandbox: every descriptor but stdio
     // (the node's pipes to this stage) is closed before anything else.
     close_inherited()?;
@@ -288,36 +353,144 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
     for d in [&upper, &work, &root] {
         fs::create_dir_all(d).ctx(|| format!("mkdir {}", d.display()))?;
     }
+    // Searchable (only) by sandbox root, whose stage 1 reaches the root through it.
+    fs::set_permissions(
+        &cfg.dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .ctx(|| format!("chmod {}", cfg.dir.display()))?;
     // The upper directory is the sandbox root's own /.
     std::os::unix::fs::chown(&upper, Some(cfg.uid_base), Some(cfg.uid_base))
         .ctx(|| "chown upper".into())?;
-    let sock = cfg.dir.join("agent.sock");
-    let _ = fs::remove_file(&sock);
-    let listener = UnixListener::bind(&sock).ctx(|| format!("bind {}", sock.display()))?;
-
-    let mut namespaces = CloneFlags::CLONE_NEWNS
-        | CloneFlags::CLONE_NEWUTS
-        | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWPID
-        | CloneFlags::CLONE_NEWCGROUP;
-    match &cfg.netns {
-        Some(path) => join_netns(path)?,
-        None => namespaces |= CloneFlags::CLONE_NEWNET,
-    }
-    unshare(namespaces).ctx(|| "unshare".into())?;
-    mnt(
-        None,
-        Path::new("/"),
-        None,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        None,
-    )?;
-    sethostname(&cfg.hostname).ctx(|| "sethostname".into())?;
-    loopback_up()?;
-
     if cfg.lowers.is_empty() {
         return Err(InitError::Other("the image has no layer".into()));
     }
+    let exe = fs::read_link("/proc/self/exe").ctx(|| "the agent's binary".into())?;
+    // A leased network namespace comes with the user namespace made for it (its owner): the
+    // sandbox joins both. Without one, it makes both.
+    let joined = match &cfg.netns {
+        Some(path) => {
+            let net = fs::File::open(path).ctx(|| format!("open {}", path.display()))?;
+            let user = owner_userns(&net)?;
+            if is_initial_userns(&user)? {
+                return Err(InitError::Other(format!(
+                    "the network namespace {} is the host's user namespace's: the sandbox must own it",
+                    path.display()
+                )));
+            }
+            Some((user, OwnedFd::from(net)))
+        }
+        None => None,
+    };
+    let (to_child_r, to_child_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).ctx(|| "pipe".into())?;
+    let (to_parent_r, to_parent_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).ctx(|| "pipe".into())?;
+    // SAFETY: stage 0 is single-threaded (the agent binary has started no thread yet), so the
+    // child may run any code after fork.
+    match unsafe { fork() }.ctx(|| "fork".into())? {
+        ForkResult::Child => {
+            drop(to_child_w);
+            drop(to_parent_r);
+            let e = match stage1(cfg, joined, &to_child_r, &to_parent_w) {
+                Ok(never) => match never {},
+                Err(e) => e,
+            };
+            let msg = format!("E{e}");
+            let _ = nix::unistd::write(&to_parent_w, msg.as_bytes());
+            std::process::exit(1);
+        }
+        ForkResult::Parent { child } => {
+            drop(joined);
+            drop(to_child_r);
+            drop(to_parent_w);
+            let child = child.as_raw() as u32;
+            match stage0_parent(cfg, &exe, child, &to_child_w, &to_parent_r) {
+                Ok(agent) => {
+                    let mut out = std::io::stdout();
+                    let _ = writeln!(out, "pid {agent}");
+                    let _ = out.flush();
+                    std::process::exit(0);
+                }
+                Err((agent, e)) => {
+                    crate::process::kill_pid(child, libc::SIGKILL);
+                    if let Some(a) = agent {
+                        crate::process::kill_pid(a, libc::SIGKILL);
+                    }
+                    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child as i32), None);
+                    Err(e)
+                }
+            }
+        }
+    }
+}
+
+fn stage0_parent(
+    cfg: &InitConfig,
+    exe: &Path,
+    child: u32,
+    to_child: &OwnedFd,
+    from_child: &OwnedFd,
+) -> Result<u32, (Option<u32>, InitError)> {
+    let none = |e| (None, e);
+    let mut b = read_byte(from_child).map_err(none)?;
+    if b == b'U' {
+        let map = format!("0 {} {}\n", cfg.uid_base, cfg.uid_count);
+        fs::write(format!("/proc/{child}/uid_map"), &map)
+            .ctx(|| "write uid_map".into())
+            .map_err(none)?;
+        fs::write(format!("/proc/{child}/gid_map"), &map)
+            .ctx(|| "write gid_map".into())
+            .map_err(none)?;
+        write_byte(to_child, b"G").map_err(none)?;
+        b = read_byte(from_child).map_err(none)?;
+    }
+    if b != b'M' {
+        return Err((None, child_error(b, from_child)));
+    }
+    // Host root, in the sandbox's mount namespace, mounts what needs the host's paths.
+    let mntns = fs::File::open(format!("/proc/{child}/ns/mnt"))
+        .ctx(|| "open the sandbox's mount namespace".into())
+        .map_err(none)?;
+    nix::sched::setns(&mntns, CloneFlags::CLONE_NEWNS)
+        .ctx(|| "join the sandbox's mount namespace".into())
+        .map_err(none)?;
+    drop(mntns);
+    host_mounts(cfg, exe).map_err(none)?;
+    write_byte(to_child, b"D").map_err(none)?;
+    let b = read_byte(from_child).map_err(none)?;
+    if b != b'P' {
+        return Err((None, child_error(b, from_child)));
+    }
+    let mut pid = [0u8; 4];
+    let f = from_child
+        .try_clone()
+        .ctx(|| "sync pipe".into())
+        .map_err(none)?;
+    let mut f = fs::File::from(f);
+    f.read_exact(&mut pid)
+        .ctx(|| "sync pipe".into())
+        .map_err(none)?;
+    let agent = u32::from_le_bytes(pid);
+    // Stage 1 ends once it has forked PID 1; PID 1's end of the pipe closes at its exec.
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child as i32), None);
+    let mut rest = Vec::new();
+    let _ = f.read_to_end(&mut rest);
+    if rest.is_empty() {
+        Ok(agent)
+    } else {
+        let msg = String::from_utf8_lossy(rest.strip_prefix(b"E").unwrap_or(&rest)).into_owned();
+        Err((Some(agent), InitError::Other(msg)))
+    }
+}
+
+/// Stage 0's mounts, as host root in the sandbox's mount namespace: the overlay (its lowers
+/// are under the host's 0700 image store), /dev with the host's device nodes, /tmp, the files
+/// of /etc, the CA bundle, and the agent's binary at [`AGENT_PATH`].
+fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
+    let upper = cfg.dir.join("upper");
+    let work = cfg.dir.join("work");
+    let root = cfg.dir.join("rootfs");
     let lowers: Vec<String> = cfg.lowers.iter().map(|p| p.display().to_string()).collect();
     let data = format!(
         "lowerdir={},upperdir={},workdir={}",
@@ -340,15 +513,37 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
         Some(&data),
     )?;
     build_dev(&root, cfg.uid_base)?;
-    let sys = root.join("sys");
-    fs::create_dir_all(&sys).ctx(|| "mkdir /sys".into())?;
+    // The agent's binary, read-only: what PID 1 execs, and what a checkpoint finds it mapped
+    // from. Running it gives a sandbox process nothing (it serves only a listener it is given).
+    let agent = root.join(AGENT_PATH.trim_start_matches('/'));
+    fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o555)
+        .open(&agent)
+        .ctx(|| format!("create {AGENT_PATH}"))?;
+    mount(
+        Some(exe),
+        &agent,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .ctx(|| format!("bind the agent at {AGENT_PATH}"))?;
     mnt(
-        Some("sysfs"),
-        &sys,
-        Some("sysfs"),
-        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+        &agent,
+        None,
+        MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV,
         None,
     )?;
+    fs::create_dir_all(root.join("sys")).ctx(|| "mkdir /sys".into())?;
+    fs::create_dir_all(root.join("proc")).ctx(|| "mkdir /proc".into())?;
     if let Some(size) = cfg.tmp_memory_bytes {
         let tmp = root.join("tmp");
         fs::create_dir_all(&tmp).ctx(|| "mkdir /tmp".into())?;
@@ -408,87 +603,7 @@ pub fn enter(cfg: &InitConfig) -> Result<UnixListener, InitError> {
             }
         }
     }
-
-    // Stage 1's pivot_root moves every process of this mount namespace, stage 0 too: keep a
-    // handle on the host's /proc to write stage 1's maps through.
-    let host_proc = fs::File::open("/proc").ctx(|| "open /proc".into())?;
-    let (to_child_r, to_child_w) = nix::unistd::pipe().ctx(|| "pipe".into())?;
-    let (to_parent_r, to_parent_w) = nix::unistd::pipe().ctx(|| "pipe".into())?;
-    // SAFETY: stage 0 is single-threaded (the agent binary has started no thread yet), so the
-    // child may run any code after fork.
-    match unsafe { fork() }.ctx(|| "fork".into())? {
-        ForkResult::Child => {
-            drop(to_child_w);
-            drop(to_parent_r);
-            match stage1(&root, &to_child_r, &to_parent_w) {
-                Ok(()) => {
-                    write_byte(&to_parent_w, b"R")?;
-                    Ok(listener)
-                }
-                Err(e) => {
-                    let msg = format!("E{e}");
-                    let _ = nix::unistd::write(&to_parent_w, msg.as_bytes());
-                    std::process::exit(1);
-                }
-            }
-        }
-        ForkResult::Parent { child } => {
-            drop(listener);
-            drop(to_child_r);
-            drop(to_parent_w);
-            let result = stage0_parent(
-                cfg,
-                &host_proc,
-                child.as_raw() as u32,
-                &to_child_w,
-                &to_parent_r,
-            );
-            match result {
-                Ok(()) => {
-                    let mut out = std::io::stdout();
-                    let _ = writeln!(out, "pid {}", child.as_raw());
-                    let _ = out.flush();
-                    std::process::exit(0);
-                }
-                Err(e) => {
-                    crate::process::kill_pid(child.as_raw() as u32, libc::SIGKILL);
-                    Err(e)
-                }
-            }
-        }
-    }
-}
-
-fn write_at(dir: &fs::File, path: &str, contents: &str) -> Result<(), InitError> {
-    use nix::fcntl::{openat, OFlag};
-    use nix::sys::stat::Mode;
-    let fd = openat(dir, path, OFlag::O_WRONLY | OFlag::O_CLOEXEC, Mode::empty())
-        .ctx(|| format!("open {path}"))?;
-    let mut f = fs::File::from(fd);
-    f.write_all(contents.as_bytes())
-        .ctx(|| format!("write {path}"))
-}
-
-fn stage0_parent(
-    cfg: &InitConfig,
-    host_proc: &fs::File,
-    child: u32,
-    to_child: &OwnedFd,
-    from_child: &OwnedFd,
-) -> Result<(), InitError> {
-    let b = read_byte(from_child)?;
-    if b == b'U' {
-        let map = format!("0 {} {}\n", cfg.uid_base, cfg.uid_count);
-        write_at(host_proc, &format!("{child}/uid_map"), &map)?;
-        write_at(host_proc, &format!("{child}/gid_map"), &map)?;
-        write_byte(to_child, b"G")?;
-        let b = read_byte(from_child)?;
-        if b == b'R' {
-            return Ok(());
-        }
-        return Err(child_error(b, from_child));
-    }
-    Err(child_error(b, from_child))
+    Ok(())
 }
 
 fn child_error(first: u8, from_child: &OwnedFd) -> InitError {
@@ -509,9 +624,101 @@ fn child_error(first: u8, from_child: &OwnedFd) -> InitError {
     InitError::Other(String::from_utf8_lossy(&rest).into_owned())
 }
 
-fn stage1(root: &Path, from_parent: &OwnedFd, to_parent: &OwnedFd) -> Result<(), InitError> {
-    let proc_dir = root.join("proc");
-    fs::create_dir_all(&proc_dir).ctx(|| "mkdir /proc".into())?;
+/// Stage 1: enters the sandbox's user namespace first (joined with its network namespace, or
+/// made), makes the other namespaces from inside it, so that it owns them all, waits for stage
+/// 0's mounts, mounts /sys, and forks PID 1. Returns only an error.
+fn stage1(
+    cfg: &InitConfig,
+    joined: Option<(OwnedFd, OwnedFd)>,
+    from_parent: &OwnedFd,
+    to_parent: &OwnedFd,
+) -> Result<std::convert::Infallible, InitError> {
+    // Still host root: from here on the root is reached relative to the sandbox's directory
+    // (searchable, under the node's 0700 data directory, which sandbox root may not search).
+    chdir(&cfg.dir).ctx(|| format!("chdir {}", cfg.dir.display()))?;
+    let mut namespaces = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWCGROUP;
+    match joined {
+        Some((user, net)) => {
+            nix::sched::setns(&user, CloneFlags::CLONE_NEWUSER)
+                .ctx(|| "join the sandbox's user namespace".into())?;
+            nix::sched::setns(&net, CloneFlags::CLONE_NEWNET)
+                .ctx(|| "join the sandbox's network namespace".into())?;
+        }
+        None => {
+            unshare(CloneFlags::CLONE_NEWUSER).ctx(|| "unshare user".into())?;
+            write_byte(to_parent, b"U")?;
+            if read_byte(from_parent)? != b'G' {
+                return Err(InitError::Other("uid map not written".into()));
+            }
+            namespaces |= CloneFlags::CLONE_NEWNET;
+        }
+    }
+    nix::unistd::setgroups(&[]).ctx(|| "setgroups".into())?;
+    nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0))
+        .ctx(|| "setresgid".into())?;
+    nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
+        .ctx(|| "setresuid".into())?;
+    unshare(namespaces).ctx(|| "unshare".into())?;
+    mnt(
+        None,
+        Path::new("/"),
+        None,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None,
+    )?;
+    sethostname(&cfg.hostname).ctx(|| "sethostname".into())?;
+    loopback_up()?;
+    write_byte(to_parent, b"M")?;
+    if read_byte(from_parent)? != b'D' {
+        return Err(InitError::Other("the root was not mounted".into()));
+    }
+    // sysfs shows the network namespace of who mounts it: this one's.
+    mnt(
+        Some("sysfs"),
+        Path::new("rootfs/sys"),
+        Some("sysfs"),
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
+    // Last: the PID namespace's first child is its PID 1.
+    unshare(CloneFlags::CLONE_NEWPID).ctx(|| "unshare pid".into())?;
+    let args = AgentArgs {
+        hostname: cfg.hostname.clone(),
+        image_env: cfg.image_env.clone(),
+        image_user: cfg.image_user.clone(),
+        image_workdir: cfg.image_workdir.clone(),
+    };
+    let args = serde_json::to_string(&args).map_err(|e| InitError::Other(e.to_string()))?;
+    // SAFETY: stage 1 is single-threaded, so the child may run any code after fork.
+    match unsafe { fork() }.ctx(|| "fork PID 1".into())? {
+        ForkResult::Child => {
+            let e = match stage2(Path::new("rootfs"), &args) {
+                Ok(never) => match never {},
+                Err(e) => e,
+            };
+            let msg = format!("E{e}");
+            let _ = nix::unistd::write(to_parent, msg.as_bytes());
+            std::process::exit(1);
+        }
+        ForkResult::Parent { child } => {
+            let mut msg = vec![b'P'];
+            msg.extend_from_slice(&(child.as_raw() as u32).to_le_bytes());
+            write_byte(to_parent, &msg)?;
+            std::process::exit(0);
+        }
+    }
+}
+
+/// Stage 2, PID 1 of the sandbox: a session of its own, /proc, the pivot into the root, the
+/// agent's listening socket, the capability bounding set, no_new_privs, the seccomp filter,
+/// then the exec of the agent. Returns only an error.
+fn stage2(root: &Path, args: &str) -> Result<std::convert::Infallible, InitError> {
+    nix::unistd::setsid().ctx(|| "setsid".into())?;
+    chdir(root).ctx(|| "chdir root".into())?;
+    let proc_dir = Path::new("proc");
     mnt(
         Some("proc"),
         &proc_dir,
@@ -519,7 +726,7 @@ fn stage1(root: &Path, from_parent: &OwnedFd, to_parent: &OwnedFd) -> Result<(),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         None,
     )?;
-    let null = root.join("dev/null");
+    let null = Path::new("dev/null");
     for masked in ["kcore", "keys", "timer_list", "sysrq-trigger"] {
         let p = proc_dir.join(masked);
         if p.exists() {
@@ -532,21 +739,14 @@ fn stage1(root: &Path, from_parent: &OwnedFd, to_parent: &OwnedFd) -> Result<(),
             )?;
         }
     }
-    chdir(root).ctx(|| "chdir root".into())?;
     pivot_root(".", ".").ctx(|| "pivot_root".into())?;
     umount2(".", MntFlags::MNT_DETACH).ctx(|| "detach old root".into())?;
     chdir("/").ctx(|| "chdir /".into())?;
 
-    unshare(CloneFlags::CLONE_NEWUSER).ctx(|| "unshare user".into())?;
-    write_byte(to_parent, b"U")?;
-    if read_byte(from_parent)? != b'G' {
-        return Err(InitError::Other("uid map not written".into()));
-    }
-    nix::unistd::setgroups(&[]).ctx(|| "setgroups".into())?;
-    nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0))
-        .ctx(|| "setresgid".into())?;
-    nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
-        .ctx(|| "setresuid".into())?;
+    // Bound and listening here, by the agent's own process: the node checks that the listener
+    // it reaches is this pid's (SO_PEERCRED of a listener is its listen()er's).
+    let listener =
+        crate::sock::bind_abstract(AGENT_SOCKET).ctx(|| format!("bind @{AGENT_SOCKET}"))?;
 
     let keep: caps::CapsHashSet = KEEP_CAPS.iter().copied().collect();
     for cap in caps::all() {
@@ -561,16 +761,6 @@ fn stage1(root: &Path, from_parent: &OwnedFd, to_parent: &OwnedFd) -> Result<(),
         .map_err(|e| InitError::Other(format!("effective caps: {e}")))?;
     caps::set(None, caps::CapSet::Permitted, &keep)
         .map_err(|e| InitError::Other(format!("permitted caps: {e}")))?;
-    // The agent is not dumpable: a process of the sandbox (which has no CAP_SYS_PTRACE) can
-    // neither ptrace it nor read its memory or its descriptors (the node's socket) in /proc.
-    // Commands it starts are dumpable again when they exec.
-    // SAFETY: PR_SET_DUMPABLE takes integer arguments and touches no memory.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
-        return Err(InitError::Io {
-            what: "not dumpable".into(),
-            source: std::io::Error::last_os_error(),
-        });
-    }
     // SAFETY: PR_SET_NO_NEW_PRIVS takes integer arguments and touches no memory.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(InitError::Io {
@@ -594,5 +784,31 @@ fn stage1(root: &Path, from_parent: &OwnedFd, to_parent: &OwnedFd) -> Result<(),
             });
         }
     }
-    Ok(())
+    drop(devnull);
+    crate::process::move_to_inheritable(OwnedFd::from(listener), AGENT_LISTEN_FD)
+        .ctx(|| "the agent's listener".into())?;
+    // Every other descriptor (the pipe to stage 0 among them) closes at the exec.
+    cloexec_from(AGENT_LISTEN_FD as u32 + 1)?;
+    let prog = std::ffi::CString::new(AGENT_PATH).map_err(|e| InitError::Other(e.to_string()))?;
+    let argv = [
+        std::ffi::CString::new("sbx-agent").map_err(|e| InitError::Other(e.to_string()))?,
+        std::ffi::CString::new("serve").map_err(|e| InitError::Other(e.to_string()))?,
+        std::ffi::CString::new(args).map_err(|e| InitError::Other(e.to_string()))?,
+    ];
+    let env: [std::ffi::CString; 0] = [];
+    let e = nix::unistd::execve(&prog, &argv, &env).map_err(std::io::Error::from);
+    Err(InitError::Io {
+        what: format!("exec {AGENT_PATH}"),
+        source: e
+            .err()
+            .unwrap_or_else(|| std::io::Error::other("exec returned")),
+    })
+}
+
+/// The agent's side after its exec: its listening socket (close-on-exec from now on, so no
+/// command of the sandbox gets it), and the agent made not dumpable at once (see
+/// [`crate::process::set_dumpable`]).
+pub fn agent_listener() -> Result<UnixListener, InitError> {
+    crate::process::set_dumpable(false).ctx(|| "not dumpable".into())?;
+    crate::process::take_inherited_listener(AGENT_LISTEN_FD).ctx(|| "the inherited listener".into())
 }

@@ -4,6 +4,7 @@
 //! - [`init`]: stages 0 and 1 of a sandbox, run by `sbx-agent init` (the sandbox's side);
 //! - [`process`]: starting, reaping and signalling processes (the agent's side);
 //! - [`cgroup`]: cgroups v1 and v2 behind one interface;
+//! - [`criu`]: checkpoint and restore of a sandbox (sleep, wake) with the `criu` binary;
 //! - [`seccomp`]: the sandbox's syscall filter;
 //! - [`fsutil`]: ownership shifting of image trees;
 //! - [`hostfs`]: the node's host-side locks and private directories;
@@ -14,6 +15,7 @@
 //! - [`sock`]: node-agent connections registered for what their task waits on only.
 
 pub mod cgroup;
+pub mod criu;
 pub mod driver;
 pub mod fsutil;
 pub mod hostfs;
@@ -44,4 +46,6 @@ pub enum RuntimeError {
     },
     #[error("sandbox did not start: {0}")]
     Start(String),
+    #[error(transparent)]
+    Criu(#[from] criu::CriuError),
 }

@@ -751,3 +751,177 @@ mod tests {
         assert_eq!(spawn(&s).unwrap_err().kind(), io::ErrorKind::NotFound);
     }
 }
+
+/// Makes the calling process dumpable (`PR_SET_DUMPABLE`) or not. The agent is not dumpable
+/// while a sandbox is awake: a process of the sandbox (which has no CAP_SYS_PTRACE) can then
+/// neither ptrace it nor read its memory or descriptors in /proc. A checkpoint needs it
+/// dumpable (CRIU opens its namespace files from inside the sandbox's user namespace).
+pub fn set_dumpable(on: bool) -> io::Result<()> {
+    // SAFETY: PR_SET_DUMPABLE takes integer arguments and touches no memory.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, on as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether the calling process is dumpable.
+pub fn is_dumpable() -> bool {
+    // SAFETY: PR_GET_DUMPABLE takes no argument and touches no memory.
+    unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) == 1 }
+}
+
+/// Moves `fd` to descriptor `to`, without close-on-exec (it is meant for an exec): `to` is
+/// then open and owned by no value of this process.
+pub fn move_to_inheritable(fd: OwnedFd, to: RawFd) -> io::Result<()> {
+    use std::os::fd::IntoRawFd;
+    let raw = fd.into_raw_fd();
+    if raw != to {
+        // SAFETY: dup2 onto `to`, which the caller gives up (it is about to exec); `raw` is
+        // ours (taken from the OwnedFd) and closed right after.
+        let r = unsafe { libc::dup2(raw, to) };
+        // SAFETY: `raw` is ours alone (see above).
+        unsafe { libc::close(raw) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    // SAFETY: F_SETFD on a descriptor the caller holds changes only its flags.
+    if unsafe { libc::fcntl(to, libc::F_SETFD, 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes a listening unix socket inherited at descriptor `fd` (once, at start), and marks it
+/// close-on-exec.
+pub fn take_inherited_listener(fd: RawFd) -> io::Result<std::os::unix::net::UnixListener> {
+    // SAFETY: F_GETFD only checks that the descriptor is open.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut ty: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_TYPE writes one c_int into `ty`, whose size is passed in `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            &mut ty as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r < 0 || ty != libc::SOCK_STREAM {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("descriptor {fd} is not a stream socket"),
+        ));
+    }
+    // SAFETY: the descriptor is open, is a socket, and is taken once at start by this
+    // process's only owner of it.
+    let l = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+    // SAFETY: F_SETFD on the descriptor just taken changes only its flags.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(l)
+}
+
+/// Makes a user namespace that maps uids and gids `0 base count`, and a network namespace
+/// owned by it, and returns a handle on the network namespace (which holds its user
+/// namespace). A thread of a multithreaded process cannot make a user namespace, so a child
+/// process is cloned into both (it only waits on a pipe); its maps are written, the
+/// namespace opened, and the child ends. For the network pool's thread, off any request path.
+pub fn userns_with_netns((base, count): (u32, u32)) -> io::Result<OwnedFd> {
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let (r_raw, w_raw) = (r.as_raw_fd(), w.as_raw_fd());
+    let flags = (libc::CLONE_NEWUSER | libc::CLONE_NEWNET | libc::SIGCHLD) as libc::c_ulong;
+    // SAFETY: a fork-like clone (no new stack: the child runs on a copy of this one). The
+    // child calls only close, read and _exit, which are async-signal-safe and touch no lock
+    // or allocator state another thread of the parent may have held.
+    let pid = unsafe { libc::syscall(libc::SYS_clone, flags, 0usize, 0usize, 0usize, 0usize) };
+    if pid == 0 {
+        let mut b = 0u8;
+        // SAFETY: see above; `b` is this stack's own byte.
+        unsafe {
+            libc::close(w_raw);
+            libc::read(r_raw, &mut b as *mut u8 as *mut libc::c_void, 1);
+            libc::_exit(0);
+        }
+    }
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let pid = pid as i32;
+    drop(r);
+    let result = (|| {
+        let map = format!("0 {base} {count}\n");
+        fs::write(format!("/proc/{pid}/uid_map"), &map)?;
+        fs::write(format!("/proc/{pid}/gid_map"), &map)?;
+        fs::File::open(format!("/proc/{pid}/ns/net")).map(OwnedFd::from)
+    })();
+    if result.is_err() {
+        kill_pid(pid as u32, libc::SIGKILL);
+    }
+    // The child reads a byte and exits. (Not the pipe's end: a child that another thread
+    // clones meanwhile holds a copy of `w` until it execs or ends.)
+    let _ = nix::unistd::write(&w, b"x");
+    drop(w);
+    // Reaped here, unless a reaper of the process's took it first (ECHILD).
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+    result
+}
+
+/// A mount made in a new mount namespace of a child before it execs (for criu's `--root`):
+/// prepared before the fork, applied in the child with raw syscalls only.
+#[derive(Debug)]
+pub struct PrivateMount {
+    target: CString,
+    data: CString,
+}
+
+impl PrivateMount {
+    /// An overlay with mount options `data` at `target`.
+    pub fn overlay(target: &Path, data: &str) -> io::Result<PrivateMount> {
+        Ok(PrivateMount {
+            target: CString::new(target.as_os_str().as_bytes())?,
+            data: CString::new(data)?,
+        })
+    }
+
+    /// In the child (between fork and exec): a mount namespace of its own, private, with the
+    /// mount made in it.
+    pub fn apply(&self) -> io::Result<()> {
+        // SAFETY: unshare takes flags only.
+        if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: every pointer is to a NUL-terminated string that lives for the call, or null.
+        let r = unsafe {
+            libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: as above; `data` is the overlay's option string.
+        let r = unsafe {
+            libc::mount(
+                c"overlay".as_ptr(),
+                self.target.as_ptr(),
+                c"overlay".as_ptr(),
+                0,
+                self.data.as_ptr() as *const libc::c_void,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}

@@ -606,6 +606,9 @@ async fn handle(agent: &Arc<Agent>, out: &Out, msg: HostMsg) {
         HostMsg::Sync { token } => {
             send(out, &AgentMsg::Synced { token }).await;
         }
+        HostMsg::SetDumpable { dumpable } => {
+            send(out, &AgentMsg::Dumpable { dumpable }).await;
+        }
         HostMsg::Fs { id, .. } => {
             let error = FsFailure::new(
                 FsErrorCode::Unsupported,

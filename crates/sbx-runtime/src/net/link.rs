@@ -224,3 +224,15 @@ pub(crate) fn add_route(
         NLM_F_CREATE | NLM_F_EXCL,
     )
 }
+
+/// Moves link `index` (of the namespace of `conn`) into the network namespace `ns`.
+pub(crate) fn move_to_ns(conn: &mut Conn, index: u32, ns: BorrowedFd<'_>) -> Result<(), NetError> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.attributes = vec![LinkAttribute::NetNsFd(ns.as_raw_fd())];
+    conn.request(
+        &format!("move link {index} to another namespace"),
+        RouteNetlinkMessage::SetLink(msg),
+        0,
+    )
+}

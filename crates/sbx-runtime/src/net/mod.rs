@@ -72,7 +72,7 @@ pub use orig::original_dst;
 pub use policy::SandboxRules;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::{HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
@@ -86,6 +86,11 @@ use ipnet::Ipv4Net;
 
 pub use ct::CtEntry;
 use nl::Conn;
+
+/// The ids a sandbox's user namespace maps (`0 base count`): a sandbox's network namespace
+/// is owned by a user namespace made for it with these, which the sandbox joins (the driver's
+/// `uid_base` and `uid_count`, the same for every sandbox).
+pub const SANDBOX_IDS: (u32, u32) = (100_000, 65_536);
 
 /// The name of the sandbox's side of its veth.
 pub const INNER_IFNAME: &str = "eth0";
@@ -375,7 +380,7 @@ impl Inner {
         let gw = self.gateway;
         let addr = self.address(slot);
         let ifname = self.ifname(slot);
-        let (ns, mut inside) = ns::make(|| {
+        let (ns, mut inside) = ns::make_owned(SANDBOX_IDS, || {
             // Before eth0 exists, so that it never has an IPv6 address (a kernel without
             // IPv6 has no such file, and no IPv6).
             match ns::sysctl("net/ipv6/conf/default/disable_ipv6", "1") {
@@ -1029,6 +1034,55 @@ impl Drop for Lease {
 /// [`crate::netns::in_netns_of_handle`]).
 pub fn new_netns() -> Result<OwnedFd, NetError> {
     ns::make(|| Ok(())).map(|(ns, _)| ns)
+}
+
+/// Moves a sandbox's `eth0` from the network namespace it is in (`from`: a leased one, held
+/// while the sandbox sleeps) into the namespace `to` (a restored sandbox's new, empty one) and
+/// configures it there as the pool did: `lo` and `eth0` up, `address/32` point-to-point with
+/// `gateway`, the default route via `gateway`, and the namespace's sysctls. For the restore's
+/// `setup-namespaces` step, before any socket of the sandbox is restored: its listening and
+/// established TCP sockets come back on the same address.
+pub fn move_sandbox_link(
+    from: OwnedFd,
+    to: OwnedFd,
+    address: Ipv4Addr,
+    gateway: Ipv4Addr,
+) -> Result<(), NetError> {
+    let target = to.try_clone().map_err(|e| NetError::Io {
+        what: "dup".into(),
+        source: e,
+    })?;
+    ns::within(to, move || {
+        match ns::sysctl("net/ipv6/conf/default/disable_ipv6", "1") {
+            Err(e) if e.errno() == Some(libc::ENOENT) => {}
+            r => r?,
+        }
+        ns::sysctl("net/ipv4/ping_group_range", "0 2147483647")?;
+        ns::sysctl("net/ipv4/ip_unprivileged_port_start", "0")
+    })?;
+    let dest = target.try_clone().map_err(|e| NetError::Io {
+        what: "dup".into(),
+        source: e,
+    })?;
+    ns::within(from, move || {
+        let mut conn = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+        let eth0 = link::index_of(&mut conn, INNER_IFNAME)?.ok_or_else(|| NetError::Netlink {
+            what: format!("find {INNER_IFNAME} in the leased namespace"),
+            source: std::io::Error::from_raw_os_error(libc::ENODEV),
+        })?;
+        link::move_to_ns(&mut conn, eth0, dest.as_fd())
+    })?;
+    ns::within(target, move || {
+        let mut conn = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+        link::set_up(&mut conn, 1)?;
+        let eth0 = link::index_of(&mut conn, INNER_IFNAME)?.ok_or_else(|| NetError::Netlink {
+            what: format!("find {INNER_IFNAME} in the restored namespace"),
+            source: std::io::Error::from_raw_os_error(libc::ENODEV),
+        })?;
+        link::add_p2p_address(&mut conn, eth0, address, gateway)?;
+        link::set_up(&mut conn, eth0)?;
+        link::add_route(&mut conn, Ipv4Addr::UNSPECIFIED, 0, gateway, eth0)
+    })
 }
 
 /// Turns IPv4 forwarding on or off in the calling thread's network namespace

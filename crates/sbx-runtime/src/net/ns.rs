@@ -12,7 +12,9 @@ use super::{link, NetError};
 /// Makes a new network namespace on a thread of its own (the caller's thread never changes
 /// namespace), brings its `lo` up, runs `setup` there, inside it, and returns a handle on the
 /// namespace (its only reference once the thread has ended) and a rtnetlink socket of the
-/// namespace, which stays bound to it wherever it is used afterwards.
+/// namespace, which stays bound to it wherever it is used afterwards. The namespace is the
+/// host's user namespace's (for a test's "node" and "outside"; a sandbox's is
+/// [`make_owned`]).
 pub(crate) fn make<F>(setup: F) -> Result<(OwnedFd, Conn), NetError>
 where
     F: FnOnce() -> Result<(), NetError> + Send + 'static,
@@ -26,12 +28,42 @@ where
             what: "open the new network namespace".into(),
             source: e,
         })?;
-        let mut conn = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
-        // lo is always index 1 (LOOPBACK_IFINDEX) in a new namespace.
-        link::set_up(&mut conn, 1)?;
-        setup()?;
+        let conn = configure(setup)?;
         Ok((OwnedFd::from(ns), conn))
     })
+}
+
+/// [`make`] of a sandbox's network namespace: owned by a new user namespace that maps
+/// `(base, count)` (sandbox root is host uid `base`), so that the sandbox owns it and a
+/// checkpoint can dump it. The caller holds the network namespace; it holds its user
+/// namespace.
+pub(crate) fn make_owned<F>(ids: (u32, u32), setup: F) -> Result<(OwnedFd, Conn), NetError>
+where
+    F: FnOnce() -> Result<(), NetError> + Send + 'static,
+{
+    let ns = crate::process::userns_with_netns(ids).map_err(|e| NetError::Io {
+        what: "make a user and a network namespace".into(),
+        source: e,
+    })?;
+    let theirs = ns.try_clone().map_err(|e| NetError::Io {
+        what: "dup".into(),
+        source: e,
+    })?;
+    let conn = within(theirs, move || configure(setup))?;
+    Ok((ns, conn))
+}
+
+/// In the calling thread's new network namespace: `lo` up, then `setup`; a rtnetlink socket
+/// of the namespace.
+fn configure<F>(setup: F) -> Result<Conn, NetError>
+where
+    F: FnOnce() -> Result<(), NetError>,
+{
+    let mut conn = Conn::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+    // lo is always index 1 (LOOPBACK_IFINDEX) in a new namespace.
+    link::set_up(&mut conn, 1)?;
+    setup()?;
+    Ok(conn)
 }
 
 /// Runs `f` on a new thread that has joined the network namespace `ns`, and returns what it

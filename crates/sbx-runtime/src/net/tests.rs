@@ -28,7 +28,7 @@ const OPEN_UDP: u16 = 53;
 const SHORT: Duration = Duration::from_millis(400);
 const LONG: Duration = Duration::from_secs(5);
 
-fn root() -> bool {
+pub(crate) fn root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
@@ -51,14 +51,14 @@ fn io<T>(r: std::io::Result<T>) -> Result<T, NetError> {
     })
 }
 
-struct Lab {
+pub(crate) struct Lab {
     // Dropped in this order: the network (its sockets and pool), then the namespaces.
     net: Option<Network>,
-    node: OwnedFd,
+    pub(crate) node: OwnedFd,
     outside: OwnedFd,
 }
 
-fn config() -> NetConfig {
+pub(crate) fn config() -> NetConfig {
     NetConfig {
         table: format!("sbxtest{}", std::process::id()),
         prefix: "sbt".into(),
@@ -71,7 +71,7 @@ fn config() -> NetConfig {
     }
 }
 
-fn lab(cfg: NetConfig) -> Lab {
+pub(crate) fn lab(cfg: NetConfig) -> Lab {
     let node = new_netns().expect("node namespace");
     let outside = new_netns().expect("outside namespace");
     let out = dup(&outside);
@@ -102,7 +102,7 @@ fn lab(cfg: NetConfig) -> Lab {
 }
 
 impl Lab {
-    fn net(&self) -> &Network {
+    pub(crate) fn net(&self) -> &Network {
         self.net.as_ref().expect("network")
     }
 }
@@ -754,6 +754,10 @@ fn the_path_of_a_lease_names_its_namespace_for_init() {
     })
     .expect("joined");
     assert_eq!(seen, want);
+    // Owned by a user namespace of its own (not the host's), which the sandbox joins.
+    let f = std::fs::File::open(lease.ns_path()).expect("open");
+    let owner = crate::init::owner_userns(&f).expect("owner");
+    assert!(!crate::init::is_initial_userns(&owner).expect("compare"));
 }
 
 #[test]
@@ -786,7 +790,7 @@ fn bad_settings_are_refused() {
 
 /// The agent binary beside this test's (built by `cargo build --workspace`) and the base
 /// image's root (`SBX_TEST_IMAGES`, else the machine's), when both are there.
-fn agent_and_rootfs() -> Option<(PathBuf, PathBuf)> {
+pub(crate) fn agent_and_rootfs() -> Option<(PathBuf, PathBuf)> {
     let exe = std::env::current_exe().ok()?;
     let agent = exe.parent()?.parent()?.join("sbx-agent");
     let images = std::env::var_os("SBX_TEST_IMAGES")
