@@ -743,7 +743,7 @@ fn stage2(
     let proc_dir = Path::new("proc");
     mnt(
         Some("proc"),
-        &proc_dir,
+        proc_dir,
         Some("proc"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         None,
