@@ -42,7 +42,14 @@ fn main() {
                     std::process::exit(1);
                 }
             };
-            let Err(e) = sbx_runtime::init::enter(&cfg);
+            let defaults = exec::Defaults {
+                env: cfg.image_env.clone(),
+                user: cfg.image_user.clone(),
+                workdir: cfg.image_workdir.clone(),
+                hostname: cfg.hostname.clone(),
+            };
+            // Run in process only when the image cannot exec the agent's binary.
+            let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults));
             {
                 eprintln!("sbx-agent: {e}");
                 std::process::exit(1);

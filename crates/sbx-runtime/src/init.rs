@@ -1,15 +1,22 @@
-//! Making a sandbox from the inside: the two first stages of `sbx-agent init`.
+//! Making a sandbox from the inside: the stages of `sbx-agent init`, in the layout CRIU can
+//! checkpoint (issue #15; see docs/criu-spike/FINDINGS.md §3 and §7).
 //!
-//! Stage 0 runs as host root in the host's namespaces. It joins the sandbox's cgroups, binds the
-//! agent's socket on the host (so the node can connect at once, and again after its own restart),
-//! unshares the mount, UTS, IPC, network, PID and cgroup namespaces (or, for the network, joins
-//! the one the node prepared: `InitConfig::netns`), and builds the root: an
-//! overlay of the image (lower) and the sandbox's upper directory, a minimal /dev, /sys read-only.
-//! It then forks stage 1, which is PID 1 of the new PID namespace: it mounts /proc, pivots into
-//! the root, unshares a user namespace (stage 0 writes its uid and gid maps: sandbox root is the
-//! host's `uid_base`), becomes root in it, bounds its capabilities, sets no_new_privs, installs
-//! the seccomp filter, and returns to the caller as the agent. Stage 0 prints the agent's host pid
-//! and exits.
+//! Stage 0 runs as host root in the host's namespaces. It joins the sandbox's cgroups and forks
+//! stage 1, which enters the sandbox's **user namespace first**: the one that owns the leased
+//! network namespace (`InitConfig::netns`, made by the pool with its own user namespace), or a
+//! new one whose maps stage 0 writes (sandbox root is the host's `uid_base`). From inside it,
+//! stage 1 unshares the mount, UTS, IPC and cgroup namespaces (and the network one when none is
+//! leased), so the sandbox's user namespace owns every namespace of the sandbox. Stage 0 then
+//! joins stage 1's mount namespace and, as host root, mounts what needs the host's paths: the
+//! overlay (its lowers are under the 0700 image store), /dev with the host's device nodes,
+//! /tmp, the CA bundle, the files of /etc, and the agent's binary read-only at [`AGENT_PATH`].
+//! Stage 1 mounts /sys (it shows the mounter's network namespace) and unshares the PID
+//! namespace; its child, stage 2, is PID 1: it calls setsid(), mounts /proc, pivots into the
+//! root, binds the agent's listening socket (the abstract [`AGENT_SOCKET`] in the sandbox's
+//! network namespace), bounds its capabilities, sets no_new_privs, installs the seccomp
+//! filter, and execs the agent from [`AGENT_PATH`] with every descriptor but that socket
+//! closed. The agent makes itself not dumpable at once ([`agent_listener`]). Stage 0 prints the
+//! agent's host pid and exits.
 //!
 //! Every mount is made in the sandbox's own mount namespace: when its last process is gone, so
 //! are its mounts. Nothing is mounted in the host's namespace.
@@ -339,7 +346,10 @@ pub(crate) fn is_initial_userns(userns: &OwnedFd) -> Result<bool, InitError> {
 /// stage 1 forks stage 2, PID 1 of the sandbox, which pivots into the root, binds the agent's
 /// socket and execs the agent from [`AGENT_PATH`]. Stage 0 prints `pid N` (the agent's host
 /// pid) on stdout and exits the process; this returns only an error.
-pub fn enter(cfg: &InitConfig) -> Result<std::convert::Infallible, InitError> {
+pub fn enter(
+    cfg: &InitConfig,
+    in_process: impl FnOnce(UnixListener) -> std::convert::Infallible,
+) -> Result<std::convert::Infallible, InitError> {
     // Nothing the node's process had open reaches the sandbox: every descriptor but stdio
     // (the node's pipes to this stage) is closed before anything else.
     close_inherited()?;
@@ -392,7 +402,7 @@ pub fn enter(cfg: &InitConfig) -> Result<std::convert::Infallible, InitError> {
         ForkResult::Child => {
             drop(to_child_w);
             drop(to_parent_r);
-            let e = match stage1(cfg, joined, &to_child_r, &to_parent_w) {
+            let e = match stage1(cfg, joined, &to_child_r, &to_parent_w, in_process) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -457,7 +467,9 @@ fn stage0_parent(
         .map_err(none)?;
     drop(mntns);
     host_mounts(cfg, exe).map_err(none)?;
-    write_byte(to_child, b"D").map_err(none)?;
+    // 'D': exec the agent from inside; 'd': the image cannot run it, PID 1 serves in process.
+    let runs = image_runs_agent(&cfg.dir.join("rootfs"));
+    write_byte(to_child, if runs { b"D" } else { b"d" }).map_err(none)?;
     let b = read_byte(from_child).map_err(none)?;
     if b != b'P' {
         return Err((None, child_error(b, from_child)));
@@ -632,6 +644,7 @@ fn stage1(
     joined: Option<(OwnedFd, OwnedFd)>,
     from_parent: &OwnedFd,
     to_parent: &OwnedFd,
+    in_process: impl FnOnce(UnixListener) -> std::convert::Infallible,
 ) -> Result<std::convert::Infallible, InitError> {
     // Still host root: from here on the root is reached relative to the sandbox's directory
     // (searchable, under the node's 0700 data directory, which sandbox root may not search).
@@ -672,9 +685,11 @@ fn stage1(
     sethostname(&cfg.hostname).ctx(|| "sethostname".into())?;
     loopback_up()?;
     write_byte(to_parent, b"M")?;
-    if read_byte(from_parent)? != b'D' {
-        return Err(InitError::Other("the root was not mounted".into()));
-    }
+    let exec = match read_byte(from_parent)? {
+        b'D' => true,
+        b'd' => false,
+        _ => return Err(InitError::Other("the root was not mounted".into())),
+    };
     // sysfs shows the network namespace of who mounts it: this one's.
     mnt(
         Some("sysfs"),
@@ -695,7 +710,7 @@ fn stage1(
     // SAFETY: stage 1 is single-threaded, so the child may run any code after fork.
     match unsafe { fork() }.ctx(|| "fork PID 1".into())? {
         ForkResult::Child => {
-            let e = match stage2(Path::new("rootfs"), &args) {
+            let e = match stage2(Path::new("rootfs"), &args, exec, in_process) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -715,13 +730,20 @@ fn stage1(
 /// Stage 2, PID 1 of the sandbox: a session of its own, /proc, the pivot into the root, the
 /// agent's listening socket, the capability bounding set, no_new_privs, the seccomp filter,
 /// then the exec of the agent. Returns only an error.
-fn stage2(root: &Path, args: &str) -> Result<std::convert::Infallible, InitError> {
+// `in_process` never returns (its type is uninhabited): what follows its call is unreachable.
+#[allow(unreachable_code)]
+fn stage2(
+    root: &Path,
+    args: &str,
+    exec: bool,
+    in_process: impl FnOnce(UnixListener) -> std::convert::Infallible,
+) -> Result<std::convert::Infallible, InitError> {
     nix::unistd::setsid().ctx(|| "setsid".into())?;
     chdir(root).ctx(|| "chdir root".into())?;
     let proc_dir = Path::new("proc");
     mnt(
         Some("proc"),
-        &proc_dir,
+        proc_dir,
         Some("proc"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         None,
@@ -796,13 +818,66 @@ fn stage2(root: &Path, args: &str) -> Result<std::convert::Infallible, InitError
         std::ffi::CString::new(args).map_err(|e| InitError::Other(e.to_string()))?,
     ];
     let env: [std::ffi::CString; 0] = [];
-    let e = nix::unistd::execve(&prog, &argv, &env).map_err(std::io::Error::from);
+    let e = if exec {
+        match nix::unistd::execve(&prog, &argv, &env) {
+            Err(e) => e,
+            Ok(never) => match never {},
+        }
+    } else {
+        nix::Error::ENOEXEC
+    };
+    // An image that cannot run the agent's binary (no dynamic loader of the host's kind):
+    // the agent runs on in this process, as it was forked. It serves the same, but it cannot
+    // be checkpointed (its executable and mappings are the host's).
+    if matches!(
+        e,
+        nix::Error::ENOENT | nix::Error::ENOEXEC | nix::Error::ELIBBAD | nix::Error::EACCES
+    ) {
+        // The pipe to stage 0 (and anything else) closes now, as the exec would have.
+        close_from(AGENT_LISTEN_FD as u32 + 1)?;
+        let listener = agent_listener()?;
+        return Ok(in_process(listener));
+    }
     Err(InitError::Io {
         what: format!("exec {AGENT_PATH}"),
-        source: e
-            .err()
-            .unwrap_or_else(|| std::io::Error::other("exec returned")),
+        source: e.into(),
     })
+}
+
+/// Whether the image at `root` has the shared libraries the agent's binary runs with (this
+/// process's, from its maps), each the same size as the host's: then PID 1 execs the agent
+/// from inside (checkpointable); else it serves in process (an image without the host's
+/// glibc, such as a minimal one).
+fn image_runs_agent(root: &Path) -> bool {
+    let Ok(maps) = fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let mut libs: Vec<&str> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|p| p.starts_with('/') && p.contains(".so"))
+        .collect();
+    libs.sort_unstable();
+    libs.dedup();
+    !libs.is_empty()
+        && libs.iter().all(|lib| {
+            let host = fs::metadata(lib).map(|m| m.len());
+            let image = fs::metadata(root.join(lib.trim_start_matches('/'))).map(|m| m.len());
+            matches!((host, image), (Ok(a), Ok(b)) if a == b)
+        })
+}
+
+/// Closes every descriptor from `from` up. Only in stage 2 before it runs the agent in
+/// process, which never returns to the frames that own them.
+fn close_from(from: u32) -> Result<(), InitError> {
+    // SAFETY: the descriptors closed are owned by frames this process never returns to (it
+    // serves until it exits), so no owner uses or closes them again.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, 0u32) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error()).ctx(|| "close descriptors".into())
+    }
 }
 
 /// The agent's side after its exec: its listening socket (close-on-exec from now on, so no

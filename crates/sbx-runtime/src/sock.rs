@@ -187,6 +187,85 @@ impl AsyncWrite for WriteHalf {
     }
 }
 
+/// Agents whose listener is the abstract socket [`crate::init::AGENT_SOCKET`] of their
+/// sandbox's network namespace, by the path that names them to the node
+/// ([`crate::Sandbox::socket`]): their host pid and a pidfd (which names their namespaces even
+/// if the pid is reused).
+static AGENTS: LazyLock<Mutex<AgentMap>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Agents by name: (host pid, pidfd).
+type AgentMap = HashMap<PathBuf, (u32, Arc<OwnedFd>)>;
+
+fn agents() -> std::sync::MutexGuard<'static, AgentMap> {
+    AGENTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// [`Conn::connect`] on `key` reaches the agent of host pid `pid` (`pidfd` a handle on it) in
+/// its network namespace from now on.
+pub fn register_agent(key: &Path, pid: u32, pidfd: OwnedFd) {
+    agents().insert(key.to_path_buf(), (pid, Arc::new(pidfd)));
+}
+
+/// Forgets `key`'s agent if it is still the agent of host pid `pid`.
+pub fn unregister_agent(key: &Path, pid: u32) {
+    let mut a = agents();
+    if a.get(key).is_some_and(|(p, _)| *p == pid) {
+        a.remove(key);
+    }
+}
+
+fn registered(key: &Path) -> Option<(u32, Arc<OwnedFd>)> {
+    agents().get(key).map(|(p, h)| (*p, h.clone()))
+}
+
+/// Connects to the abstract socket `name` from a thread in the network namespace of the
+/// process `pidfd` names, without blocking (a full backlog is an error, not a wait), and
+/// checks that the listener is process `pid`'s (`SO_PEERCRED` of a listener names the process
+/// that called listen(): a process of the sandbox that bound the name first is refused).
+fn connect_agent(pid: u32, pidfd: Arc<OwnedFd>) -> io::Result<std::os::unix::net::UnixStream> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType};
+    let handle = pidfd.try_clone()?;
+    let stream = crate::netns::in_netns_of_handle(handle, || {
+        let fd = socket::socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+            None,
+        )?;
+        let addr = UnixAddr::new_abstract(crate::init::AGENT_SOCKET.as_bytes())?;
+        socket::connect(fd.as_raw_fd(), &addr)?;
+        Ok(std::os::unix::net::UnixStream::from(fd))
+    })?;
+    let peer = peer_pid(&stream)?;
+    if peer != pid as i32 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the listener @{} is process {peer}'s, not the agent's ({pid})",
+                crate::init::AGENT_SOCKET
+            ),
+        ));
+    }
+    Ok(stream)
+}
+
+/// The pid of a unix socket's peer (`SO_PEERCRED`), as seen in the caller's PID namespace: 0
+/// for a process outside it.
+pub fn peer_pid(fd: &impl AsFd) -> io::Result<i32> {
+    let cred = nix::sys::socket::getsockopt(fd, nix::sys::socket::sockopt::PeerCredentials)?;
+    Ok(cred.pid())
+}
+
+/// A listening unix socket bound to the abstract name `name` in the caller's network
+/// namespace.
+pub fn bind_abstract(name: &str) -> io::Result<std::os::unix::net::UnixListener> {
+    use std::os::linux::net::SocketAddrExt;
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+    std::os::unix::net::UnixListener::bind_addr(&addr)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,81 +342,4 @@ mod tests {
         br.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"one two three");
     }
-}
-
-/// Agents whose listener is the abstract socket [`crate::init::AGENT_SOCKET`] of their
-/// sandbox's network namespace, by the path that names them to the node
-/// ([`crate::Sandbox::socket`]): their host pid and a pidfd (which names their namespaces even
-/// if the pid is reused).
-static AGENTS: LazyLock<Mutex<HashMap<PathBuf, (u32, Arc<OwnedFd>)>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
-
-fn agents() -> std::sync::MutexGuard<'static, HashMap<PathBuf, (u32, Arc<OwnedFd>)>> {
-    AGENTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// [`Conn::connect`] on `key` reaches the agent of host pid `pid` (`pidfd` a handle on it) in
-/// its network namespace from now on.
-pub fn register_agent(key: &Path, pid: u32, pidfd: OwnedFd) {
-    agents().insert(key.to_path_buf(), (pid, Arc::new(pidfd)));
-}
-
-/// Forgets `key`'s agent if it is still the agent of host pid `pid`.
-pub fn unregister_agent(key: &Path, pid: u32) {
-    let mut a = agents();
-    if a.get(key).is_some_and(|(p, _)| *p == pid) {
-        a.remove(key);
-    }
-}
-
-fn registered(key: &Path) -> Option<(u32, Arc<OwnedFd>)> {
-    agents().get(key).map(|(p, h)| (*p, h.clone()))
-}
-
-/// Connects to the abstract socket `name` from a thread in the network namespace of the
-/// process `pidfd` names, without blocking (a full backlog is an error, not a wait), and
-/// checks that the listener is process `pid`'s (`SO_PEERCRED` of a listener names the process
-/// that called listen(): a process of the sandbox that bound the name first is refused).
-fn connect_agent(pid: u32, pidfd: Arc<OwnedFd>) -> io::Result<std::os::unix::net::UnixStream> {
-    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType};
-    let handle = pidfd.try_clone()?;
-    let stream = crate::netns::in_netns_of_handle(handle, || {
-        let fd = socket::socket(
-            AddressFamily::Unix,
-            SockType::Stream,
-            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-            None,
-        )?;
-        let addr = UnixAddr::new_abstract(crate::init::AGENT_SOCKET.as_bytes())?;
-        socket::connect(fd.as_raw_fd(), &addr)?;
-        Ok(std::os::unix::net::UnixStream::from(fd))
-    })?;
-    let peer = peer_pid(&stream)?;
-    if peer != pid as i32 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "the listener @{} is process {peer}'s, not the agent's ({pid})",
-                crate::init::AGENT_SOCKET
-            ),
-        ));
-    }
-    Ok(stream)
-}
-
-/// The pid of a unix socket's peer (`SO_PEERCRED`), as seen in the caller's PID namespace: 0
-/// for a process outside it.
-pub fn peer_pid(fd: &impl AsFd) -> io::Result<i32> {
-    let cred = nix::sys::socket::getsockopt(fd, nix::sys::socket::sockopt::PeerCredentials)?;
-    Ok(cred.pid())
-}
-
-/// A listening unix socket bound to the abstract name `name` in the caller's network
-/// namespace.
-pub fn bind_abstract(name: &str) -> io::Result<std::os::unix::net::UnixListener> {
-    use std::os::linux::net::SocketAddrExt;
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
-    std::os::unix::net::UnixListener::bind_addr(&addr)
 }

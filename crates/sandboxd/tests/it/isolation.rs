@@ -50,7 +50,8 @@ fn sandbox_sees_only_its_own_processes() {
         cmdline[0].ends_with("sbx-agent"),
         "PID 1 of the sandbox is not sbx-agent: {cmdline:?}"
     );
-    assert_eq!(cmdline.get(1), Some(&"init"), "{cmdline:?}");
+    // Exec'd by init from inside the sandbox (the read-only bind /dev/.sbx-agent).
+    assert_eq!(cmdline.get(1), Some(&"serve"), "{cmdline:?}");
     node.assert_clean(CLEAN);
 }
 
@@ -359,15 +360,19 @@ fn limits_are_set_on_the_sandboxes_cgroup() {
 fn the_agent_cannot_be_inspected_from_inside() {
     let node = TestNode::start();
     let v = node.run_ok(&json!({
-        "command": "ls /proc/1/fd >/dev/null 2>&1 && echo FD-SEEN || echo FD-HIDDEN; \
+        "command": "readlink /proc/1/fd/3 >/dev/null 2>&1 && echo FD-SEEN || echo FD-HIDDEN; \
+                    cat /proc/1/fd/0 </dev/null >/dev/null 2>&1 && echo FD-OPENED || echo FD-CLOSED; \
                     cat /proc/1/environ >/dev/null 2>&1 && echo ENV-SEEN || echo ENV-HIDDEN; \
                     ls /proc/$$/fd >/dev/null 2>&1 && echo OWN-FD-SEEN"
     }));
     let out = stdout(&v);
     // Root of the sandbox has no CAP_SYS_PTRACE, and the agent is not dumpable: its
     // descriptors (the node's socket) and environment stay closed, while a command's own are
-    // open to it.
+    // open to it. (The agent is exec'd inside the sandbox's user namespace, so the owner of
+    // its /proc directories is that namespace's root: sandbox root may list the numbers in
+    // /proc/1/fd, but neither read a link nor open one.)
     assert!(out.contains("FD-HIDDEN"), "{out}");
+    assert!(out.contains("FD-CLOSED"), "{out}");
     assert!(out.contains("ENV-HIDDEN"), "{out}");
     assert!(out.contains("OWN-FD-SEEN"), "{out}");
     node.assert_clean(CLEAN);

@@ -43,10 +43,13 @@
 //! Inside, IPv6 is off for `eth0` (`net.ipv6.conf.default.disable_ipv6 = 1` before `eth0`
 //! exists; `lo` keeps `::1`, which the sandbox's /etc/hosts names; the host's veth makes no
 //! IPv6 address either), `lo` is up, ICMP echo
-//! sockets are allowed (`ping_group_range`) and ports below 1024 can be bound by the
-//! sandbox's root (`ip_unprivileged_port_start = 0`: its root is not root of the namespace's
-//! owner, the host's user namespace, and the ports are the namespace's own). A namespace made
-//! by init itself (`netns: None`) has neither.
+//! sockets are allowed (`ping_group_range`) and ports below 1024 can be bound by any user of
+//! the sandbox (`ip_unprivileged_port_start = 0`; the ports are the namespace's own). A
+//! namespace made by init itself (`netns: None`) has neither.
+//!
+//! Each namespace is owned by a user namespace made for it ([`SANDBOX_IDS`]: the pool's thread
+//! clones a short-lived child into both), which the sandbox joins first: the sandbox's user
+//! namespace then owns its network namespace, which CRIU needs to dump it.
 //!
 //! # What is kept where
 //!
