@@ -25,6 +25,7 @@ mod restart;
 mod runtime;
 mod sandboxes;
 mod secrets;
+mod seccomp;
 mod semantics;
 mod sleep;
 mod terminal;
