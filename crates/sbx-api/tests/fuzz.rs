@@ -47,8 +47,33 @@ impl Rng {
     /// A string of tricky characters: ASCII, `/`, `.`, `=`, NUL, controls, quotes, non-ASCII.
     fn string(&mut self, max: usize) -> String {
         const CHARS: &[char] = &[
-            'a', 'b', 'Z', '0', '9', ' ', '/', '.', '=', '-', '_', ':', '\0', '\n', '\t', '"',
-            '\\', '$', '*', '\u{7f}', 'é', 'ß', '中', '\u{202e}', '\u{fffd}', '😀', '\u{10ffff}',
+            'a',
+            'b',
+            'Z',
+            '0',
+            '9',
+            ' ',
+            '/',
+            '.',
+            '=',
+            '-',
+            '_',
+            ':',
+            '\0',
+            '\n',
+            '\t',
+            '"',
+            '\\',
+            '$',
+            '*',
+            '\u{7f}',
+            'é',
+            'ß',
+            '中',
+            '\u{202e}',
+            '\u{fffd}',
+            '😀',
+            '\u{10ffff}',
         ];
         let n = self.below(max + 1);
         (0..n).map(|_| *self.pick(CHARS)).collect()
@@ -109,8 +134,24 @@ impl Rng {
     /// `input` changed at a few random places.
     fn mutate(&mut self, input: &[u8]) -> Vec<u8> {
         const TOKENS: &[&[u8]] = &[
-            b"{", b"}", b"[", b"]", b"\"", b",", b":", b"null", b"true", b"1e999", b"-0",
-            b"\\u0000", b"\\ud800", b"\xff", b"\x00", b"\"command\"", b"[\"\"]", b"0.0001",
+            b"{",
+            b"}",
+            b"[",
+            b"]",
+            b"\"",
+            b",",
+            b":",
+            b"null",
+            b"true",
+            b"1e999",
+            b"-0",
+            b"\\u0000",
+            b"\\ud800",
+            b"\xff",
+            b"\x00",
+            b"\"command\"",
+            b"[\"\"]",
+            b"0.0001",
         ];
         let mut out = input.to_vec();
         for _ in 0..1 + self.below(4) {
@@ -149,7 +190,7 @@ fn seed() -> u64 {
     std::env::var("SBX_FUZZ_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5b_7f_0017)
+        .unwrap_or(0x5b7f_0017)
 }
 
 fn budget() -> Duration {
@@ -203,16 +244,61 @@ fn fuzz(
 }
 
 const RUN_FIELDS: &[&str] = &[
-    "command", "start", "start_command", "ready", "egress", "tmp", "runtime", "init", "image",
-    "limits", "name", "env", "metadata", "volumes", "public_ports", "inbound",
-    "sleep_after_seconds", "expires_at", "on_expiry", "hostname", "stop", "secret_env", "cwd",
-    "user", "timeout_seconds", "stdin", "encoding", "stream", "wait_for_reader", "region",
-    "memory_bytes", "vcpus", "disk_bytes", "tcp", "http", "command", "signal", "grace_seconds",
+    "command",
+    "start",
+    "start_command",
+    "ready",
+    "egress",
+    "tmp",
+    "runtime",
+    "init",
+    "image",
+    "limits",
+    "name",
+    "env",
+    "metadata",
+    "volumes",
+    "public_ports",
+    "inbound",
+    "sleep_after_seconds",
+    "expires_at",
+    "on_expiry",
+    "hostname",
+    "stop",
+    "secret_env",
+    "cwd",
+    "user",
+    "timeout_seconds",
+    "stdin",
+    "encoding",
+    "stream",
+    "wait_for_reader",
+    "region",
+    "memory_bytes",
+    "vcpus",
+    "disk_bytes",
+    "tcp",
+    "http",
+    "command",
+    "signal",
+    "grace_seconds",
 ];
 
 const EXEC_FIELDS: &[&str] = &[
-    "command", "env", "cwd", "user", "timeout_seconds", "stdin", "stdin_open", "encoding",
-    "tty", "rows", "cols", "wait_seconds", "wait_for_reader", "stream",
+    "command",
+    "env",
+    "cwd",
+    "user",
+    "timeout_seconds",
+    "stdin",
+    "stdin_open",
+    "encoding",
+    "tty",
+    "rows",
+    "cols",
+    "wait_seconds",
+    "wait_for_reader",
+    "stream",
 ];
 
 /// Valid bodies of the run call, written by hand: the seeds of the mutations.

@@ -12,8 +12,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use sbx_proto::{
-    encode_data, encode_msg, read_frame, AgentMsg, ExecFailKind, ExecSpec, Frame, HostMsg,
-    Program, ProtoError, Stream, MAX_DATA,
+    encode_data, encode_msg, read_frame, AgentMsg, ExecFailKind, ExecSpec, Frame, HostMsg, Program,
+    ProtoError, Stream, MAX_DATA,
 };
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncRead, ReadBuf};
@@ -44,8 +44,23 @@ impl Rng {
     }
     fn string(&mut self, max: usize) -> String {
         const CHARS: &[char] = &[
-            'a', 'Z', '0', ' ', '/', '.', '-', '\0', '\n', '"', '\\', '\u{7f}', 'é', '中', '😀',
-            '\u{10ffff}', '\u{202e}',
+            'a',
+            'Z',
+            '0',
+            ' ',
+            '/',
+            '.',
+            '-',
+            '\0',
+            '\n',
+            '"',
+            '\\',
+            '\u{7f}',
+            'é',
+            '中',
+            '😀',
+            '\u{10ffff}',
+            '\u{202e}',
         ];
         let n = self.below(max + 1);
         (0..n).map(|_| CHARS[self.below(CHARS.len())]).collect()
@@ -219,7 +234,7 @@ fn fuzz(
     mut make: impl FnMut(&mut Rng) -> Vec<u8>,
     mut one: impl FnMut(&[u8], &mut Rng),
 ) -> u64 {
-    let seed = env_or("SBX_FUZZ_SEED", 0x5b_7f_0017u64);
+    let seed = env_or("SBX_FUZZ_SEED", 0x5b7f_0017u64);
     let iters = env_or("SBX_FUZZ_ITERS", DEFAULT_ITERS);
     let budget = Duration::from_secs(env_or("SBX_FUZZ_SECONDS", DEFAULT_BUDGET.as_secs()));
     let mut rng = Rng(seed);
@@ -234,7 +249,9 @@ fn fuzz(
                 .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_default();
             let shown = &input[..input.len().min(512)];
-            panic!("{target}: execution {n} (SBX_FUZZ_SEED={seed}) panicked: {what}\ninput: {shown:?}");
+            panic!(
+                "{target}: execution {n} (SBX_FUZZ_SEED={seed}) panicked: {what}\ninput: {shown:?}"
+            );
         }
         n += 1;
     }
@@ -382,8 +399,9 @@ fn fuzz_read_frame_round_trips() {
                 rng: Rng(rng.next()),
                 max,
             };
+            let sent = sent.take();
             rt.block_on(async {
-                for s in sent.borrow().iter() {
+                for s in &sent {
                     match s {
                         Sent::Host(m) => {
                             let f = read_frame::<HostMsg, _>(&mut r).await.unwrap();

@@ -366,10 +366,8 @@ pub const ALLOWED_ARCH: &[(&str, libc::c_long)] = &[
 ];
 
 #[cfg(target_arch = "aarch64")]
-pub const ALLOWED_ARCH: &[(&str, libc::c_long)] = &[
-    ("io_pgetevents", 292),
-    ("sync_file_range", 84),
-];
+pub const ALLOWED_ARCH: &[(&str, libc::c_long)] =
+    &[("io_pgetevents", 292), ("sync_file_range", 84)];
 
 /// Docker's unconditional entries newer than the `libc` crate's tables: numbers from the
 /// kernel's unified table (the same on every architecture since Linux 5.1).
@@ -473,8 +471,8 @@ fn cond(
     op: SeccompCmpOp,
     value: u64,
 ) -> Result<SeccompRule, SeccompError> {
-    let c =
-        SeccompCondition::new(arg, len, op, value).map_err(|e| SeccompError::Build(e.to_string()))?;
+    let c = SeccompCondition::new(arg, len, op, value)
+        .map_err(|e| SeccompError::Build(e.to_string()))?;
     SeccompRule::new(vec![c]).map_err(|e| SeccompError::Build(e.to_string()))
 }
 

@@ -73,14 +73,17 @@ fn check(p: &str) {
     }
     assert_eq!(normalize(s, "path").expect("a normal path").as_path(), n);
     if !p.split('/').any(|c| c == "..") {
-        let names: Vec<&str> = p.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
+        let names: Vec<&str> = p
+            .split('/')
+            .filter(|c| !c.is_empty() && *c != ".")
+            .collect();
         assert_eq!(s, format!("/{}", names.join("/")));
     }
 }
 
 #[test]
 fn fuzz_normalize() {
-    let seed = env_or("SBX_FUZZ_SEED", 0x5b_7f_0017u64);
+    let seed = env_or("SBX_FUZZ_SEED", 0x5b7f_0017u64);
     let iters = env_or("SBX_FUZZ_ITERS", 50_000u64);
     let budget = Duration::from_secs(env_or("SBX_FUZZ_SECONDS", 4u64));
     let mut rng = Rng(seed);
