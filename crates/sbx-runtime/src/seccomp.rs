@@ -41,9 +41,9 @@
 //!
 //! The filter is two programs: the allow list, then clone3 -> ENOSYS (clone3 is allowed by the
 //! first so that the second decides; of an ERRNO and an ALLOW, the kernel returns the ERRNO).
-//! Both are built once per process. The kernel caches the verdict of every syscall the filter
-//! allows whatever its arguments, so allowed syscalls other than clone, socket and personality
-//! do not run the filter at all.
+//! Both are built once per process (1580 + 10 instructions, 0.1 ms in a release build). Since
+//! Linux 5.11 the kernel caches the verdict of every syscall the filters allow whatever its
+//! arguments, so allowed syscalls other than clone, socket and personality do not run them.
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
