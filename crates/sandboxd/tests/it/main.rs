@@ -24,6 +24,7 @@ mod ready;
 mod restart;
 mod runtime;
 mod sandboxes;
+mod seccomp;
 mod secrets;
 mod semantics;
 mod sleep;

@@ -98,6 +98,9 @@ pub(super) fn io_of(e: Errno) -> io::Error {
 }
 
 #[cfg(test)]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
