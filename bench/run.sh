@@ -37,3 +37,5 @@ echo
 bench/nat.sh "http://127.0.0.1:$port"
 echo
 bench/e2b.sh
+echo
+bench/sleep.sh

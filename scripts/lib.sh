@@ -40,3 +40,13 @@ need_cargo() {
 install_node_packages() {
   install_packages debootstrap gcc libc6-dev ca-certificates
 }
+
+# Waits (up to 10 s) until a node answers /healthz on 127.0.0.1:PORT.
+wait_healthy() {
+  for _ in $(seq 1 200); do
+    curl -sf "http://127.0.0.1:$1/healthz" >/dev/null 2>&1 && return 0
+    sleep 0.05
+  done
+  echo "sbx: no node answers on port $1" >&2
+  return 1
+}

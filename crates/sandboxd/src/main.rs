@@ -85,6 +85,15 @@ struct Cli {
     /// sleep_after_seconds: seconds, or `never`.
     #[arg(long, default_value = "30", value_name = "SECONDS|never")]
     sleep_after_seconds: SleepAfterFlag,
+    /// How long a paused sandbox stays paused before it sleeps for real (its processes saved
+    /// to disk with CRIU, its memory freed), where its create gives no suspend_after_ms.
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    suspend_after_seconds: f64,
+    /// The CRIU binary (4.2 or newer) sandboxes are checkpointed with (sleep, snapshots,
+    /// forks); a name is looked up in PATH. Without a usable one those calls are 503
+    /// not_served_here and `GET /internal/node` says why.
+    #[arg(long, default_value = "criu", value_name = "PATH")]
+    criu: PathBuf,
     /// The config file (TOML): the functions interface's settings (see config.rs / README).
     /// Its max_concurrent_exec_per_sandbox, default_cpus and default_memory_mb override the
     /// options above.
@@ -330,11 +339,23 @@ fn main() -> anyhow::Result<()> {
         }),
         max_sandboxes: fn_cfg.max_sandboxes,
         sleep_after: cli.sleep_after_seconds.resolve(),
+        suspend_after: Duration::from_secs_f64(cli.suspend_after_seconds.max(0.0)),
     };
     store.idem_tidy().context("tidy idempotency records")?;
     node::credentials::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
     let templates = node::templates::Templates::open(&store).context("the templates table")?;
-    let node = node::Node::new(cfg, Arc::new(driver), images, store, templates);
+    let driver = Arc::new(driver);
+    let checkpoints = node::checkpoint::detect(&cli.criu, driver.clone());
+    match &checkpoints {
+        node::checkpoint::Checkpoints::Ready(c) => {
+            tracing::info!(by = %c.describe(), "sleep, snapshots and forks: served")
+        }
+        node::checkpoint::Checkpoints::Off(why) => {
+            tracing::warn!(%why, "sleep, snapshots and forks: not served (no usable CRIU)")
+        }
+    }
+    let node = node::Node::new(cfg, driver, images, store, templates);
+    node.set_checkpoints(checkpoints);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -48,6 +48,34 @@ pub struct ExecRow {
     pub final_json: Option<String>,
 }
 
+/// A snapshot as the table keeps it: what its sandbox was made with (`spec`, JSON) goes
+/// with it, so a sandbox is made from it after its own is gone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotRow {
+    pub id: String,
+    pub name: Option<String>,
+    pub sandbox_id: String,
+    /// `creating`, `ready`, `failed` or `lost`.
+    pub status: String,
+    pub size_bytes: u64,
+    pub created_at_ns: i64,
+    pub spec: String,
+}
+
+const SNAPSHOT_COLS: &str = "id, name, sandbox_id, status, size_bytes, created_at_ns, spec";
+
+fn snapshot_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SnapshotRow> {
+    Ok(SnapshotRow {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        sandbox_id: r.get(2)?,
+        status: r.get(3)?,
+        size_bytes: r.get::<_, i64>(4)?.max(0) as u64,
+        created_at_ns: r.get(5)?,
+        spec: r.get(6)?,
+    })
+}
+
 /// What an idempotency key finds.
 #[derive(Debug, Clone, PartialEq)]
 pub enum IdemBegin {
@@ -112,6 +140,15 @@ CREATE TABLE IF NOT EXISTS execs (
   boot INTEGER NOT NULL,
   final_json TEXT,
   PRIMARY KEY (sandbox_id, exec_id)
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+  id TEXT PRIMARY KEY,
+  name TEXT UNIQUE,
+  sandbox_id TEXT NOT NULL,
+  status TEXT NOT NULL,
+  size_bytes INTEGER NOT NULL DEFAULT 0,
+  created_at_ns INTEGER NOT NULL,
+  spec TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS idempotency (
   scope TEXT NOT NULL,
@@ -274,6 +311,41 @@ impl Store {
                 "SELECT {SANDBOX_COLS} FROM sandboxes ORDER BY created_at_ns, id"
             ))?;
             let rows = st.query_map([], sandbox_row)?;
+            rows.collect()
+        })
+    }
+
+    pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.run(
+                &format!("INSERT INTO snapshots ({SNAPSHOT_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7)"),
+                params![
+                    s.id,
+                    s.name,
+                    s.sandbox_id,
+                    s.status,
+                    s.size_bytes as i64,
+                    s.created_at_ns,
+                    s.spec
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn delete_snapshot(&self, id: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.run("DELETE FROM snapshots WHERE id=?1", params![id])
+                .map(|_| ())
+        })
+    }
+
+    pub fn snapshots(&self) -> Result<Vec<SnapshotRow>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {SNAPSHOT_COLS} FROM snapshots ORDER BY created_at_ns, id"
+            ))?;
+            let rows = st.query_map([], snapshot_row)?;
             rows.collect()
         })
     }

@@ -313,6 +313,10 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
             send(out, &AgentMsg::Synced { token }).await;
         }
         HostMsg::SetDumpable { dumpable } => {
+            // Before a checkpoint: the watches whose connections the node closed are gone.
+            if dumpable {
+                crate::watch::none_running(Duration::from_secs(2)).await;
+            }
             let _ = sbx_runtime::process::set_dumpable(dumpable);
             let dumpable = sbx_runtime::process::is_dumpable();
             send(out, &AgentMsg::Dumpable { dumpable }).await;

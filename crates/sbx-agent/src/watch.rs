@@ -62,6 +62,18 @@ impl Watches {
     }
 }
 
+impl Drop for Watches {
+    /// The connection is gone: its watches end (their tasks hold the map too, so dropping it
+    /// alone would not stop them).
+    fn drop(&mut self) {
+        let stops: Vec<oneshot::Sender<()>> =
+            self.stops.borrow_mut().drain().map(|(_, tx)| tx).collect();
+        for tx in stops {
+            let _ = tx.send(());
+        }
+    }
+}
+
 async fn send(out: &Out, msg: &AgentMsg) -> bool {
     match sbx_proto::encode_msg(msg) {
         Ok(b) => out.send(b).await.is_ok(),
@@ -182,6 +194,39 @@ impl Tree {
 }
 
 /// Runs a watch until it is stopped (`None`: ended as asked, or the node is gone) or fails.
+/// Watches running now (each holds an inotify instance).
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts a running watch.
+struct Live;
+
+impl Live {
+    fn new() -> Live {
+        LIVE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Live
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Waits (up to `wait`) until no watch runs: before a checkpoint, whose node has closed the
+/// watches' connections (a watch's inotify instance cannot be dumped reliably). True when
+/// none runs.
+pub async fn none_running(wait: std::time::Duration) -> bool {
+    let end = tokio::time::Instant::now() + wait;
+    while LIVE.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        if tokio::time::Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    true
+}
+
 async fn run(
     id: &str,
     path: &str,
@@ -189,6 +234,7 @@ async fn run(
     out: &Out,
     mut stop: oneshot::Receiver<()>,
 ) -> Option<Option<FsFailure>> {
+    let _live = Live::new();
     let root = match crate::fs::normalize(path, "path") {
         Ok(p) => p,
         Err(f) => return Some(Some(f)),

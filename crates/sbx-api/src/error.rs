@@ -198,11 +198,13 @@ pub enum ErrorCode {
     PortNotOpen,
     /// The egress proxy could not reach the host a sandbox asked for.
     UpstreamFailed,
+    /// The sandbox is held asleep (`held_asleep`): a request to its port does not wake it.
+    SandboxPaused,
 }
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 73] = [
+    pub const ALL: [ErrorCode; 74] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -276,6 +278,7 @@ impl ErrorCode {
         ErrorCode::EgressDenied,
         ErrorCode::PortNotOpen,
         ErrorCode::UpstreamFailed,
+        ErrorCode::SandboxPaused,
     ];
 
     /// The code as it is written on the wire.
@@ -307,6 +310,7 @@ impl ErrorCode {
             ErrorCode::EgressDenied => "egress_denied",
             ErrorCode::PortNotOpen => "port_not_open",
             ErrorCode::UpstreamFailed => "upstream_failed",
+            ErrorCode::SandboxPaused => "sandbox_paused",
             ErrorCode::SecretHostNotAllowed => "secret_host_not_allowed",
             ErrorCode::ImageNotAllowed => "image_not_allowed",
             ErrorCode::ForbiddenHost => "forbidden_host",
@@ -423,7 +427,7 @@ impl ErrorCode {
             MissingApiKey | InvalidApiKey | InvalidToken => 401,
             SecretHostNotAllowed | NeedsApiKey | EgressDenied | ImageNotAllowed | ForbiddenHost
             | OriginNotAllowed => 403,
-            PortNotOpen | UpstreamFailed => 502,
+            PortNotOpen | UpstreamFailed | SandboxPaused => 502,
             NotFound | SandboxNotFound | ExecNotFound | SnapshotNotFound | TemplateNotFound
             | VolumeNotFound | SecretNotFound => 404,
             NameTaken

@@ -34,5 +34,5 @@ pub use run::{
 };
 pub use sandbox::{
     parse_exec_request, parse_sandbox_create, ExecRequest, SandboxCreate, SandboxLimits,
-    SandboxObject, SandboxStatus,
+    SandboxObject, SandboxStatus, SnapshotObject,
 };

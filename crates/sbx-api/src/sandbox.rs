@@ -245,6 +245,9 @@ impl ExecRequest {
 pub enum SandboxStatus {
     Starting,
     Running,
+    /// Its processes are saved to disk (memory included) and its memory is freed; the next
+    /// use wakes it where it was.
+    Sleeping,
     Stopping,
     Failed,
     Deleted,
@@ -255,6 +258,7 @@ impl SandboxStatus {
         match self {
             SandboxStatus::Starting => "starting",
             SandboxStatus::Running => "running",
+            SandboxStatus::Sleeping => "sleeping",
             SandboxStatus::Stopping => "stopping",
             SandboxStatus::Failed => "failed",
             SandboxStatus::Deleted => "deleted",
@@ -265,6 +269,7 @@ impl SandboxStatus {
         [
             SandboxStatus::Starting,
             SandboxStatus::Running,
+            SandboxStatus::Sleeping,
             SandboxStatus::Stopping,
             SandboxStatus::Failed,
             SandboxStatus::Deleted,
@@ -280,7 +285,10 @@ impl SandboxStatus {
 
     /// Whether it can be restarted.
     pub fn can_restart(self) -> bool {
-        matches!(self, SandboxStatus::Running | SandboxStatus::Failed)
+        matches!(
+            self,
+            SandboxStatus::Running | SandboxStatus::Sleeping | SandboxStatus::Failed
+        )
     }
 
     /// Whether it can be deleted.
@@ -341,6 +349,24 @@ pub struct SandboxObject {
     /// How long it may be idle before it pauses, in seconds (null: never by itself).
     #[serde(default)]
     pub sleep_after_seconds: Option<f64>,
+}
+
+/// A snapshot: a sandbox's processes (memory included) and files at one instant. It outlives
+/// its sandbox; `POST /v1/sandboxes {"snapshot": ID}` makes a sandbox that goes on from it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotObject {
+    pub id: String,
+    pub object: String,
+    pub name: Option<String>,
+    /// `ready`, or `lost` (its files are gone: 409 snapshot_lost for a sandbox made from it).
+    pub status: String,
+    /// What it takes on the node's disk.
+    pub size_bytes: u64,
+    pub created_at: String,
+    /// The sandbox it was taken of (which may be gone since).
+    pub sandbox_id: String,
+    /// The image of that sandbox.
+    pub image: String,
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod call;
+mod checkpoints;
 mod egress;
 mod files;
 mod images;
@@ -69,6 +70,16 @@ enum Cmd {
     Rm(sandboxes::RmArgs),
     /// Restart a sandbox: its machine is booted again over the same disk.
     Restart(sandboxes::RestartArgs),
+    /// Put sandboxes to sleep: their processes are saved to disk with their memory, which is
+    /// freed; the next use (or sbx wake) wakes them where they were.
+    Sleep(checkpoints::SleepArgs),
+    /// Wake sleeping sandboxes.
+    Wake(checkpoints::SleepArgs),
+    /// Take a snapshot of a sandbox, processes included (--ls lists them, --rm deletes one);
+    /// sbx create --snapshot ID makes a sandbox that goes on from it.
+    Snapshot(checkpoints::SnapshotArgs),
+    /// Copy a running sandbox, processes included: the copies go on from now, apart.
+    Fork(checkpoints::ForkArgs),
     /// Copy a file or a directory between here and a sandbox: sbx cp LOCAL SANDBOX:PATH, or
     /// sbx cp SANDBOX:PATH LOCAL.
     Cp(files::CpArgs),
@@ -153,6 +164,10 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Logs(a) => sandboxes::logs(&cli, a),
         Cmd::Rm(a) => sandboxes::rm(&cli, a),
         Cmd::Restart(a) => sandboxes::restart(&cli, a),
+        Cmd::Sleep(a) => checkpoints::sleep(&cli, a, false),
+        Cmd::Wake(a) => checkpoints::sleep(&cli, a, true),
+        Cmd::Snapshot(a) => checkpoints::snapshot(&cli, a),
+        Cmd::Fork(a) => checkpoints::fork(&cli, a),
         Cmd::Cp(a) => files::cp(&cli, a),
         Cmd::Fs { command } => files::fs(&cli, command),
         Cmd::Call(a) => call::call(&cli, a),

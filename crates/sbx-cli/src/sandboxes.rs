@@ -44,6 +44,10 @@ pub struct CreateArgs {
     /// Make it from a template of the node (a key of `GET /internal/node`: base, img-…).
     #[arg(long)]
     template: Option<String>,
+    /// Make it from a snapshot (id or name, `sbx snapshot --ls`): it goes on from the instant
+    /// the snapshot was taken, processes included.
+    #[arg(long, conflicts_with_all = ["image", "template"])]
+    snapshot: Option<String>,
     /// The secret holding the image registry's login (`sbx` secrets: PUT /v1/secrets/NAME).
     #[arg(long, value_name = "SECRET")]
     pull_secret: Option<String>,
@@ -268,6 +272,9 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
     }
     if let Some(r) = &a.ready {
         body.insert("ready".into(), ready_check(r)?);
+    }
+    if let Some(s) = &a.snapshot {
+        body.insert("snapshot".into(), json!(s));
     }
     if let Some(t) = &a.template {
         body.insert("template".into(), json!(t));

@@ -458,10 +458,29 @@ impl Group {
         self.dir("freezer").map(Path::to_path_buf)
     }
 
-    /// The group's directory of each controller, as a path under that controller's
-    /// hierarchy's root (for `criu --cgroup-root CTRL:PATH`): (controller, path).
+    /// The group's directory of each controller on the host: (controller, path); the
+    /// controller is `None` for the unified hierarchy.
     pub fn dirs(&self) -> Vec<(Option<&'static str>, PathBuf)> {
         self.dirs.clone()
+    }
+
+    /// The group as `/proc/PID/cgroup` names it in each hierarchy (the path under the
+    /// hierarchy's root), for `criu --cgroup-root [CTRL:]PATH`: (controller, path).
+    pub fn cgroup_paths(&self) -> Result<Vec<(Option<&'static str>, PathBuf)>, CgroupError> {
+        let mi = Path::new("/proc/self/mountinfo");
+        let mounts = parse_mountinfo(&fs::read_to_string(mi).map_err(io_err(mi))?);
+        let mut out = Vec::new();
+        for (ctrl, dir) in &self.dirs {
+            let m = mounts
+                .iter()
+                .filter(|m| m.fstype == "cgroup" || m.fstype == "cgroup2")
+                .filter(|m| dir.starts_with(&m.mount_point))
+                .max_by_key(|m| m.mount_point.as_os_str().len())
+                .ok_or_else(|| CgroupError::NoController(ctrl.unwrap_or("unified")))?;
+            let rel = dir.strip_prefix(&m.mount_point).unwrap_or(dir);
+            out.push((*ctrl, Path::new(&m.root).join(rel)));
+        }
+        Ok(out)
     }
 
     /// Whether every task of the group is frozen now (not only being frozen).
@@ -479,7 +498,7 @@ impl Group {
     /// Freezes (`true`) or thaws the group and waits until the kernel says it is so (a
     /// freeze settles in about a millisecond; `wait` bounds it). Errors when the layout has
     /// no freezer or the state was not reached in time (the group is thawed again then).
-    pub fn freeze(&self, frozen: bool, wait: Duration) -> Result<(), CgroupError> {
+    pub fn pause(&self, frozen: bool, wait: Duration) -> Result<(), CgroupError> {
         let what = || {
             self.dir("freezer")
                 .map(Path::to_path_buf)

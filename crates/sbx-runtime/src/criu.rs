@@ -240,6 +240,10 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
         "nftables".into(),
         "--file-locks".into(),
         "--tcp-established".into(),
+        // An inotify watch (the agent's, of a caller's watch ending as the sleep begins) is
+        // dumped by the path of what it watches, found under the sandbox's root.
+        "--irmap-scan-path".into(),
+        "/".into(),
     ];
     if spec.leave_running {
         args.push("--leave-running".into());
@@ -276,6 +280,19 @@ pub struct RestoreSpec<'a> {
     /// For a sandbox with a network: the namespace its lease holds (with `eth0` in it; a path
     /// to open, [`crate::net::Lease::ns_path`]), its address and gateway.
     pub network: Option<(PathBuf, Ipv4Addr, Ipv4Addr)>,
+    /// A copy (a fork, a sandbox made from a snapshot) rather than the same sandbox woken:
+    /// where criu's log and pidfile go (the images are shared, read only), the copy's cgroup
+    /// of each controller (`criu --cgroup-root CTRL:PATH`), and its established TCP
+    /// connections dropped (it is a new machine on the network).
+    pub copy: Option<CopyOf<'a>>,
+}
+
+/// What a restore of a copy needs beyond a wake's ([`RestoreSpec::copy`]).
+#[derive(Debug)]
+pub struct CopyOf<'a> {
+    pub work: &'a Path,
+    /// (controller, path): `None` for the unified hierarchy.
+    pub cgroup_roots: Vec<(Option<String>, PathBuf)>,
 }
 
 /// Restores a sandbox from `spec.images`; returns the agent's new host pid. The restored
@@ -285,13 +302,17 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
         &std::fs::read(spec.images.join(RECORD)).map_err(io("read the checkpoint record"))?,
     )
     .map_err(|e| CriuError::Other(format!("the checkpoint record: {e}")))?;
-    let pidfile = spec.images.join("restored.pid");
+    let work = spec.copy.as_ref().map_or(spec.images, |c| c.work);
+    std::fs::create_dir_all(work).map_err(io(format!("mkdir {}", work.display())))?;
+    let pidfile = work.join("restored.pid");
     let _ = std::fs::remove_file(&pidfile);
     let root = spec.dir.join("rootfs");
     let mut args: Vec<String> = vec![
         "restore".into(),
         "-D".into(),
         spec.images.display().to_string(),
+        "-W".into(),
+        work.display().to_string(),
         "-o".into(),
         "restore.log".into(),
         "-d".into(),
@@ -302,8 +323,20 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
         "--network-lock".into(),
         "nftables".into(),
         "--file-locks".into(),
-        "--tcp-established".into(),
     ];
+    match &spec.copy {
+        Some(c) => {
+            args.push("--tcp-close".into());
+            for (ctrl, path) in &c.cgroup_roots {
+                args.push("--cgroup-root".into());
+                args.push(match ctrl {
+                    Some(ctrl) => format!("{ctrl}:{}", path.display()),
+                    None => path.display().to_string(),
+                });
+            }
+        }
+        None => args.push("--tcp-established".into()),
+    }
     for m in &record.external {
         let host: PathBuf = match EXTERNAL.iter().find(|(p, _)| p == m) {
             Some((_, Some(h))) => PathBuf::from(h),
@@ -345,7 +378,7 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
         &args,
         &env,
         Some((root.clone(), overlay)),
-        &spec.images.join("restore.log"),
+        &work.join("restore.log"),
     )?;
     let pid = std::fs::read_to_string(&pidfile).map_err(io("read criu's pidfile"))?;
     pid.trim()

@@ -110,7 +110,7 @@ impl Sandbox {
     /// Freezes (`true`) or thaws every process of the sandbox (its cgroup's freezer: about a
     /// millisecond either way; nothing of it runs while frozen, its memory stays).
     pub fn set_paused(&self, paused: bool) -> Result<(), RuntimeError> {
-        self.group.freeze(paused, PAUSE_WAIT)?;
+        self.group.pause(paused, PAUSE_WAIT)?;
         Ok(())
     }
 
@@ -307,7 +307,24 @@ impl NamespaceDriver {
         images: &Path,
         lease: Option<&crate::net::Lease>,
     ) -> Result<Sandbox, RuntimeError> {
-        let pid = crate::criu::restore(
+        let network = lease.map(|l| (l.ns_path(), l.address(), l.gateway()));
+        self.wake_at(spec, criu, images, network)
+    }
+
+    /// [`NamespaceDriver::wake`] with the lease's namespace (a path to open), address and
+    /// gateway given as values (the caller keeps the lease alive meanwhile).
+    pub fn wake_at(
+        &self,
+        spec: &SandboxSpec,
+        criu: &crate::criu::Criu,
+        images: &Path,
+        network: Option<(PathBuf, std::net::Ipv4Addr, std::net::Ipv4Addr)>,
+    ) -> Result<Sandbox, RuntimeError> {
+        // Its cgroups with its limits (kept while it slept; made again if a node's restart
+        // removed them): CRIU puts the tasks back into them and leaves their settings.
+        let group = self.cgroups.group(&spec.id);
+        group.create(&spec.limits)?;
+        let restored = crate::criu::restore(
             criu,
             &crate::criu::RestoreSpec {
                 images,
@@ -315,9 +332,13 @@ impl NamespaceDriver {
                 dir: &spec.dir,
                 agent: &self.agent,
                 ca_bundle: spec.ca_bundle.as_deref(),
-                network: lease.map(|l| (l.ns_path(), l.address(), l.gateway())),
+                network,
+                copy: None,
             },
-        )?;
+        );
+        // It was frozen when it was dumped, and CRIU may give it back frozen.
+        group.thaw();
+        let pid = restored?;
         let pidfd = PidFd::open(pid).map_err(|e| RuntimeError::Io {
             what: "pidfd of the restored agent".into(),
             source: e,
@@ -329,7 +350,116 @@ impl NamespaceDriver {
             start_time: crate::process::start_time(pid),
             socket: spec.dir.join("agent.sock"),
             dir: spec.dir.clone(),
-            group: self.cgroups.group(&spec.id),
+            group,
+            pidfd: Some(pidfd),
+        })
+    }
+}
+
+/// Where a snapshot keeps the sandbox's processes (CRIU's images) and its files.
+pub const SNAPSHOT_IMAGES: &str = "images";
+pub const SNAPSHOT_UPPER: &str = "upper";
+
+impl NamespaceDriver {
+    /// Takes a snapshot of a running sandbox into `dir` (made; the caller's to remove on an
+    /// error): frozen, its files copied (`dir/upper`) and its processes dumped (`dir/images`),
+    /// then thawed: it runs on. Before, as for a sleep: the agent made dumpable and the node's
+    /// connections to it closed. Returns the bytes `dir` takes.
+    pub fn snapshot(
+        &self,
+        sandbox: &Sandbox,
+        criu: &crate::criu::Criu,
+        dir: &Path,
+        network: bool,
+    ) -> Result<u64, RuntimeError> {
+        std::fs::create_dir_all(dir).map_err(|e| RuntimeError::Io {
+            what: format!("mkdir {}", dir.display()),
+            source: e,
+        })?;
+        if !sandbox.group.freeze(Duration::from_secs(5)) {
+            return Err(crate::criu::CriuError::Freeze.into());
+        }
+        // Its files as of this instant: it is frozen until the dump has its processes too.
+        let copied = crate::tree::copy_tree(&sandbox.dir.join("upper"), &dir.join(SNAPSHOT_UPPER))
+            .map_err(|e| RuntimeError::Io {
+                what: "copy the sandbox's files".into(),
+                source: e,
+            });
+        if let Err(e) = copied {
+            sandbox.group.thaw();
+            return Err(e);
+        }
+        crate::criu::dump(
+            criu,
+            &crate::criu::DumpSpec {
+                pid: sandbox.pid,
+                group: &sandbox.group,
+                images: &dir.join(SNAPSHOT_IMAGES),
+                network,
+                leave_running: true,
+            },
+        )?;
+        Ok(crate::tree::disk_usage(dir))
+    }
+
+    /// Makes a new sandbox (`spec`: its own id, directory, limits, hostname) that goes on from
+    /// the snapshot at `snapshot`: its files a copy of the snapshot's, its processes restored
+    /// into cgroups of its own and, for a network, the namespace `network` names (a new lease:
+    /// its established connections are dropped).
+    pub fn restore_copy(
+        &self,
+        spec: &SandboxSpec,
+        criu: &crate::criu::Criu,
+        snapshot: &Path,
+        network: Option<(PathBuf, std::net::Ipv4Addr, std::net::Ipv4Addr)>,
+    ) -> Result<Sandbox, RuntimeError> {
+        let io = |what: &str| {
+            let what = what.to_string();
+            move |e| RuntimeError::Io { what, source: e }
+        };
+        std::fs::create_dir_all(&spec.dir).map_err(io("mkdir the sandbox's directory"))?;
+        crate::tree::copy_tree(&snapshot.join(SNAPSHOT_UPPER), &spec.dir.join("upper"))
+            .map_err(io("copy the snapshot's files"))?;
+        for d in ["work", "rootfs"] {
+            std::fs::create_dir_all(spec.dir.join(d)).map_err(io("mkdir"))?;
+        }
+        let group = self.cgroups.group(&spec.id);
+        group.create(&spec.limits)?;
+        let cgroup_roots = group
+            .cgroup_paths()?
+            .into_iter()
+            .map(|(ctrl, path)| (ctrl.map(str::to_string), path))
+            .collect();
+        let work = spec.dir.join("restore");
+        let restored = crate::criu::restore(
+            criu,
+            &crate::criu::RestoreSpec {
+                images: &snapshot.join(SNAPSHOT_IMAGES),
+                lowers: &spec.lowers,
+                dir: &spec.dir,
+                agent: &self.agent,
+                ca_bundle: spec.ca_bundle.as_deref(),
+                network,
+                copy: Some(crate::criu::CopyOf {
+                    work: &work,
+                    cgroup_roots,
+                }),
+            },
+        );
+        group.thaw();
+        let pid = restored?;
+        let pidfd = PidFd::open(pid).map_err(io("pidfd of the restored agent"))?;
+        // Its own name: the snapshot's sandbox's came back with its UTS namespace.
+        crate::process::set_hostname_of(pid, &spec.hostname)
+            .map_err(io("set the copy's hostname"))?;
+        register(&spec.dir.join("agent.sock"), pid, Some(&pidfd));
+        Ok(Sandbox {
+            id: spec.id.clone(),
+            pid,
+            start_time: crate::process::start_time(pid),
+            socket: spec.dir.join("agent.sock"),
+            dir: spec.dir.clone(),
+            group,
             pidfd: Some(pidfd),
         })
     }

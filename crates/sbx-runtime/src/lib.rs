@@ -4,7 +4,8 @@
 //! - [`init`]: stages 0 and 1 of a sandbox, run by `sbx-agent init` (the sandbox's side);
 //! - [`process`]: starting, reaping and signalling processes (the agent's side);
 //! - [`cgroup`]: cgroups v1 and v2 behind one interface;
-//! - [`criu`]: checkpoint and restore of a sandbox (sleep, wake) with the `criu` binary;
+//! - [`criu`]: checkpoint and restore of a sandbox (sleep, wake, snapshots, forks) with the
+//!   `criu` binary;
 //! - [`seccomp`]: the sandbox's syscall filter;
 //! - [`fsutil`]: ownership shifting of image trees;
 //! - [`hostfs`]: the node's host-side locks and private directories;
@@ -12,7 +13,8 @@
 //! - [`net`]: sandbox networking: namespaces with a veth to the node, pooled; the node's
 //!   nftables table; conntrack;
 //! - [`netns`]: sockets made from the host in a sandbox's network namespace;
-//! - [`sock`]: node-agent connections registered for what their task waits on only.
+//! - [`sock`]: node-agent connections registered for what their task waits on only;
+//! - [`tree`]: copies of a sandbox's upper directory (snapshots, forks).
 
 pub mod cgroup;
 pub mod criu;
@@ -26,6 +28,7 @@ pub mod netns;
 pub mod process;
 pub mod seccomp;
 pub mod sock;
+pub mod tree;
 
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};

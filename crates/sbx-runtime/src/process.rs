@@ -925,3 +925,16 @@ impl PrivateMount {
         Ok(())
     }
 }
+
+/// Sets the hostname of the UTS namespace of process `pid` (a restored copy of a sandbox
+/// takes a name of its own), from a thread that joins it for the call.
+pub fn set_hostname_of(pid: u32, name: &str) -> io::Result<()> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/uts"))?;
+    let name = name.to_string();
+    std::thread::spawn(move || -> io::Result<()> {
+        nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWUTS).map_err(io::Error::from)?;
+        nix::unistd::sethostname(&name).map_err(io::Error::from)
+    })
+    .join()
+    .map_err(|_| io::Error::other("the hostname's thread panicked"))?
+}

@@ -41,8 +41,21 @@ fn broke(e: AgentError) -> ApiError {
     )
 }
 
+/// What ends a watch from outside: its sandbox going to sleep (the signal turns true; a
+/// connection open to the agent cannot be checkpointed), and what the watch holds while its
+/// connection is open (the node counts it).
+pub struct Ends {
+    pub asleep: tokio::sync::watch::Receiver<bool>,
+    pub hold: Box<dyn Send>,
+}
+
 /// Starts watching `path` (`recursive`: the directories under it too) on `conn`.
-pub async fn watch(mut conn: AgentConn, path: String, recursive: bool) -> Result<Watch, ApiError> {
+pub async fn watch(
+    mut conn: AgentConn,
+    path: String,
+    recursive: bool,
+    ends: Option<Ends>,
+) -> Result<Watch, ApiError> {
     conn.send(&HostMsg::Watch {
         id: ID.into(),
         path,
@@ -63,19 +76,40 @@ pub async fn watch(mut conn: AgentConn, path: String, recursive: bool) -> Result
         }
     }
     let (tx, rx) = mpsc::channel(QUEUE);
-    let task = tokio::spawn(pump(conn, tx));
+    let task = tokio::spawn(pump(conn, tx, ends));
     Ok(Watch {
         items: rx,
         _task: TaskGuard(task),
     })
 }
 
-async fn pump(mut conn: AgentConn, tx: mpsc::Sender<WatchItem>) {
+async fn pump(mut conn: AgentConn, tx: mpsc::Sender<WatchItem>, ends: Option<Ends>) {
+    let (mut asleep, _hold) = match ends {
+        Some(e) => (Some(e.asleep), Some(e.hold)),
+        None => (None, None),
+    };
+    let sleeps = async move {
+        match asleep.as_mut() {
+            Some(a) => a.wait_for(|s| *s).await.map(|_| ()).ok(),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(sleeps);
     loop {
         let f = tokio::select! {
             f = conn.recv() => f,
             // The reader is gone: dropping the connection ends the watch in the agent.
             _ = tx.closed() => return,
+            _ = &mut sleeps => {
+                drop(conn);
+                let _ = tx
+                    .send(WatchItem::Ended(ApiError::new(
+                        sbx_api::ErrorCode::StreamAborted,
+                        "the sandbox went to sleep: the watch ended (watch again once it is awake)",
+                    )))
+                    .await;
+                return;
+            }
         };
         let item = match f {
             Ok(Frame::Msg(AgentMsg::WatchEvents {

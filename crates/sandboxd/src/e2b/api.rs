@@ -52,8 +52,8 @@ pub(crate) fn router(node: Arc<Node>) -> Router {
         .route("/sandboxes/{id}/refreshes", post(refresh))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/metrics", get(metrics_many))
-        .route("/sandboxes/{id}/pause", post(not_yet_pause))
-        .route("/sandboxes/{id}/resume", post(not_yet_pause))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/snapshots", post(not_yet_snapshot))
         .route("/sandboxes/{id}/fork", post(not_yet_snapshot))
         .route("/sandboxes/{id}/logs", get(not_yet_logs))
@@ -98,8 +98,80 @@ fn not_served_yet(what: &str) -> Response {
     r
 }
 
-async fn not_yet_pause() -> Response {
-    not_served_yet("pausing and resuming a sandbox")
+/// A node without checkpoints (no CRIU) cannot pause: 501 as for anything not served.
+fn pausing_refused(node: &Node) -> Option<Response> {
+    node.checkpointer()
+        .err()
+        .map(|e| not_served_yet(&format!("pausing and resuming a sandbox ({})", e.message)))
+}
+
+/// `POST /sandboxes/{id}/pause`: E2B's pause is the node's sleep, held asleep (a request to
+/// one of its ports does not wake it; connect does). 409 when it is paused already.
+async fn pause(State(node): St, Path(id): Path<String>) -> Response {
+    if let Some(r) = pausing_refused(&node) {
+        return r;
+    }
+    let o = match find(&node, &id) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    if o.status == SandboxStatus::Sleeping {
+        return e2b_error(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        );
+    }
+    let Ok(m) = node.managed(&o.id) else {
+        return sandbox_not_found(&id);
+    };
+    if let Err(e) = node.set_held(&m, true) {
+        return api_error(e);
+    }
+    match node.sleep_managed(&m, true).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => {
+            let _ = node.set_held(&m, false);
+            api_error(e)
+        }
+    }
+}
+
+/// Wakes a paused (sleeping) sandbox and lifts its hold; true when it was paused.
+async fn resume_if_paused(node: &Arc<Node>, id: &str) -> Result<bool, Response> {
+    let m = node.managed(id).map_err(|_| sandbox_not_found(id))?;
+    let paused = m.status() == SandboxStatus::Sleeping;
+    if paused {
+        node.wake_managed(&m).await.map_err(api_error)?;
+    }
+    node.set_held(&m, false).map_err(api_error)?;
+    Ok(paused)
+}
+
+/// `POST /sandboxes/{id}/resume` (the older call; connect does the same): 201 with the
+/// sandbox, 409 when it is not paused.
+async fn resume(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
+    if let Some(r) = pausing_refused(&node) {
+        return r;
+    }
+    let (b, o) = match timeout_and_sandbox(&node, &id, &body) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    if o.status != SandboxStatus::Sleeping {
+        return e2b_error(StatusCode::CONFLICT, format!("sandbox {id} is not paused"));
+    }
+    if let Err(r) = resume_if_paused(&node, &o.id).await {
+        return r;
+    }
+    if let Some(secs) = b.timeout {
+        if let Err(r) = set_end(&node, &o, secs, false) {
+            return r;
+        }
+    }
+    match find(&node, &id) {
+        Ok(o) => (StatusCode::CREATED, Json(sandbox_json(&node, &o))).into_response(),
+        Err(r) => r,
+    }
 }
 
 async fn not_yet_snapshot() -> Response {
@@ -189,7 +261,7 @@ fn set(v: &Option<Value>) -> bool {
 
 /// E2B's create as the node's: the body of `POST /v1/sandboxes`, or the refusal of what the
 /// node does not do.
-fn node_create_body(n: &NewSandbox, now_ns: i128) -> Result<Value, Response> {
+fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Value, Response> {
     let refuse = |what: &str| Err(not_served_yet(what));
     if let Some((k, _)) = n.rest.iter().find(|(_, v)| set(&Some((*v).clone()))) {
         return Err(e2b_error(
@@ -197,8 +269,14 @@ fn node_create_body(n: &NewSandbox, now_ns: i128) -> Result<Value, Response> {
             format!("{k} is not a field this node takes"),
         ));
     }
-    if n.auto_pause == Some(true) || set(&n.auto_resume) || set(&n.auto_pause_memory) {
-        return refuse("autoPause / autoResume (pausing a sandbox)");
+    if set(&n.auto_pause_memory) {
+        return refuse("autoPauseMemory");
+    }
+    // autoPause: at its timeout the sandbox is paused (the node's sleep), not killed; held
+    // asleep unless autoResume lets a request to it wake it.
+    let auto_pause = n.auto_pause == Some(true);
+    if (auto_pause || set(&n.auto_resume)) && !can_pause {
+        return refuse("autoPause / autoResume (this node has no CRIU to pause a sandbox)");
     }
     if set(&n.mcp) {
         return refuse("mcp (an MCP gateway in the sandbox)");
@@ -268,6 +346,10 @@ fn node_create_body(n: &NewSandbox, now_ns: i128) -> Result<Value, Response> {
         if !m.is_empty() {
             body.insert("metadata".into(), json!(m));
         }
+    }
+    if auto_pause {
+        let on = if set(&n.auto_resume) { "sleep" } else { "hold" };
+        body.insert("on_expiry".into(), json!(on));
     }
     body.insert(
         "expires_at".into(),
@@ -368,10 +450,12 @@ fn sandbox_json(node: &Node, o: &SandboxObject) -> Value {
     })
 }
 
-/// E2B's state of a sandbox: the node's running (and starting) are `running`.
+/// E2B's state of a sandbox: the node's running (and starting) are `running`, sleeping is
+/// E2B's `paused`.
 fn state_of(o: &SandboxObject) -> Option<&'static str> {
     match o.status {
         SandboxStatus::Running | SandboxStatus::Starting => Some("running"),
+        SandboxStatus::Sleeping => Some("paused"),
         _ => None,
     }
 }
@@ -438,7 +522,8 @@ async fn create(State(node): St, body: Bytes) -> Response {
         Ok(n) => n,
         Err(r) => return r,
     };
-    let mut create_body = match node_create_body(&n, crate::image::now_ns()) {
+    let can_pause = node.checkpointer().is_ok();
+    let mut create_body = match node_create_body(&n, crate::image::now_ns(), can_pause) {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -505,6 +590,16 @@ async fn kill(State(node): St, Path(id): Path<String>) -> Response {
     }
 }
 
+/// A call's `TimeoutBody` and the sandbox it names.
+fn timeout_and_sandbox(
+    node: &Node,
+    id: &str,
+    body: &Bytes,
+) -> Result<(TimeoutBody, SandboxObject), Response> {
+    let b: TimeoutBody = parse_body(body)?;
+    Ok((b, find(node, id)?))
+}
+
 #[derive(Debug, Deserialize)]
 struct TimeoutBody {
     timeout: Option<u64>,
@@ -557,12 +652,8 @@ async fn set_timeout(State(node): St, Path(id): Path<String>, body: Bytes) -> Re
 }
 
 async fn refresh(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
-    let b: TimeoutBody = match parse_body(&body) {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let o = match find(&node, &id) {
-        Ok(o) => o,
+    let (b, o) = match timeout_and_sandbox(&node, &id, &body) {
+        Ok(x) => x,
         Err(r) => return r,
     };
     match set_end(
@@ -577,12 +668,13 @@ async fn refresh(State(node): St, Path(id): Path<String>, body: Bytes) -> Respon
 }
 
 async fn connect(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
-    let b: TimeoutBody = match parse_body(&body) {
-        Ok(b) => b,
+    let (b, o) = match timeout_and_sandbox(&node, &id, &body) {
+        Ok(x) => x,
         Err(r) => return r,
     };
-    let o = match find(&node, &id) {
-        Ok(o) => o,
+    // A paused sandbox is resumed (201), a running one connected to (200).
+    let resumed = match resume_if_paused(&node, &o.id).await {
+        Ok(r) => r,
         Err(r) => return r,
     };
     if let Some(secs) = b.timeout {
@@ -594,7 +686,12 @@ async fn connect(State(node): St, Path(id): Path<String>, body: Bytes) -> Respon
         Ok(o) => o,
         Err(r) => return r,
     };
-    Json(sandbox_json(&node, &o)).into_response()
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(sandbox_json(&node, &o))).into_response()
 }
 
 /// The query's pairs (`metadata`, `state`, `nextToken`, `limit`; `state` may repeat).
@@ -638,10 +735,7 @@ async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
             }
         },
     };
-    // No sandbox of this node is paused.
-    if !states.is_empty() && !states.iter().any(|s| s == "running") {
-        return Json(json!([])).into_response();
-    }
+
     let cursor = pairs
         .iter()
         .find(|(k, _)| k == "nextToken")
@@ -656,7 +750,9 @@ async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
     let (list, next) = node.list_sandboxes(&q);
     let items: Vec<Value> = list
         .iter()
-        .filter(|o| state_of(o).is_some())
+        .filter(|o| {
+            state_of(o).is_some_and(|st| states.is_empty() || states.iter().any(|s| s == st))
+        })
         .map(|o| listed_json(&node, o, false))
         .collect();
     let mut r = Json(Value::Array(items)).into_response();
@@ -756,7 +852,7 @@ mod tests {
             "allow_internet_access": true, "metadata": {"k": "v"}, "envVars": {"A": "1"},
             "network": {"denyOut": ["0.0.0.0/0"], "allowOut": ["example.com"]},
         }));
-        let b = node_create_body(&n, 0).unwrap();
+        let b = node_create_body(&n, 0, false).unwrap();
         assert_eq!(b["expires_at"], "1970-01-01T00:01:00.000Z");
         assert_eq!(b["public_ports_except"], json!([ENVD_PORT]));
         assert_eq!(b["env"], json!({"A": "1"}));
@@ -772,17 +868,18 @@ mod tests {
 
     #[test]
     fn templates_map_to_images_keys_and_the_interpreter() {
-        let b = node_create_body(&new(json!({"templateID": "python:3.12"})), 0).unwrap();
+        let b = node_create_body(&new(json!({"templateID": "python:3.12"})), 0, false).unwrap();
         assert_eq!(b["image"], "python:3.12");
-        let b = node_create_body(&new(json!({"templateID": "img-abc"})), 0).unwrap();
+        let b = node_create_body(&new(json!({"templateID": "img-abc"})), 0, false).unwrap();
         assert_eq!(b["template"], "img-abc");
-        let b = node_create_body(&new(json!({"templateID": interp::TEMPLATE})), 0).unwrap();
+        let b = node_create_body(&new(json!({"templateID": interp::TEMPLATE})), 0, false).unwrap();
         assert!(b["start_command"].is_array());
         assert_eq!(b["ready"], interp::ready_check());
         let b = node_create_body(
             &new(json!({"templateID": "base", "allow_internet_access": false,
                         "network": {"allowPublicTraffic": false}})),
             0,
+            false,
         )
         .unwrap();
         assert_eq!(b["egress"], json!({"default": "deny"}));
@@ -799,12 +896,31 @@ mod tests {
             json!({"templateID": "base", "brandNew": 1}),
             json!({"templateID": "base", "timeout": 0}),
         ] {
-            assert!(node_create_body(&new(body.clone()), 0).is_err(), "{body}");
+            assert!(
+                node_create_body(&new(body.clone()), 0, false).is_err(),
+                "{body}"
+            );
         }
         // Defaults the SDK sends are no request.
         let ok = json!({"templateID": "base", "autoPause": false, "mcp": null,
                         "autoResume": {"enabled": false}, "volumeMounts": []});
-        assert!(node_create_body(&new(ok), 0).is_ok());
+        assert!(node_create_body(&new(ok), 0, false).is_ok());
+        // A node that checkpoints takes autoPause: held asleep at the timeout, or asleep
+        // with autoResume.
+        let b = node_create_body(
+            &new(json!({"templateID": "base", "autoPause": true})),
+            0,
+            true,
+        )
+        .unwrap();
+        assert_eq!(b["on_expiry"], "hold");
+        let b = node_create_body(
+            &new(json!({"templateID": "base", "autoPause": true, "autoResume": {"enabled": true}})),
+            0,
+            true,
+        )
+        .unwrap();
+        assert_eq!(b["on_expiry"], "sleep");
     }
 
     #[test]

@@ -214,7 +214,7 @@ pub(crate) async fn sandbox_side(
     port: u16,
 ) -> Response {
     // A request for the sandbox thaws it if it is paused, and holds it awake until answered.
-    let held = match shared.node.use_sandbox(id) {
+    let held = match shared.node.use_sandbox(id).await {
         Some(Ok(h)) => Some(h),
         Some(Err(e)) => return e2b_error(StatusCode::INTERNAL_SERVER_ERROR, e.message),
         None => None,

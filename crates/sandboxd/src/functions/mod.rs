@@ -236,7 +236,7 @@ async fn dispatch(
                 "workdir",
             ])?;
             let id = resolve(node, f, &p.req_str("sandbox_id")?)?;
-            let _held = node.use_sandbox(&id).transpose()?;
+            let _held = node.use_sandbox(&id).await.transpose()?;
             let req = exec_request(f, exec_argv(&p)?, &p)?;
             let (reply, timed_out, limit) = exec(node, f, &id, req).await?;
             if timed_out {
@@ -282,7 +282,7 @@ async fn dispatch(
         }
         fs if fs.starts_with("sandbox::fs::") => {
             let id = resolve(node, f, &p.req_str("sandbox_id")?)?;
-            let _held = node.use_sandbox(&id).transpose()?;
+            let _held = node.use_sandbox(&id).await.transpose()?;
             f.touch(&id);
             let r = fs_call(node, &fs["sandbox::fs::".len()..], &id, p).await;
             f.touch(&id);

@@ -212,7 +212,10 @@ pub(super) fn list(node: &Node, f: &Fns) -> Value {
                 "exec_in_progress": in_flight > 0,
                 "exec_in_flight": in_flight,
                 "exec_slots_free": max.saturating_sub(in_flight),
-                "stopped": !matches!(o.status, SandboxStatus::Running | SandboxStatus::Starting),
+                "stopped": !matches!(
+                    o.status,
+                    SandboxStatus::Running | SandboxStatus::Starting | SandboxStatus::Sleeping
+                ),
                 "status": o.status.as_str(),
             })
         })

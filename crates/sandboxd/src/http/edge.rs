@@ -64,9 +64,14 @@ pub(super) async fn edge(
         .and_then(|()| check_content_type(&req, has_body));
     let resp = match checked {
         Ok(()) => {
-            // A request that uses a kept sandbox thaws it if it is paused and holds it awake
+            // A request that uses a kept sandbox wakes it if it sleeps, resumes it if it is
+            // paused, and holds it awake
             // until its answer is sent in full.
-            let held = match used_sandbox(req.uri().path()).and_then(|id| st.node.use_sandbox(id)) {
+            let used = match used_sandbox(req.uri().path()) {
+                Some(id) => st.node.use_sandbox(id).await,
+                None => None,
+            };
+            let held = match used {
                 Some(Ok(h)) => Some(h),
                 Some(Err(e)) => {
                     return finish(
@@ -91,25 +96,49 @@ pub(super) async fn edge(
 }
 
 /// The sandbox a request uses: `/v1/sandboxes/{id}/<anything>` (its commands, files,
-/// terminals, streams). Reading, changing or deleting the sandbox itself does not use it.
+/// terminals, streams, snapshots). Reading, changing, deleting or putting the sandbox to sleep
+/// does not use it.
 fn used_sandbox(path: &str) -> Option<&str> {
     let rest = path.strip_prefix("/v1/sandboxes/")?;
     let (id, sub) = rest.split_once('/')?;
-    (!id.is_empty() && !sub.is_empty()).then_some(id)
+    // A sleep asked for does not wake it first.
+    (!id.is_empty() && !sub.is_empty() && sub != "sleep").then_some(id)
 }
 
-/// `resp` with `held` kept until its body has been sent (or dropped).
+/// `resp` with `held` kept until its body has been sent (or dropped). Its size (and so its
+/// Content-Length) is the body's own.
 pub(crate) fn hold_while_sent(
     resp: Response,
     held: crate::node::sandbox::sleep::InUse,
 ) -> Response {
-    use http_body_util::BodyExt;
     let (parts, body) = resp.into_parts();
-    let body = body.map_frame(move |f| {
-        let _ = &held;
-        f
-    });
-    Response::from_parts(parts, axum::body::Body::new(body))
+    Response::from_parts(parts, axum::body::Body::new(Held { body, _held: held }))
+}
+
+/// A body that holds a sandbox awake while it is sent.
+struct Held {
+    body: axum::body::Body,
+    _held: crate::node::sandbox::sleep::InUse,
+}
+
+impl http_body::Body for Held {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// The headers every answer gets: its request id, CORS headers for an origin `--cors-origin`

@@ -2,6 +2,7 @@
 //! values, call the node (`crate::node`), and answer; `router.rs` is the one table of routes;
 //! `edge.rs` checks every request (where it comes from, its key, its body's type).
 
+mod checkpoints;
 mod edge;
 pub(crate) mod files;
 pub(crate) mod functions;

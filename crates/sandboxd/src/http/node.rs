@@ -29,6 +29,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "warm_pool": { "target": n.cfg.warm_pool, "ready": n.warm_ids() },
         "templates": n.template_objects(),
         "network": n.net.get().map(|net| net.info()),
+        "checkpoints": n.checkpoints_info(),
         "preview": n.preview().map(|p| serde_json::json!({
             "listen": p.listen.to_string(),
             "domain": p.domain,

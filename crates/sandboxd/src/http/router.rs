@@ -7,7 +7,9 @@ use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
 
-use super::{edge, files, functions, images, node, run, sandboxes, secrets, terminal, AppState};
+use super::{
+    checkpoints, edge, files, functions, images, node, run, sandboxes, secrets, terminal, AppState,
+};
 
 /// The router of the node's API.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -33,6 +35,16 @@ pub fn router(state: Arc<AppState>) -> Router {
                 .delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/restart", post(sandboxes::restart))
+        // Sleep, wake, snapshots and forks.
+        .route("/v1/sandboxes/{id}/sleep", post(checkpoints::sleep))
+        .route("/v1/sandboxes/{id}/wake", post(checkpoints::wake))
+        .route("/v1/sandboxes/{id}/snapshots", post(checkpoints::snapshot))
+        .route("/v1/sandboxes/{id}/fork", post(checkpoints::fork))
+        .route("/v1/snapshots", get(checkpoints::list))
+        .route(
+            "/v1/snapshots/{id}",
+            get(checkpoints::get_one).delete(checkpoints::delete),
+        )
         .route(
             "/v1/sandboxes/{id}/exec",
             post(sandboxes::exec).get(sandboxes::exec_list),

@@ -24,7 +24,7 @@ fn fail(st: &AppState, rid: &RequestId, e: ApiError) -> Response {
     error_response(&e, &rid.0, st.docs_url.as_deref())
 }
 
-fn reply<T: serde::Serialize>(
+pub(super) fn reply<T: serde::Serialize>(
     st: &AppState,
     rid: &RequestId,
     status: StatusCode,

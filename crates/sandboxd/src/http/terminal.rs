@@ -63,7 +63,7 @@ pub(super) async fn terminal(
             )
         }
     };
-    let held = match st.node.use_sandbox(&id) {
+    let held = match st.node.use_sandbox(&id).await {
         Some(Ok(h)) => Some(h),
         Some(Err(e)) => return fail(e),
         None => None,

@@ -524,7 +524,12 @@ impl Node {
                 "the sandbox's agent does not watch directories: restart the sandbox to update it",
             ));
         }
-        crate::agent::watch::watch(conn, path, recursive).await
+        // A kept sandbox's watch ends when it goes to sleep (and is counted until then).
+        let ends = self.managed(id).ok().map(|m| crate::agent::watch::Ends {
+            asleep: m.asleep.subscribe(),
+            hold: Box::new(crate::node::sandbox::Attached::new(&m)),
+        });
+        crate::agent::watch::watch(conn, path, recursive, ends).await
     }
 
     /// An upload (a write or a tar unpack): `op` with `bytes` as they come.

@@ -37,16 +37,7 @@ impl Node {
                 .with_param("image"));
             }
         }
-        let held = self.sandbox_count() + self.managed.locked().len();
-        if held >= self.cfg.max_sandboxes {
-            return Err(ApiError::new(
-                ErrorCode::NoCapacity,
-                format!(
-                    "the node holds {held} sandboxes, its most (max_sandboxes {})",
-                    self.cfg.max_sandboxes
-                ),
-            ));
-        }
+        self.check_capacity()?;
         if let Some(v) = req.volumes.first() {
             return Err(ApiError::new(
                 ErrorCode::VolumeNotFound,
@@ -54,12 +45,12 @@ impl Node {
             )
             .with_param("volumes[0].volume"));
         }
-        if let Some(s) = &req.snapshot {
-            return Err(ApiError::new(
-                ErrorCode::SnapshotNotFound,
-                format!("no snapshot {s} on this node"),
-            )
-            .with_param("snapshot"));
+        // A kept sandbox made from a snapshot takes another path (`create_from_snapshot`); a
+        // run is not made from one.
+        if let Some(snap) = &req.snapshot {
+            self.get_snapshot(snap)
+                .map_err(|e| e.with_param("snapshot"))?;
+            return Err(not_served("snapshot", "runs made from snapshots"));
         }
         // A kept sandbox's template is looked up when its settings are taken
         // (`Node::apply_template`); a run is made from the base template alone.
@@ -96,7 +87,9 @@ impl Node {
             };
             return Err(not_served(param, "start commands in a run"));
         }
-        if req.on_expiry != sbx_api::OnExpiry::Delete {
+        if req.on_expiry != sbx_api::OnExpiry::Delete
+            && (!long_lived || self.checkpointer().is_err())
+        {
             return Err(not_served("on_expiry", "sleep"));
         }
         if req.guest_mitigations == Some(true) {
@@ -331,4 +324,22 @@ pub(crate) fn expires_in_ms(at: &str) -> Result<u64, ApiError> {
         .with_param("expires_at"));
     }
     Ok((left_ns / 1_000_000) as u64 + 1)
+}
+
+impl Node {
+    /// 503 no_capacity when the node holds its most sandboxes (runs' and kept ones); the
+    /// caller holds the admission lock until its sandbox is counted.
+    pub(crate) fn check_capacity(&self) -> Result<(), ApiError> {
+        let held = self.sandbox_count() + self.managed.locked().len();
+        if held >= self.cfg.max_sandboxes {
+            return Err(ApiError::new(
+                ErrorCode::NoCapacity,
+                format!(
+                    "the node holds {held} sandboxes, its most (max_sandboxes {})",
+                    self.cfg.max_sandboxes
+                ),
+            ));
+        }
+        Ok(())
+    }
 }

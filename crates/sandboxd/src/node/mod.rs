@@ -1,6 +1,7 @@
 //! The node: the sandbox table, the driver, and the actions the API (and later the functions
 //! interface and the CLI) run. Handlers parse and validate; this module acts.
 
+pub mod checkpoint;
 pub mod credentials;
 pub mod dns;
 pub mod egress;
@@ -57,6 +58,9 @@ pub struct NodeConfig {
     /// How long a kept sandbox may be idle before it pauses, where its create said nothing
     /// (`--sleep-after-seconds`; `None`: never).
     pub sleep_after: Option<Duration>,
+    /// How long a kept sandbox stays paused before it sleeps for real, where its create gives
+    /// no suspend_after_ms (`--suspend-after-seconds`).
+    pub suspend_after: Duration,
 }
 
 /// A sandbox in the table.
@@ -93,6 +97,8 @@ pub struct Node {
     pub(crate) net: std::sync::OnceLock<Arc<net::NodeNet>>,
     /// The preview listener (none: it is off); set once, when it is bound.
     pub(crate) preview: std::sync::OnceLock<crate::node::sandbox::PreviewSettings>,
+    /// Whether (and with what) the node checkpoints sandboxes; set once at start.
+    pub(crate) checkpoints: std::sync::OnceLock<checkpoint::Checkpoints>,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -153,6 +159,19 @@ impl Node {
     }
 
     /// Whether sandboxes of the HTTP API have network (the node has one).
+    /// Sets what the node checkpoints sandboxes with (once, at start).
+    pub fn set_checkpoints(&self, c: checkpoint::Checkpoints) {
+        let _ = self.checkpoints.set(c);
+    }
+
+    /// For `GET /internal/node`.
+    pub fn checkpoints_info(&self) -> serde_json::Value {
+        match self.checkpoints.get() {
+            Some(c) => c.info(),
+            None => serde_json::json!({ "available": false, "reason": "not checked yet" }),
+        }
+    }
+
     pub fn has_net(&self) -> bool {
         self.net.get().is_some()
     }
@@ -180,6 +199,7 @@ impl Node {
             stopping: AtomicBool::new(false),
             net: std::sync::OnceLock::new(),
             preview: std::sync::OnceLock::new(),
+            checkpoints: std::sync::OnceLock::new(),
         })
     }
 
@@ -190,7 +210,15 @@ impl Node {
     /// Removes what a previous run of the node left that the table does not keep: the
     /// sandboxes of runs and the warm pool (call after `recover`).
     pub fn reconcile(&self) -> usize {
-        let kept = self.kept_ids();
+        // Sandboxes that run, and sleeping ones (their cgroups wait for their wake).
+        let mut kept = self.kept_ids();
+        kept.extend(
+            self.managed
+                .locked()
+                .values()
+                .filter(|m| m.status() == sbx_api::SandboxStatus::Sleeping)
+                .map(|m| m.id.clone()),
+        );
         let known: std::collections::HashSet<String> =
             self.managed.locked().keys().cloned().collect();
         let mut n = 0;

@@ -134,6 +134,30 @@ impl super::egress::EgressView for View {
     }
 }
 
+/// A directory of the node's for files anybody may read (the sandboxes' CA bundle, nothing
+/// secret): `/run/sbx/<table>`, root's, mode 0755, made if missing; refused when it (or
+/// `/run/sbx`) is not a real directory of root's.
+fn public_dir(table: &str) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let base = PathBuf::from("/run/sbx");
+    let dir = base.join(table);
+    for d in [&base, &dir] {
+        match std::fs::create_dir(d) {
+            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let m = std::fs::symlink_metadata(d)?;
+        if !m.is_dir() || m.uid() != 0 || m.mode() & 0o022 != 0 {
+            return Err(std::io::Error::other(format!(
+                "{} is not a directory only root may write",
+                d.display()
+            )));
+        }
+    }
+    Ok(dir)
+}
+
 /// The host's CA bundle (Debian's place, else none) and the node's CA, in one file for the
 /// sandboxes.
 fn write_bundle(dir: &std::path::Path, ca_pem: &str) -> std::io::Result<PathBuf> {
@@ -159,6 +183,7 @@ impl NodeNet {
     /// (call inside the runtime).
     pub fn start(s: NetSettings) -> anyhow::Result<Arc<NodeNet>> {
         sbx_runtime::net::set_ipv4_forwarding(true)?;
+        let public = public_dir(&s.table)?;
         let network = Network::new(NetConfig {
             table: s.table,
             prefix: s.prefix,
@@ -181,7 +206,9 @@ impl NodeNet {
         super::dns::serve(udp, tcp, upstreams.clone(), policies.clone())?;
         // The egress proxy, with the node's CA (made once, kept in the data directory).
         let ca = Arc::new(super::egress::NodeCa::load_or_create(&s.data_dir)?);
-        let ca_bundle = write_bundle(&s.data_dir, ca.cert_pem())?;
+        // Outside the node's private data directory: a checkpoint's restore binds it into the
+        // sandbox again from inside the sandbox's user namespace, which must reach it.
+        let ca_bundle = write_bundle(&public, ca.cert_pem())?;
         let (_, proxy) = sbx_runtime::net::bind_gateway(SocketAddrV4::new(gw, PROXY_PORT))?;
         let view = Arc::new(View {
             policies: policies.clone(),
@@ -218,6 +245,31 @@ impl NodeNet {
         let lease = self.network.take()?;
         spec.netns = Some(lease.ns_path());
         self.leases.locked().insert(id.to_string(), lease);
+        self.fill_spec(spec);
+        Ok(())
+    }
+
+    /// For a sandbox that wakes: the namespace it kept while it slept, or a new one when it
+    /// has none (after the node's restart: then true). Where it is.
+    pub fn keep_or_take(
+        &self,
+        id: &str,
+        spec: &mut sbx_runtime::SandboxSpec,
+    ) -> Result<(crate::node::checkpoint::NetPlace, bool), sbx_runtime::net::NetError> {
+        let fresh = !self.leases.locked().contains_key(id);
+        if fresh {
+            self.take(id, spec)?;
+        } else {
+            self.fill_spec(spec);
+        }
+        let leases = self.leases.locked();
+        let l = leases.get(id).ok_or(sbx_runtime::net::NetError::NotOurs)?;
+        spec.netns = Some(l.ns_path());
+        Ok(((l.ns_path(), l.address(), l.gateway()), fresh))
+    }
+
+    /// A sandbox's DNS and CA bundle (its image's, where it has one).
+    fn fill_spec(&self, spec: &mut sbx_runtime::SandboxSpec) {
         // `runtime.dns`'s, where the caller wrote one.
         if spec.resolv_conf.is_none() {
             spec.resolv_conf = Some(self.resolv_conf.clone());
@@ -234,7 +286,6 @@ impl NodeNet {
                 }
             }
         }
-        Ok(())
     }
 
     /// Puts sandbox `id`'s egress rules in force (`None`: none of its own): the kernel's part

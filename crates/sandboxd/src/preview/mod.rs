@@ -246,8 +246,19 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
             ))
         }
     }
-    // A paused sandbox is thawed for the request, and kept awake until it is answered.
-    let held = match shared.node.use_sandbox(&target.id) {
+    // Held asleep: a request to a port does not wake it (only a call of the API does).
+    if shared.node.is_held_asleep(&target.id) {
+        return fail(ApiError::new(
+            ErrorCode::SandboxPaused,
+            format!(
+                "sandbox {} is held asleep: a call of the API wakes it",
+                target.id
+            ),
+        ));
+    }
+    // A paused sandbox is thawed for the request (a sleeping one woken), and kept awake until
+    // it is answered.
+    let held = match shared.node.use_sandbox(&target.id).await {
         Some(Ok(h)) => Some(h),
         Some(Err(e)) => return fail(e),
         None => None,

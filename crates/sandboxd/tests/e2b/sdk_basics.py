@@ -149,6 +149,23 @@ try:
     # Connect by id from a second client.
     s2 = Sandbox.connect(s.sandbox_id)
     check("connect: the same sandbox", s2.commands.run("cat /home/user/sdk/d/e.txt").stdout == "nested")
+
+    # Pause (the node's sleep: its processes saved with CRIU) and resume by connect: a process
+    # started before goes on, with what it holds in memory.
+    s.commands.run(
+        "nohup python3 -c 'import time\nx = 41\nwhile True:\n    open(\"/tmp/x\", \"w\").write(str(x)); x += 1; time.sleep(0.2)' "
+        ">/dev/null 2>&1 &"
+    )
+    time.sleep(1)
+    before = int(s.commands.run("cat /tmp/x").stdout)
+    check("pause: paused", s.pause() is True)
+    check("pause: the state is paused", Sandbox.get_info(s.sandbox_id).state.value == "paused")
+    check("pause again: already paused", Sandbox.pause(s.sandbox_id) is False)
+    s3 = Sandbox.connect(s.sandbox_id)
+    check("connect resumes it", Sandbox.get_info(s.sandbox_id).state.value == "running")
+    time.sleep(0.5)
+    after = int(s3.commands.run("cat /tmp/x").stdout)
+    check("resume: the process went on from its count", after > before, f"{before} then {after}")
 finally:
     s.kill()
 check("kill: gone from the list", all(i.sandbox_id != s.sandbox_id for i in Sandbox.list().next_items()))

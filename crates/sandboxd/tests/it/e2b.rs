@@ -210,12 +210,25 @@ fn keys_tokens_and_errors_are_e2b_s() {
         "POST",
         &format!("{base}/v2/sandboxes"),
         &key,
-        Some(r#"{"templateID":"base","autoPause":true}"#),
+        Some(r#"{"templateID":"base","mcp":{"x":{}}}"#),
     );
     assert_eq!(status, 501, "{body}");
     assert!(body.contains("not served"), "{body}");
+    // Pause is the node's sleep (held asleep): 204, then 409; listed paused; connect resumes
+    // it (201).
     let (status, body) = call("POST", &format!("{base}/sandboxes/{id}/pause"), &key, None);
-    assert_eq!(status, 501, "{body}");
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = call("POST", &format!("{base}/sandboxes/{id}/pause"), &key, None);
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(page("state=paused").0, vec![id.clone()]);
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/sandboxes/{id}/connect"),
+        &key,
+        Some(r#"{"timeout":60}"#),
+    );
+    assert_eq!(status, 201, "{body}");
+    assert!(page("state=paused").0.is_empty());
     let (status, body) = call(
         "GET",
         &format!("{base}/sandboxes/sbx-0000000000000000"),

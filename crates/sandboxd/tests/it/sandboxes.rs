@@ -192,7 +192,11 @@ fn create_get_list_and_delete() {
     assert!(v["next_cursor"].is_string(), "{v}");
     let (status, v) = get_json(&node, "/v1/sandboxes?bogus=1");
     assert_error(status, &v, 400, "unknown_parameter", Some("bogus"));
+    // sleeping is a status (none sleeps here); a word that is none is refused.
     let (status, v) = get_json(&node, "/v1/sandboxes?status=sleeping");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["data"], json!([]), "{v}");
+    let (status, v) = get_json(&node, "/v1/sandboxes?status=asleep");
     assert_error(status, &v, 400, "invalid_field", Some("status"));
     let (status, v) = get_json(&node, "/v1/sandboxes?limit=0");
     assert_error(status, &v, 400, "invalid_field", Some("limit"));

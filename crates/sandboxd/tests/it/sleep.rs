@@ -10,21 +10,7 @@ use serde_json::json;
 
 /// The freezer state of a sandbox's cgroup, read on the host (`FROZEN`, `THAWED`).
 fn freezer_state(node: &TestNode, id: &str) -> String {
-    let pid = node.agent_pid(id).expect("the sandbox's agent");
-    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("its cgroups");
-    let path = cg
-        .lines()
-        .find_map(|l| {
-            let mut parts = l.splitn(3, ':');
-            let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
-            ctrl.split(',')
-                .any(|c| c == "freezer")
-                .then(|| path.to_string())
-        })
-        .expect("a freezer cgroup (cgroup v1)");
-    let f = PathBuf::from("/sys/fs/cgroup/freezer")
-        .join(path.trim_start_matches('/'))
-        .join("freezer.state");
+    let f = cgroup_dir(node, id, "freezer").join("freezer.state");
     std::fs::read_to_string(&f)
         .unwrap_or_else(|e| panic!("{}: {e}", f.display()))
         .trim()
@@ -71,7 +57,7 @@ fn an_idle_sandbox_pauses_and_its_next_use_resumes_it() {
     let v = node.exec(
         &idle_id,
         &json!({
-            "command": "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 < /dev/null &",
+            "command": "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 < /dev/null &",
             "wait_seconds": 10,
         }),
     );
@@ -123,4 +109,311 @@ fn an_idle_sandbox_pauses_and_its_next_use_resumes_it() {
         node.delete_sandbox(id);
     }
     node.assert_clean(Duration::from_secs(10));
+}
+
+/// A Python service of the sandbox's own: it holds 40 MiB resident, and each TCP
+/// connection to port 7000 that sends `+` adds one to a count in its memory and answers the
+/// count (the ready check's connection sends nothing).
+const COUNTER: &str = r#"import socket
+blob = bytearray(b'x') * (40 << 20)
+n = 0
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', 7000))
+s.listen(16)
+while True:
+    c, _ = s.accept()
+    if c.recv(1) == b'+':
+        n += 1
+        c.sendall(str(n).encode())
+    c.close()
+"#;
+
+const ASK: &str = "import socket; c = socket.create_connection(('127.0.0.1', 7000), timeout=5); c.sendall(b'+'); print(c.recv(64).decode())";
+
+fn counter_sandbox(node: &TestNode, extra: serde_json::Value) -> String {
+    let mut body = json!({
+        "start_command": ["python3", "-c", COUNTER],
+        "ready": { "command": "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7000), timeout=1)\"" },
+        "sleep_after_seconds": null,
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    let r = node.post_json("/v1/sandboxes", &body);
+    let v = r.json();
+    assert_eq!(r.status, 201, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    // The first sandbox of its settings builds their template: answered starting.
+    let end = Instant::now() + Duration::from_secs(120);
+    while status(node, &id) != "running" {
+        assert!(Instant::now() < end, "not running: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    id
+}
+
+/// One connection to the counter: the count it answers.
+fn ask(node: &TestNode, id: &str) -> u64 {
+    let v = node.exec(
+        id,
+        &json!({ "command": ["python3", "-c", ASK], "wait_seconds": 20 }),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    stdout(&v)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("a count: {v}"))
+}
+
+fn status(node: &TestNode, id: &str) -> String {
+    let (s, v) = get_json(node, &format!("/v1/sandboxes/{id}"));
+    assert_eq!(s, 200, "{v}");
+    v["status"].as_str().unwrap().to_string()
+}
+
+/// The host directory of a running sandbox's cgroup of controller `ctrl` (cgroup v1).
+fn cgroup_dir(node: &TestNode, id: &str, ctrl: &str) -> PathBuf {
+    let pid = node.agent_pid(id).expect("the sandbox's agent");
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("its cgroups");
+    let path = cg
+        .lines()
+        .find_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+            ctrls
+                .split(',')
+                .any(|c| c == ctrl)
+                .then(|| path.to_string())
+        })
+        .unwrap_or_else(|| panic!("a {ctrl} cgroup (cgroup v1)"));
+    PathBuf::from("/sys/fs/cgroup")
+        .join(ctrl)
+        .join(path.trim_start_matches('/'))
+}
+
+/// The memory the cgroup at `dir` holds now.
+fn memory_usage(dir: &std::path::Path) -> u64 {
+    std::fs::read_to_string(dir.join("memory.usage_in_bytes"))
+        .map(|s| s.trim().parse().unwrap_or(0))
+        .unwrap_or(0)
+}
+
+fn post(node: &TestNode, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    let r = node.post_json(path, &body);
+    (r.status, r.json())
+}
+
+#[test]
+fn a_sleeping_sandbox_keeps_its_processes_memory_and_socket_across_wake_and_node_restart() {
+    let mut node = TestNode::start();
+    let (s, info) = get_json(&node, "/internal/node");
+    assert_eq!(s, 200);
+    assert_eq!(info["checkpoints"]["available"], true, "{info}");
+    let id = counter_sandbox(&node, json!({}));
+    assert_eq!(ask(&node, &id), 1);
+    assert_eq!(ask(&node, &id), 2);
+    let mem = cgroup_dir(&node, &id, "memory");
+    let awake = memory_usage(&mem);
+    assert!(awake > 40 << 20, "the counter's memory: {awake}");
+
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "sleeping", "{v}");
+    let asleep = memory_usage(&mem);
+    assert!(
+        asleep < awake / 4,
+        "asleep, its memory was not freed: {awake} then {asleep}"
+    );
+    // The next use wakes it where it was: the count in memory, the listening socket.
+    assert_eq!(ask(&node, &id), 3);
+    assert_eq!(status(&node, &id), "running");
+
+    // Asleep across a restart of the node, and woken after it.
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    node.stop();
+    node.restart();
+    assert_eq!(status(&node, &id), "sleeping");
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "running", "{v}");
+    assert_eq!(ask(&node, &id), 4);
+    // A command started before a sleep keeps its id and output across it.
+    let v = node.exec(
+        &id,
+        &json!({ "command": "echo before; sleep 2; echo after", "wait_seconds": 0 }),
+    );
+    let exec_id = v["id"].as_str().unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(300));
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    let done = node.exec_wait(&id, &exec_id, Duration::from_secs(30));
+    assert_eq!(stdout(&done), "before\nafter\n", "{done}");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn forks_go_on_from_the_same_count_then_apart_and_a_snapshot_outlives_its_sandbox() {
+    let node = TestNode::start();
+    let id = counter_sandbox(&node, json!({}));
+    for want in 1..=3 {
+        assert_eq!(ask(&node, &id), want);
+    }
+    node.exec(
+        &id,
+        &json!({ "command": "echo original > /tmp/who", "wait_seconds": 10 }),
+    );
+    let (s, v) = post(
+        &node,
+        &format!("/v1/sandboxes/{id}/fork"),
+        json!({ "count": 2 }),
+    );
+    assert_eq!(s, 201, "{v}");
+    let snap = v["snapshot"]["id"].as_str().unwrap().to_string();
+    assert!(snap.starts_with("snap-"), "{v}");
+    let forks: Vec<String> = v["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(forks.len(), 2, "{v}");
+    for f in &forks {
+        assert_ne!(f, &id);
+        assert_eq!(status(&node, f), "running");
+    }
+    // Each goes on from the count of the instant of the fork, on its own.
+    assert_eq!(ask(&node, &forks[0]), 4);
+    assert_eq!(ask(&node, &forks[0]), 5);
+    assert_eq!(ask(&node, &forks[1]), 4);
+    assert_eq!(ask(&node, &id), 4);
+    // Its own files: a write in one is not in the other.
+    node.exec(
+        &forks[0],
+        &json!({ "command": "echo fork > /tmp/who", "wait_seconds": 10 }),
+    );
+    let v = node.exec(
+        &forks[1],
+        &json!({ "command": "cat /tmp/who", "wait_seconds": 10 }),
+    );
+    assert_eq!(stdout(&v), "original\n", "{v}");
+    // Its own hostname.
+    let v = node.exec(
+        &forks[1],
+        &json!({ "command": "hostname", "wait_seconds": 10 }),
+    );
+    assert_eq!(stdout(&v).trim(), forks[1], "{v}");
+
+    // The snapshot is listed, and outlives its sandbox.
+    let (s, v) = get_json(&node, "/v1/snapshots");
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["id"] == snap),
+        "{v}"
+    );
+    node.delete_sandbox(&id);
+    let (s, v) = get_json(&node, &format!("/v1/snapshots/{snap}"));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "ready", "{v}");
+    assert_eq!(v["sandbox_id"], id, "{v}");
+    assert!(v["size_bytes"].as_u64().unwrap() > 0, "{v}");
+    let made = node.create_sandbox(&json!({ "snapshot": snap }));
+    let made_id = made["id"].as_str().unwrap().to_string();
+    assert_eq!(made["status"], "running", "{made}");
+    assert_eq!(ask(&node, &made_id), 4);
+    // The refusals of a create from a snapshot.
+    let (s, v) = post(
+        &node,
+        "/v1/sandboxes",
+        json!({ "snapshot": snap, "start_command": "true" }),
+    );
+    assert_eq!(s, 400, "{v}");
+    let (s, v) = post(
+        &node,
+        "/v1/sandboxes",
+        json!({ "snapshot": "snap-nothere" }),
+    );
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (404, Some("snapshot_not_found")),
+        "{v}"
+    );
+    let (s, v) = node_delete(&node, &format!("/v1/snapshots/{snap}"));
+    assert_eq!(s, 200, "{v}");
+    for f in forks.iter().chain([&made_id]) {
+        node.delete_sandbox(f);
+    }
+    node.assert_clean(Duration::from_secs(10));
+}
+
+fn node_delete(node: &TestNode, path: &str) -> (u16, serde_json::Value) {
+    let r = node.delete(path, &[]);
+    (r.status, r.json())
+}
+
+#[test]
+fn an_idle_sandbox_pauses_then_sleeps_and_the_next_exec_wakes_it() {
+    let node = TestNode::start();
+    let id = counter_sandbox(
+        &node,
+        json!({ "sleep_after_seconds": 1, "suspend_after_ms": 1000 }),
+    );
+    assert_eq!(ask(&node, &id), 1);
+    let mem = cgroup_dir(&node, &id, "memory");
+    let awake = memory_usage(&mem);
+    let end = Instant::now() + Duration::from_secs(20);
+    while status(&node, &id) != "sleeping" {
+        assert!(Instant::now() < end, "an idle sandbox did not sleep");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let asleep = memory_usage(&mem);
+    assert!(asleep < awake / 4, "memory {awake} then {asleep}");
+    assert_eq!(ask(&node, &id), 2);
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn a_node_without_criu_says_so_and_refuses_sleep_with_503() {
+    let node = TestNode::start_with(&["--criu", "/nonexistent/criu"]);
+    let (s, info) = get_json(&node, "/internal/node");
+    assert_eq!(s, 200);
+    assert_eq!(info["checkpoints"]["available"], false, "{info}");
+    assert!(info["checkpoints"]["reason"].is_string(), "{info}");
+    let v = node.create_sandbox(&json!({}));
+    let id = v["id"].as_str().unwrap().to_string();
+    for path in [
+        format!("/v1/sandboxes/{id}/sleep"),
+        format!("/v1/sandboxes/{id}/snapshots"),
+        format!("/v1/sandboxes/{id}/fork"),
+    ] {
+        let (s, v) = post(&node, &path, json!({}));
+        assert_eq!(
+            (s, v["error"]["code"].as_str()),
+            (503, Some("not_served_here")),
+            "{path}: {v}"
+        );
+    }
+    let (s, v) = post(
+        &node,
+        "/v1/sandboxes",
+        json!({ "on_expiry": "sleep", "expires_at": crate::common::rfc3339_in(Duration::from_secs(60)) }),
+    );
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (503, Some("not_served_here")),
+        "{v}"
+    );
+    // Everything else works.
+    let v = node.exec(&id, &json!({ "command": "echo ok", "wait_seconds": 10 }));
+    assert_eq!(stdout(&v), "ok\n");
+    node.delete_sandbox(&id);
 }

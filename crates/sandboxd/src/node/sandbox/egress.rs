@@ -97,15 +97,28 @@ impl Node {
         };
         if let Some(k) = obj
             .keys()
-            .find(|k| !matches!(k.as_str(), "egress" | "expires_at"))
+            .find(|k| !matches!(k.as_str(), "egress" | "expires_at" | "held_asleep"))
         {
             return Err(ApiError::new(
                 ErrorCode::UnknownField,
-                format!("{k} is not a field this call takes (egress and expires_at are)"),
+                format!(
+                    "{k} is not a field this call takes (egress, expires_at and held_asleep are)"
+                ),
             )
             .with_param(k.clone()));
         }
         let m = self.managed(id)?;
+        let held = match obj.get("held_asleep") {
+            None => None,
+            Some(Value::Null) => Some(false),
+            Some(Value::Bool(b)) => Some(*b),
+            Some(_) => {
+                return Err(ApiError::invalid_field(
+                    "held_asleep",
+                    "held_asleep must be true, false or null",
+                ))
+            }
+        };
         let expires_at = match obj.get("expires_at") {
             None => None,
             Some(Value::Null) => Some(None),
@@ -117,6 +130,14 @@ impl Node {
                 ))
             }
         };
+        if let Some(h) = held {
+            // The rules are checked before anything changes.
+            if let Some(e) = obj.get("egress").filter(|e| e.is_object()) {
+                let merged = merge(m.egress.locked().as_ref(), e);
+                self.check_egress(merged.as_ref(), m.spec.network)?;
+            }
+            self.set_held(&m, h)?;
+        }
         if let Some(at) = expires_at {
             if let Some(e) = obj.get("egress") {
                 // Both or neither: the rules are checked before the expiry changes.
@@ -150,6 +171,7 @@ impl Node {
         let mut spec = m.spec.clone();
         spec.egress = merged.clone();
         spec.expires_at = m.expiry.locked().0.clone();
+        spec.held_asleep = m.held.load(std::sync::atomic::Ordering::SeqCst);
         let json = serde_json::to_string(&spec)
             .map_err(crate::node::internal("a sandbox's spec as JSON"))?;
         self.store

@@ -174,10 +174,33 @@ impl Node {
             let wait = HostMsg::Wait {
                 exec_id: row.exec_id.clone(),
             };
-            if let Ok(AgentMsg::State(state)) = one_shot(&sb.socket, &wait).await {
-                let obj = final_object(&m, &row, Some(&state));
-                if let Ok(json) = serde_json::to_string(&obj) {
-                    let _ = node.store.set_exec_final(&m.id, &row.exec_id, &json);
+            let mut asleep = m.asleep.subscribe();
+            let mut sb = sb;
+            loop {
+                let attached = Attached::new(&m);
+                tokio::select! {
+                    got = one_shot(&sb.socket, &wait) => {
+                        if let Ok(AgentMsg::State(state)) = got {
+                            let obj = final_object(&m, &row, Some(&state));
+                            if let Ok(json) = serde_json::to_string(&obj) {
+                                let _ = node.store.set_exec_final(&m.id, &row.exec_id, &json);
+                            }
+                        }
+                        break;
+                    }
+                    // The sandbox goes to sleep: let go of its agent (a connection open to it
+                    // cannot be checkpointed), and wait again once it is awake.
+                    _ = async { asleep.wait_for(|a| *a).await.map(|_| ()) } => {
+                        drop(attached);
+                        let woke = async { asleep.wait_for(|a| !*a).await.map(|_| ()) }.await;
+                        if woke.is_err() {
+                            break;
+                        }
+                        match m.machine() {
+                            Some(now) => sb = now,
+                            None => break,
+                        }
+                    }
                 }
             }
             drop(slot);
@@ -557,4 +580,23 @@ async fn acted_on(mut conn: AgentConn) -> Result<(), ApiError> {
     .map_err(agent_lost)?;
     conn.release();
     Ok(())
+}
+
+/// Counts a watcher's connection to the sandbox's agent while it is open (a sleep waits for
+/// none to be).
+pub(crate) struct Attached(Arc<Managed>);
+
+impl Attached {
+    pub(crate) fn new(m: &Arc<Managed>) -> Attached {
+        m.attached.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Attached(m.clone())
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.0
+            .attached
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }

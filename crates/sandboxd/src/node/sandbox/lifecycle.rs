@@ -26,6 +26,9 @@ impl Node {
         if self.is_stopping() {
             return Err(crate::node::stopping_error());
         }
+        if c.spec.snapshot.is_some() {
+            return self.create_from_snapshot(c).await;
+        }
         let network = c.network.unwrap_or(self.has_net()) && self.has_net();
         let req = c.spec;
         // Until the sandbox is among the kept ones: its place is taken.
@@ -66,20 +69,7 @@ impl Node {
             Some(sb) => sb.id.clone(),
             None => sbx_api::new_id("sbx"),
         };
-        let row = SandboxRow {
-            id: id.clone(),
-            name: req.name.clone(),
-            status: "starting".into(),
-            spec: serde_json::to_string(&spec)
-                .map_err(crate::node::internal("a sandbox's spec as JSON"))?,
-            pid: None,
-            start_time: None,
-            created_at_ns: crate::image::now_ns() as i64,
-            started_at_ns: None,
-            failure_code: None,
-            failure: None,
-            restarts: 0,
-        };
+        let row = SandboxRow::starting(&id, req.name.clone(), &spec)?;
         let give_back = |node: &Arc<Self>, warm: Option<Arc<Sandbox>>| node.give_back_warm(warm);
         if let Err(e) = self.reserve_name(req.name.as_deref(), &id) {
             give_back(self, warm);
@@ -94,17 +84,14 @@ impl Node {
                 return Err(ApiError::internal());
             }
         };
-        if let Err(e) = self.store.insert_sandbox(&row) {
-            self.release_name(req.name.as_deref());
-            give_back(self, warm);
-            return Err(store_err(e));
-        }
-        let m = Arc::new(Managed::new(row, spec));
-        self.managed.locked().insert(id.clone(), m.clone());
+        let m = match self.keep(row, spec, expires_in_ms) {
+            Ok(m) => m,
+            Err(e) => {
+                give_back(self, warm);
+                return Err(e);
+            }
+        };
         drop(admission);
-        if let Some(ms) = expires_in_ms {
-            self.expire_at(&m, ms);
-        }
         let answer_starting = match &plan {
             Plan::Base | Plan::Ready => false,
             Plan::Build(_) => pulls || checks,
@@ -125,6 +112,26 @@ impl Node {
         // A failed boot leaves the sandbox `failed`, to be seen and deleted.
         let _ = self.boot_planned(&m, warm, plan).await;
         Ok(self.sandbox_object(&m))
+    }
+
+    /// Records a new sandbox (its name reserved already; given back on failure) among the
+    /// kept ones, and arms its expiry.
+    pub(crate) fn keep(
+        self: &Arc<Self>,
+        row: SandboxRow,
+        spec: StoredSpec,
+        expires_in_ms: Option<u64>,
+    ) -> Result<Arc<Managed>, ApiError> {
+        if let Err(e) = self.store.insert_sandbox(&row) {
+            self.release_name(row.name.as_deref());
+            return Err(store_err(e));
+        }
+        let m = Arc::new(Managed::new(row, spec));
+        self.managed.locked().insert(m.id.clone(), m.clone());
+        if let Some(ms) = expires_in_ms {
+            self.expire_at(&m, ms);
+        }
+        Ok(m)
     }
 
     /// `POST /internal/templates`: builds the template of a create's settings ahead, keeping
@@ -234,6 +241,9 @@ impl Node {
             public_ports_except: req.public_ports_except.clone(),
             token: None,
             sleep_after: sleep::SleepAfter::from_request(req.sleep_after_seconds),
+            suspend_after_ms: req.suspend_after_ms,
+            on_expiry: req.on_expiry,
+            held_asleep: req.held_asleep,
         };
         if let Some(key) = req.template.as_deref().filter(|k| *k != BASE) {
             self.apply_template(&mut spec, key, &req.limits)?;
@@ -299,6 +309,7 @@ impl Node {
         let node = self.clone();
         let id = m.id.clone();
         let armed = m.expiry.locked().1;
+        let m_on_expiry = m.spec.on_expiry;
         let m = Arc::downgrade(m);
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -307,8 +318,25 @@ impl Node {
                 Some(m) if m.expiry.locked().1 == armed => {}
                 _ => return,
             }
-            tracing::info!(sandbox = %id, "expired: deleting");
-            let _ = node.delete_sandbox(&id).await;
+            let on_expiry = m_on_expiry;
+            if on_expiry == sbx_api::OnExpiry::Delete {
+                tracing::info!(sandbox = %id, "expired: deleting");
+                let _ = node.delete_sandbox(&id).await;
+                return;
+            }
+            // sleep / hold: put to sleep whatever goes on in it, and kept; its expires_at is
+            // null from then on (hold: held asleep too).
+            let Some(m) = node.managed(&id).ok() else {
+                return;
+            };
+            tracing::info!(sandbox = %id, ?on_expiry, "expired: put to sleep");
+            if on_expiry == sbx_api::OnExpiry::Hold {
+                let _ = node.set_held(&m, true);
+            }
+            let _ = node.set_expiry(&m, None);
+            if let Err(e) = node.sleep_managed(&m, true).await {
+                tracing::warn!(sandbox = %id, error = %e.message, "expired: not put to sleep");
+            }
         });
     }
 
@@ -329,6 +357,7 @@ impl Node {
         let mut spec = m.spec.clone();
         spec.egress = egress.clone();
         spec.expires_at = at.clone();
+        spec.held_asleep = m.held.load(std::sync::atomic::Ordering::SeqCst);
         let json = serde_json::to_string(&spec)
             .map_err(crate::node::internal("a sandbox's spec as JSON"))?;
         self.store
@@ -349,6 +378,23 @@ impl Node {
         // The machine stays visible until its commands' final objects are recorded: a command
         // asked about meanwhile is answered by the agent, then by its record.
         let Some(sb) = m.machine() else {
+            if m.status() == SandboxStatus::Sleeping
+                || m.asleep.send_replace(false)
+                || self.sandboxes_dir().join(&m.id).join("sleep").exists()
+            {
+                // Asleep: no process of it runs; its saved processes, cgroups and network go.
+                self.release_net(&m.id);
+                let driver = self.driver.clone();
+                let (id, images) = (
+                    m.id.clone(),
+                    crate::node::checkpoint::images_dir(&self.sandboxes_dir().join(&m.id)),
+                );
+                let _ = tokio::task::spawn_blocking(move || {
+                    let _ = std::fs::remove_dir_all(images);
+                    driver.remove_leftovers(&id)
+                })
+                .await;
+            }
             return;
         };
         // A paused machine is thawed first: its agent answers, its start command gets its
@@ -532,6 +578,17 @@ impl Node {
                     .filter(|sb| sb.is_alive()),
                 _ => None,
             };
+            if row.status == SandboxStatus::Sleeping.as_str() {
+                // Asleep on disk: it stays so, and wakes at its next use. Its commands are
+                // watched again once it is awake.
+                m.rewatch.store(true, std::sync::atomic::Ordering::SeqCst);
+                if let Some(n) = m.name() {
+                    let _ = self.reserve_name(Some(&n), &m.id);
+                }
+                self.managed.locked().insert(m.id.clone(), m.clone());
+                adopted += 1;
+                continue;
+            }
             match alive {
                 Some(sb) => {
                     // Paused when the previous node went: it runs on thawed (and pauses

@@ -9,8 +9,10 @@ mod exec;
 mod lifecycle;
 mod output;
 pub(crate) mod sleep;
+mod snapshot;
 
 pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
+pub(crate) use exec::Attached;
 use exec::*;
 use output::*;
 
@@ -92,6 +94,39 @@ pub struct StoredSpec {
     /// `sleep_after_seconds` as the create gave it (absent: the node's default).
     #[serde(default)]
     pub sleep_after: sleep::SleepAfter,
+    /// `suspend_after_ms` as the create gave it (none: the node's).
+    #[serde(default)]
+    pub suspend_after_ms: Option<u32>,
+    /// What its expires_at does when it comes.
+    #[serde(default)]
+    pub on_expiry: sbx_api::OnExpiry,
+    /// `held_asleep` (a PATCH, E2B's pause and connect change it).
+    #[serde(default)]
+    pub held_asleep: bool,
+}
+
+impl SandboxRow {
+    /// The row of a sandbox made now, `starting`.
+    pub(crate) fn starting(
+        id: &str,
+        name: Option<String>,
+        spec: &StoredSpec,
+    ) -> Result<SandboxRow, ApiError> {
+        Ok(SandboxRow {
+            id: id.to_string(),
+            name,
+            status: "starting".into(),
+            spec: serde_json::to_string(spec)
+                .map_err(crate::node::internal("a sandbox's spec as JSON"))?,
+            pid: None,
+            start_time: None,
+            created_at_ns: crate::image::now_ns() as i64,
+            started_at_ns: None,
+            failure_code: None,
+            failure: None,
+            restarts: 0,
+        })
+    }
 }
 
 impl StoredSpec {
@@ -268,6 +303,15 @@ pub struct Managed {
     /// When it was last used, by how many now, and whether it is paused
     /// ([`sleep`](super::sandbox::sleep)).
     pub(crate) idle: Mutex<sleep::Idle>,
+    /// True from before a sleep's checkpoint to after its wake: the node's watchers of its
+    /// commands let go of the agent meanwhile.
+    pub(crate) asleep: tokio::sync::watch::Sender<bool>,
+    /// Connections of the node's watchers open to its agent now.
+    pub(crate) attached: std::sync::atomic::AtomicUsize,
+    /// Asleep when the node started: its commands have no watcher until it wakes.
+    pub(crate) rewatch: std::sync::atomic::AtomicBool,
+    /// `held_asleep`: while it sleeps, a request to one of its ports does not wake it.
+    pub(crate) held: std::sync::atomic::AtomicBool,
 }
 
 impl Managed {
@@ -283,6 +327,10 @@ impl Managed {
             egress: Mutex::new(spec.egress.clone()),
             expiry: Mutex::new((spec.expires_at.clone(), 0)),
             idle: Mutex::new(sleep::Idle::new()),
+            asleep: tokio::sync::watch::Sender::new(false),
+            attached: std::sync::atomic::AtomicUsize::new(0),
+            rewatch: std::sync::atomic::AtomicBool::new(false),
+            held: std::sync::atomic::AtomicBool::new(spec.held_asleep),
             spec,
         }
     }
@@ -312,14 +360,14 @@ fn not_found(id: &str) -> ApiError {
     ApiError::new(ErrorCode::SandboxNotFound, format!("no sandbox {id}"))
 }
 
-fn wrong_state(status: SandboxStatus, what: &str) -> ApiError {
+pub(crate) fn wrong_state(status: SandboxStatus, what: &str) -> ApiError {
     ApiError::new(
         ErrorCode::SandboxNotRunning,
         format!("the sandbox is {}: it cannot {what}", status.as_str()),
     )
 }
 
-fn store_err(e: crate::store::StoreError) -> ApiError {
+pub(crate) fn store_err(e: crate::store::StoreError) -> ApiError {
     tracing::error!(error = %e, "state database");
     ApiError::internal()
 }
@@ -527,6 +575,9 @@ mod tests {
             public_ports_except: None,
             token: None,
             sleep_after: sleep::SleepAfter::default(),
+            suspend_after_ms: None,
+            on_expiry: sbx_api::OnExpiry::Delete,
+            held_asleep: false,
         }
     }
 

@@ -8,16 +8,25 @@
 //! In use means: a request for it in flight (its answer's body included, so an event stream
 //! or a download holds it), a terminal open, a command of its running. The start command
 //! does not count: it is the machine's own service, paused with the rest.
+//!
+//! A sandbox paused for `suspend_after_ms` (the node's `--suspend-after-seconds` when the
+//! create said nothing) sleeps for real, where the node checkpoints (`node/checkpoint.rs`):
+//! its processes are saved to disk with their memory, which is freed; status `sleeping`.
+//! `POST /v1/sandboxes/{id}/sleep` does it at once, whatever runs in it (its commands keep their
+//! ids, output and positions). Any use wakes it, as a paused one is resumed; it survives the
+//! node's restart asleep.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sbx_api::{ApiError, SandboxStatus};
+use sbx_api::{ApiError, ErrorCode, SandboxObject, SandboxStatus};
 use serde::{Deserialize, Serialize};
 
-use super::Managed;
+use super::{store_err, wrong_state, Managed, START_EXEC};
+use crate::node::checkpoint::{images_dir, Checkpointer};
 use crate::node::Node;
 use crate::sync::LockExt;
+use sbx_runtime::Sandbox;
 
 /// How often the node looks for idle sandboxes.
 const SWEEP: Duration = Duration::from_millis(250);
@@ -58,9 +67,11 @@ pub(crate) struct Idle {
     /// When the last use ended (or began, while one goes on).
     last: Instant,
     /// Uses going on now.
-    users: u32,
+    pub(super) users: u32,
     /// Since when it is paused (frozen).
     paused_since: Option<Instant>,
+    /// Being put to sleep or woken: a use waits for the sandbox's op lock, then looks again.
+    pub(super) changing: bool,
 }
 
 impl Idle {
@@ -69,6 +80,7 @@ impl Idle {
             last: Instant::now(),
             users: 0,
             paused_since: None,
+            changing: false,
         }
     }
 
@@ -100,28 +112,43 @@ impl Drop for InUse {
 }
 
 impl Node {
-    /// Marks kept sandbox `id_or_name` in use, thawing it first if it is paused; `None` for
-    /// a sandbox the node does not keep (the caller's own lookup answers for it).
-    pub fn use_sandbox(&self, id_or_name: &str) -> Option<Result<InUse, ApiError>> {
+    /// Marks kept sandbox `id_or_name` in use, waking it first if it sleeps and resuming it
+    /// if it is paused; `None` for a sandbox the node does not keep (the caller's own lookup
+    /// answers for it).
+    pub async fn use_sandbox(
+        self: &Arc<Self>,
+        id_or_name: &str,
+    ) -> Option<Result<InUse, ApiError>> {
         let m = self.managed(id_or_name).ok()?;
-        Some(self.use_managed(&m))
+        Some(self.use_managed(&m).await)
     }
 
-    pub(crate) fn use_managed(&self, m: &Arc<Managed>) -> Result<InUse, ApiError> {
-        let mut idle = m.idle.locked();
-        if idle.paused_since.is_some() {
-            if let Some(sb) = m.machine() {
-                if let Err(e) = sb.set_paused(false) {
-                    tracing::error!(sandbox = %m.id, error = %e, "thaw");
-                    return Err(ApiError::internal());
-                }
-                tracing::debug!(sandbox = %m.id, "resumed");
+    pub(crate) async fn use_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<InUse, ApiError> {
+        loop {
+            if m.status() == SandboxStatus::Sleeping {
+                self.wake_managed(m).await?;
             }
-            idle.paused_since = None;
+            {
+                let mut idle = m.idle.locked();
+                if !idle.changing && m.status() != SandboxStatus::Sleeping {
+                    if idle.paused_since.is_some() {
+                        if let Some(sb) = m.machine() {
+                            if let Err(e) = sb.set_paused(false) {
+                                tracing::error!(sandbox = %m.id, error = %e, "thaw");
+                                return Err(ApiError::internal());
+                            }
+                            tracing::debug!(sandbox = %m.id, "resumed");
+                        }
+                        idle.paused_since = None;
+                    }
+                    idle.users += 1;
+                    idle.last = Instant::now();
+                    return Ok(InUse { m: m.clone() });
+                }
+            }
+            // Being put to sleep (or woken): wait for that to end, then look again.
+            drop(m.op.lock().await);
         }
-        idle.users += 1;
-        idle.last = Instant::now();
-        Ok(InUse { m: m.clone() })
     }
 
     /// Whether kept sandbox `m` is paused now.
@@ -141,7 +168,9 @@ impl Node {
         let Some(after) = self.sleep_after(m) else {
             return;
         };
-        if m.status() != SandboxStatus::Running || !m.running.locked().is_empty() {
+        if m.status() != SandboxStatus::Running
+            || m.running.locked().iter().any(|e| e != START_EXEC)
+        {
             return;
         }
         let Some(sb) = m.machine() else {
@@ -165,6 +194,227 @@ impl Node {
             }
             Err(e) => tracing::warn!(sandbox = %m.id, error = %e, "pause"),
         }
+    }
+
+    /// How long `m` stays paused before it sleeps for real.
+    pub(crate) fn suspend_after(&self, m: &Managed) -> Duration {
+        m.spec
+            .suspend_after_ms
+            .map(|ms| Duration::from_millis(u64::from(ms)))
+            .unwrap_or(self.cfg.suspend_after)
+    }
+
+    /// Whether `m` has been paused long enough to sleep (on a node that checkpoints).
+    fn suspend_due(&self, m: &Managed, now: Instant) -> bool {
+        if self.checkpointer().is_err() {
+            return false;
+        }
+        let idle = m.idle.locked();
+        !idle.changing
+            && idle.users == 0
+            && idle
+                .paused_since
+                .is_some_and(|t| now.saturating_duration_since(t) >= self.suspend_after(m))
+    }
+
+    /// The node's checkpointer, or 503 not_served_here saying why it has none.
+    pub(crate) fn checkpointer(&self) -> Result<Arc<dyn Checkpointer>, ApiError> {
+        match self.checkpoints.get() {
+            Some(c) => c.get(),
+            None => crate::node::checkpoint::Checkpoints::Off("not checked yet".into()).get(),
+        }
+    }
+
+    /// `POST /v1/sandboxes/{id}/sleep`: puts it to sleep now, whatever runs in it.
+    pub async fn sleep_sandbox(self: &Arc<Self>, id: &str) -> Result<SandboxObject, ApiError> {
+        let m = self.managed(id)?;
+        self.sleep_managed(&m, true).await?;
+        Ok(self.sandbox_object(&m))
+    }
+
+    /// `POST /v1/sandboxes/{id}/wake`.
+    pub async fn wake_sandbox(self: &Arc<Self>, id: &str) -> Result<SandboxObject, ApiError> {
+        let m = self.managed(id)?;
+        self.checkpointer()?;
+        self.wake_managed(&m).await?;
+        Ok(self.sandbox_object(&m))
+    }
+
+    /// Puts `m` to sleep: its processes saved to its directory, its memory freed. `asked`: a
+    /// caller asked (it waits a moment for uses going on to end; commands running are saved
+    /// with the rest); else the node's own timer (nothing may be in use or running).
+    pub(crate) async fn sleep_managed(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        asked: bool,
+    ) -> Result<(), ApiError> {
+        let ck = self.checkpointer()?;
+        let _op = m.op.lock().await;
+        match m.status() {
+            SandboxStatus::Sleeping => return Ok(()),
+            SandboxStatus::Running => {}
+            s => return Err(wrong_state(s, "sleep")),
+        }
+        let Some(sb) = m.machine() else {
+            return Err(wrong_state(SandboxStatus::Starting, "sleep"));
+        };
+        // A command running keeps it awake but for a sleep asked for.
+        if !asked && m.running.locked().iter().any(|e| e != START_EXEC) {
+            return Err(ApiError::new(
+                ErrorCode::Unavailable,
+                "a command runs in the sandbox",
+            ));
+        }
+        // Nothing of it in use from here on: a use that comes waits for the op lock.
+        self.quiesce(m, 0).await?;
+        let result = self.put_to_sleep(m, &sb, ck).await;
+        m.idle.locked().changing = false;
+        result
+    }
+
+    async fn put_to_sleep(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        sb: &Arc<Sandbox>,
+        ck: Arc<dyn Checkpointer>,
+    ) -> Result<(), ApiError> {
+        let started = Instant::now();
+        let images = images_dir(&self.sandboxes_dir().join(&m.id));
+        let sb2 = sb.clone();
+        let network = m.spec.network && self.net.get().is_some();
+        let done = tokio::task::spawn_blocking(move || {
+            let _ = std::fs::remove_dir_all(&images);
+            std::fs::create_dir_all(&images).map_err(|e| e.to_string())?;
+            ck.sleep(&sb2, &images, network)
+        })
+        .await
+        .map_err(crate::node::internal("a sleep's thread"))?;
+        if let Err(why) = done {
+            self.unquiesce(m, sb).await;
+            tracing::error!(sandbox = %m.id, error = %why, "sleep");
+            return Err(ApiError::new(
+                ErrorCode::Internal,
+                format!("the sandbox could not be put to sleep: {why}"),
+            ));
+        }
+        m.machine.locked().take();
+        {
+            let mut row = m.row.locked();
+            row.status = SandboxStatus::Sleeping.as_str().into();
+            row.pid = None;
+            row.start_time = None;
+            self.store.update_sandbox(&row).map_err(store_err)?;
+        }
+        tracing::info!(sandbox = %m.id, ms = started.elapsed().as_millis() as u64, "asleep");
+        Ok(())
+    }
+
+    /// Wakes `m` where it was (nothing if it does not sleep).
+    pub(crate) async fn wake_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<(), ApiError> {
+        let _op = m.op.lock().await;
+        if m.status() != SandboxStatus::Sleeping {
+            return Ok(());
+        }
+        let ck = self.checkpointer()?;
+        m.idle.locked().changing = true;
+        let r = self.wake_locked(m, ck).await;
+        m.idle.locked().changing = false;
+        r
+    }
+
+    async fn wake_locked(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        ck: Arc<dyn Checkpointer>,
+    ) -> Result<(), ApiError> {
+        let started = Instant::now();
+        let (mut spec, _) = self.machine_spec(m).await.map_err(|(_, e)| e)?;
+        // Its network as it was: the namespace the node kept (its veth, address, rules), or
+        // after the node's restart a new one.
+        let mut fresh_network = false;
+        let mut place = None;
+        if m.spec.network {
+            if let Some(net) = self.net.get() {
+                let (p, fresh) = net.keep_or_take(&m.id, &mut spec).map_err(|e| {
+                    ApiError::new(
+                        ErrorCode::Unavailable,
+                        format!("no network for the sandbox: {e}"),
+                    )
+                })?;
+                place = Some(p);
+                fresh_network = fresh;
+            }
+        }
+        let images = images_dir(&spec.dir);
+        let woke = tokio::task::spawn_blocking(move || ck.wake(&spec, &images, place))
+            .await
+            .map_err(crate::node::internal("a wake's thread"))?;
+        let sb = match woke {
+            Ok(sb) => Arc::new(sb),
+            Err(why) => {
+                tracing::error!(sandbox = %m.id, error = %why, "wake");
+                return Err(ApiError::new(
+                    ErrorCode::Internal,
+                    format!("the sandbox could not be woken: {why}"),
+                ));
+            }
+        };
+        crate::node::checkpoint::after(&sb).await.ok();
+        *m.machine.locked() = Some(sb.clone());
+        if fresh_network {
+            if let Err(e) = self.apply_egress_of(m) {
+                tracing::error!(sandbox = %m.id, error = %e.message, "egress rules after a wake");
+            }
+        }
+        self.watch_agent(m, &sb);
+        {
+            let mut row = m.row.locked();
+            row.status = SandboxStatus::Running.as_str().into();
+            row.pid = Some(sb.pid);
+            row.start_time = sb.start_time;
+            self.store.update_sandbox(&row).map_err(store_err)?;
+        }
+        m.asleep.send_replace(false);
+        if m.rewatch.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let boot = m.boot();
+            for e in self.store.execs(&m.id).unwrap_or_default() {
+                if e.final_json.is_none() && e.boot == boot {
+                    let slot = super::ExecSlot::hold(m, &e.exec_id);
+                    self.watch_exec(m.clone(), sb.clone(), e, slot);
+                }
+            }
+        }
+        {
+            let mut idle = m.idle.locked();
+            idle.last = Instant::now();
+        }
+        tracing::info!(sandbox = %m.id, ms = started.elapsed().as_millis() as u64, "awake");
+        Ok(())
+    }
+
+    /// Sets `held_asleep` of `m`, kept across restarts.
+    pub(crate) fn set_held(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
+        let egress = m.egress.locked();
+        let expiry = m.expiry.locked();
+        m.held.store(held, std::sync::atomic::Ordering::SeqCst);
+        let mut spec = m.spec.clone();
+        spec.egress = egress.clone();
+        spec.expires_at = expiry.0.clone();
+        spec.held_asleep = held;
+        let json = serde_json::to_string(&spec)
+            .map_err(crate::node::internal("a sandbox's spec as JSON"))?;
+        self.store
+            .update_sandbox_spec(&m.id, &json)
+            .map_err(store_err)
+    }
+
+    /// Whether a request to one of sandbox `id`'s ports must not wake it: it sleeps, held
+    /// asleep.
+    pub fn is_held_asleep(&self, id: &str) -> bool {
+        self.managed(id).is_ok_and(|m| {
+            m.status() == SandboxStatus::Sleeping
+                && m.held.load(std::sync::atomic::Ordering::SeqCst)
+        })
     }
 
     /// Forgets that `m` was paused: its machine is ending or was replaced (a delete, a
@@ -191,6 +441,14 @@ impl Node {
                 let now = Instant::now();
                 for m in all {
                     node.pause_if_idle(&m, now);
+                    if node.suspend_due(&m, now) {
+                        let (node, m) = (node.clone(), m.clone());
+                        tokio::spawn(async move {
+                            if let Err(e) = node.sleep_managed(&m, false).await {
+                                tracing::info!(sandbox = %m.id, error = %e.message, "not put to sleep");
+                            }
+                        });
+                    }
                 }
             }
         });

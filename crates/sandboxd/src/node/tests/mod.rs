@@ -77,6 +77,7 @@ fn config(dir: &Path) -> NodeConfig {
         image_allowlist: None,
         max_sandboxes: 16,
         sleep_after: None,
+        suspend_after: Duration::from_secs(600),
     }
 }
 

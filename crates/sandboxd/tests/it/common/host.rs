@@ -222,6 +222,9 @@ impl TestNode {
             }
             for dir in &dirs {
                 for sub in subdirs(dir) {
+                    // A frozen (paused) sandbox's processes die only once thawed.
+                    let _ = fs::write(sub.join("freezer.state"), "THAWED");
+                    let _ = fs::write(sub.join("cgroup.freeze"), "0");
                     let procs = fs::read_to_string(sub.join("cgroup.procs")).unwrap_or_default();
                     for pid in procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
                         send_signal(pid, libc::SIGKILL);

@@ -1,0 +1,150 @@
+//! The node's side of checkpoints (sbx-runtime's `criu` does the work): whether this node can
+//! put sandboxes to sleep, snapshot and fork them, and the one interface the sandbox verbs
+//! (`sandbox/sleep.rs`, `sandbox/snapshot.rs`) call, so that a node test can put a fake in its
+//! place.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sbx_api::{ApiError, ErrorCode};
+use sbx_runtime::driver::{NamespaceDriver, SandboxSpec};
+use sbx_runtime::Sandbox;
+
+/// What checkpoints a sandbox's processes and restores them. Every call blocks (hundreds of
+/// milliseconds): call it from a blocking thread.
+pub trait Checkpointer: Send + Sync {
+    /// What does it, for `GET /internal/node` (`criu 4.2.1`).
+    fn describe(&self) -> String;
+    /// Freezes `sb`, saves its processes into `images` and ends them: its memory is freed.
+    /// `network`: it is in a leased namespace (kept meanwhile). On failure the sandbox runs on
+    /// as it was.
+    fn sleep(&self, sb: &Sandbox, images: &Path, network: bool) -> Result<(), String>;
+    /// Makes the sandbox `spec` describes (its directory, cgroups and network as before the
+    /// sleep) go on from `images`. Returns it running, its agent listening again.
+    fn wake(
+        &self,
+        spec: &SandboxSpec,
+        images: &Path,
+        net: Option<NetPlace>,
+    ) -> Result<Sandbox, String>;
+    /// Saves `sb`'s processes into `dir/images` and its files into `dir/upper` while it is
+    /// frozen, then lets it run on. Returns the bytes `dir` takes.
+    fn snapshot(&self, sb: &Sandbox, dir: &Path, network: bool) -> Result<u64, String>;
+    /// Makes a new sandbox (`spec`: its own id, directory, cgroups and network) that goes on
+    /// from the snapshot at `dir`: its files a copy of the snapshot's, its established
+    /// connections dropped.
+    fn restore_copy(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        net: Option<NetPlace>,
+    ) -> Result<Sandbox, String>;
+}
+
+/// Where a sandbox's network is: the namespace its lease holds (a path to open while the lease
+/// lives), its address and its gateway.
+pub type NetPlace = (PathBuf, std::net::Ipv4Addr, std::net::Ipv4Addr);
+
+/// This node's checkpoints: a checkpointer, or why there is none.
+pub enum Checkpoints {
+    Ready(std::sync::Arc<dyn Checkpointer>),
+    Off(String),
+}
+
+impl Checkpoints {
+    /// The checkpointer, or 503 not_served_here saying why there is none.
+    pub fn get(&self) -> Result<std::sync::Arc<dyn Checkpointer>, ApiError> {
+        match self {
+            Checkpoints::Ready(c) => Ok(c.clone()),
+            Checkpoints::Off(why) => Err(ApiError::new(
+                ErrorCode::NotServedHere,
+                format!("this node does not checkpoint sandboxes (sleep, snapshots, forks): {why}"),
+            )),
+        }
+    }
+
+    /// For `GET /internal/node`.
+    pub fn info(&self) -> serde_json::Value {
+        match self {
+            Checkpoints::Ready(c) => serde_json::json!({ "available": true, "by": c.describe() }),
+            Checkpoints::Off(why) => serde_json::json!({ "available": false, "reason": why }),
+        }
+    }
+}
+
+/// Where a sleeping sandbox's processes are kept: in its own directory.
+pub fn images_dir(sandbox_dir: &Path) -> PathBuf {
+    sandbox_dir.join("sleep")
+}
+
+/// Before a checkpoint of `sb`: its agent is told (it lets itself be dumped), and no
+/// connection of the node's to it stays open (an open one is a peer outside the sandbox, which
+/// a checkpoint cannot take).
+pub async fn before(sb: &Sandbox) -> Result<(), String> {
+    crate::agent::close_idle(&sb.socket);
+    let r = crate::agent::set_dumpable(&sb.socket, true).await;
+    crate::agent::close_idle(&sb.socket);
+    r.map_err(|e| e.to_string())
+}
+
+/// After a checkpoint of `sb` (it runs on, or it woke): its agent is not dumpable again.
+pub async fn after(sb: &Sandbox) -> Result<(), String> {
+    let r = crate::agent::set_dumpable(&sb.socket, false).await;
+    r.map_err(|e| e.to_string())
+}
+
+/// CRIU with the namespace driver: what a node of this machine checkpoints with.
+pub struct Criu {
+    criu: sbx_runtime::criu::Criu,
+    driver: Arc<NamespaceDriver>,
+}
+
+/// This node's checkpoints: CRIU at `bin` (a name is looked up in PATH) if it is 4.2 or
+/// newer and `criu check` passes, else why not. Blocking (tens of milliseconds).
+pub fn detect(bin: &Path, driver: Arc<NamespaceDriver>) -> Checkpoints {
+    match sbx_runtime::criu::detect(bin) {
+        Ok(criu) => Checkpoints::Ready(Arc::new(Criu { criu, driver })),
+        Err(e) => Checkpoints::Off(e.to_string()),
+    }
+}
+
+impl Checkpointer for Criu {
+    fn describe(&self) -> String {
+        let (a, b, c) = self.criu.version;
+        format!("criu {a}.{b}.{c} ({})", self.criu.bin.display())
+    }
+
+    fn sleep(&self, sb: &Sandbox, images: &Path, network: bool) -> Result<(), String> {
+        self.driver
+            .sleep(sb, &self.criu, images, network)
+            .map_err(|e| e.to_string())
+    }
+
+    fn wake(
+        &self,
+        spec: &SandboxSpec,
+        images: &Path,
+        net: Option<NetPlace>,
+    ) -> Result<Sandbox, String> {
+        self.driver
+            .wake_at(spec, &self.criu, images, net)
+            .map_err(|e| e.to_string())
+    }
+
+    fn snapshot(&self, sb: &Sandbox, dir: &Path, network: bool) -> Result<u64, String> {
+        self.driver
+            .snapshot(sb, &self.criu, dir, network)
+            .map_err(|e| e.to_string())
+    }
+
+    fn restore_copy(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        net: Option<NetPlace>,
+    ) -> Result<Sandbox, String> {
+        self.driver
+            .restore_copy(spec, &self.criu, dir, net)
+            .map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,170 @@
+//! Copies of a sandbox's upper directory (a snapshot's files, a fork's own copy of them), as
+//! the overlay reads them: owners, modes, times, symlinks, device nodes (an overlay's
+//! whiteouts are character devices 0:0) and extended attributes (`trusted.overlay.opaque`),
+//! nothing followed out of the tree. The source is not changing meanwhile (its sandbox is
+//! frozen, or it is a snapshot's).
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+/// Copies the tree at `src` to `dst` (which must not exist). Returns the bytes of the
+/// regular files copied.
+pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<u64> {
+    let meta = fs::symlink_metadata(src)?;
+    if !meta.is_dir() {
+        return Err(io::Error::other(format!(
+            "{} is not a directory",
+            src.display()
+        )));
+    }
+    copy_entry(src, dst, &meta)
+}
+
+fn copy_entry(src: &Path, dst: &Path, meta: &fs::Metadata) -> io::Result<u64> {
+    let ft = meta.file_type();
+    let mut bytes = 0;
+    if ft.is_dir() {
+        fs::create_dir(dst)?;
+        for e in fs::read_dir(src)? {
+            let e = e?;
+            let m = fs::symlink_metadata(e.path())?;
+            bytes += copy_entry(&e.path(), &dst.join(e.file_name()), &m)?;
+        }
+    } else if ft.is_file() {
+        let mut from = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(src)?;
+        let mut to = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(dst)?;
+        bytes += io::copy(&mut from, &mut to)?;
+    } else if ft.is_symlink() {
+        std::os::unix::fs::symlink(fs::read_link(src)?, dst)?;
+    } else if ft.is_char_device() || ft.is_block_device() || ft.is_fifo() || ft.is_socket() {
+        let kind = if ft.is_char_device() {
+            nix::sys::stat::SFlag::S_IFCHR
+        } else if ft.is_block_device() {
+            nix::sys::stat::SFlag::S_IFBLK
+        } else if ft.is_fifo() {
+            nix::sys::stat::SFlag::S_IFIFO
+        } else {
+            nix::sys::stat::SFlag::S_IFSOCK
+        };
+        nix::sys::stat::mknod(
+            dst,
+            kind,
+            nix::sys::stat::Mode::from_bits_truncate(meta.mode() & 0o7777),
+            meta.rdev(),
+        )
+        .map_err(io::Error::from)?;
+    }
+    copy_attrs(src, dst, meta)?;
+    Ok(bytes)
+}
+
+/// The owner, extended attributes, mode and times of `src` onto `dst` (a symlink's own).
+fn copy_attrs(src: &Path, dst: &Path, meta: &fs::Metadata) -> io::Result<()> {
+    std::os::unix::fs::lchown(dst, Some(meta.uid()), Some(meta.gid()))?;
+    let mut names = vec![0u8; 4096];
+    let n = match rustix::fs::llistxattr(src, &mut names) {
+        Ok(n) => n,
+        Err(rustix::io::Errno::NOTSUP) => 0,
+        Err(e) => return Err(e.into()),
+    };
+    for name in names[..n].split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        let name = <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(name);
+        let mut value = vec![0u8; 65536];
+        let len = rustix::fs::lgetxattr(src, name, &mut value)?;
+        rustix::fs::lsetxattr(dst, name, &value[..len], rustix::fs::XattrFlags::empty())?;
+    }
+    if !meta.file_type().is_symlink() {
+        fs::set_permissions(dst, fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+    }
+    let times = [
+        nix::sys::time::TimeSpec::new(meta.atime(), meta.atime_nsec()),
+        nix::sys::time::TimeSpec::new(meta.mtime(), meta.mtime_nsec()),
+    ];
+    nix::sys::stat::utimensat(
+        nix::fcntl::AT_FDCWD,
+        dst,
+        &times[0],
+        &times[1],
+        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(io::Error::from)
+}
+
+/// The disk the tree at `path` takes (its blocks), not following links.
+pub fn disk_usage(path: &Path) -> u64 {
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return 0;
+    };
+    let mut n = meta.blocks() * 512;
+    if meta.is_dir() {
+        if let Ok(rd) = fs::read_dir(path) {
+            for e in rd.flatten() {
+                n += disk_usage(&e.path());
+            }
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tree_is_copied_with_links_modes_devices_and_xattrs() {
+        let root = std::env::temp_dir().join(format!("sbx-tree-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let src = root.join("src");
+        fs::create_dir_all(src.join("d/e")).unwrap();
+        fs::write(src.join("d/e/f"), b"hello").unwrap();
+        fs::set_permissions(src.join("d/e/f"), fs::Permissions::from_mode(0o640)).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", src.join("link")).unwrap();
+        let root_user = nix::unistd::geteuid().is_root();
+        if root_user {
+            // An overlay whiteout and an opaque directory.
+            nix::sys::stat::mknod(
+                &src.join("gone"),
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::empty(),
+                0,
+            )
+            .unwrap();
+            rustix::fs::lsetxattr(
+                src.join("d"),
+                "trusted.overlay.opaque",
+                b"y",
+                rustix::fs::XattrFlags::empty(),
+            )
+            .unwrap();
+            std::os::unix::fs::lchown(src.join("d/e/f"), Some(100_000), Some(100_000)).unwrap();
+        }
+        let dst = root.join("dst");
+        assert_eq!(copy_tree(&src, &dst).unwrap(), 5);
+        assert_eq!(fs::read(dst.join("d/e/f")).unwrap(), b"hello");
+        let m = fs::metadata(dst.join("d/e/f")).unwrap();
+        assert_eq!(m.mode() & 0o7777, 0o640);
+        assert_eq!(
+            fs::read_link(dst.join("link")).unwrap(),
+            Path::new("/etc/passwd")
+        );
+        if root_user {
+            assert_eq!(m.uid(), 100_000);
+            let g = fs::symlink_metadata(dst.join("gone")).unwrap();
+            assert!(g.file_type().is_char_device() && g.rdev() == 0);
+            let mut v = [0u8; 8];
+            let n = rustix::fs::lgetxattr(dst.join("d"), "trusted.overlay.opaque", &mut v).unwrap();
+            assert_eq!(&v[..n], b"y");
+        }
+        assert!(disk_usage(&dst) > 0);
+        fs::remove_dir_all(&root).unwrap();
+    }
+}
