@@ -336,24 +336,42 @@ impl NamespaceDriver {
                 copy: None,
             },
         );
-        // It was frozen when it was dumped, and CRIU may give it back frozen.
-        group.thaw();
-        let pid = restored?;
-        let pidfd = PidFd::open(pid).map_err(|e| RuntimeError::Io {
-            what: "pidfd of the restored agent".into(),
-            source: e,
-        })?;
-        register(&spec.dir.join("agent.sock"), pid, Some(&pidfd));
-        Ok(Sandbox {
-            id: spec.id.clone(),
-            pid,
-            start_time: crate::process::start_time(pid),
-            socket: spec.dir.join("agent.sock"),
-            dir: spec.dir.clone(),
-            group,
-            pidfd: Some(pidfd),
-        })
+        restored_sandbox(spec, group, restored, false)
     }
+}
+
+/// The sandbox of a restore's result (the agent's new pid): its group thawed (it was frozen
+/// when it was dumped, and CRIU may give it back frozen), a pidfd of its agent, registered for
+/// connections; `rename`: its hostname set to the spec's (a copy's own name).
+fn restored_sandbox(
+    spec: &SandboxSpec,
+    group: Group,
+    restored: Result<u32, crate::criu::CriuError>,
+    rename: bool,
+) -> Result<Sandbox, RuntimeError> {
+    group.thaw();
+    let pid = restored?;
+    let io = |what: &'static str| {
+        move |e| RuntimeError::Io {
+            what: what.into(),
+            source: e,
+        }
+    };
+    let pidfd = PidFd::open(pid).map_err(io("pidfd of the restored agent"))?;
+    if rename {
+        crate::process::set_hostname_of(pid, &spec.hostname)
+            .map_err(io("set the copy's hostname"))?;
+    }
+    register(&spec.dir.join("agent.sock"), pid, Some(&pidfd));
+    Ok(Sandbox {
+        id: spec.id.clone(),
+        pid,
+        start_time: crate::process::start_time(pid),
+        socket: spec.dir.join("agent.sock"),
+        dir: spec.dir.clone(),
+        group,
+        pidfd: Some(pidfd),
+    })
 }
 
 /// Where a snapshot keeps the sandbox's processes (CRIU's images) and its files.
@@ -446,22 +464,8 @@ impl NamespaceDriver {
                 }),
             },
         );
-        group.thaw();
-        let pid = restored?;
-        let pidfd = PidFd::open(pid).map_err(io("pidfd of the restored agent"))?;
         // Its own name: the snapshot's sandbox's came back with its UTS namespace.
-        crate::process::set_hostname_of(pid, &spec.hostname)
-            .map_err(io("set the copy's hostname"))?;
-        register(&spec.dir.join("agent.sock"), pid, Some(&pidfd));
-        Ok(Sandbox {
-            id: spec.id.clone(),
-            pid,
-            start_time: crate::process::start_time(pid),
-            socket: spec.dir.join("agent.sock"),
-            dir: spec.dir.clone(),
-            group,
-            pidfd: Some(pidfd),
-        })
+        restored_sandbox(spec, group, restored, true)
     }
 }
 
