@@ -21,7 +21,7 @@ pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
 wait_healthy $port
 URL="http://127.0.0.1:$port" CG=sbx-bench-sleep N="${N:-10}" python3 - <<'PY'
-import json, os, time, urllib.request
+import json, os, time, urllib.error, urllib.request
 
 url, cg, n = os.environ["URL"], os.environ["CG"], int(os.environ["N"])
 
@@ -29,8 +29,11 @@ def call(method, path, body=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method=method,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read() or b"null")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"{method} {path}: {e.code} {e.read().decode()}")
 
 def pct(xs, p):
     xs = sorted(xs)
@@ -44,14 +47,26 @@ sb = call("POST", "/v1/sandboxes", {"start_command": ["python3", "-c", COUNTER],
                                      "ready": {"command": 'python3 -c "' + READY + '"'},
                                      "sleep_after_seconds": None})
 sid = sb["id"]
-assert sb["status"] == "running", sb
+# The first sandbox of its settings builds their template: answered starting.
+for _ in range(1200):
+    if call("GET", f"/v1/sandboxes/{sid}")["status"] == "running":
+        break
+    time.sleep(0.1)
+else:
+    raise SystemExit(f"not running: {sb}")
 def ask(s):
     ask = "import socket; c = socket.create_connection(('127.0.0.1', 7000), timeout=5); c.sendall(b'+'); print(c.recv(9))"
     r = call("POST", f"/v1/sandboxes/{s}/exec", {"command": ["python3", "-c", ask], "wait_seconds": 30})
     assert r["exit_code"] == 0, r
 
-freezer = f"/sys/fs/cgroup/freezer/{cg}/{sid}/freezer.state"
-mem = f"/sys/fs/cgroup/memory/{cg}/{sid}/memory.usage_in_bytes"
+import glob
+def cgroup_file(ctrl, name):
+    # Under the node's own cgroup in each hierarchy.
+    found = glob.glob(f"/sys/fs/cgroup/{ctrl}/**/{cg}/{sid}/{name}", recursive=True)
+    assert found, (ctrl, name)
+    return found[0]
+freezer = cgroup_file("freezer", "freezer.state")
+mem = cgroup_file("memory", "memory.usage_in_bytes")
 rows = {k: [] for k in ["freeze", "thaw", "sleep", "wake", "snapshot", "sandbox from a snapshot", "fork (count 1)"]}
 def state():
     with open(freezer) as f:

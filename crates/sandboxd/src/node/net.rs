@@ -339,6 +339,25 @@ impl NodeNet {
         }
     }
 
+    /// After sandbox `id` woke: its lease holds the namespace its `eth0` is in now (the
+    /// restored one), for its next sleep.
+    pub fn follow(
+        &self,
+        id: &str,
+        sb: &sbx_runtime::Sandbox,
+    ) -> Result<(), sbx_runtime::net::NetError> {
+        let handle = sb
+            .netns_handle()
+            .map_err(|e| sbx_runtime::net::NetError::Io {
+                what: "a handle on the woken agent".into(),
+                source: e,
+            })?;
+        match self.leases.locked().get_mut(id) {
+            Some(l) => l.follow(handle),
+            None => Ok(()),
+        }
+    }
+
     /// Removes what a previous node left that no sandbox holds (interfaces, elements,
     /// conntrack entries); call after every adoption.
     pub fn remove_leftovers(&self) {

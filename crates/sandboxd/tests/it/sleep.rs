@@ -417,3 +417,41 @@ fn a_node_without_criu_says_so_and_refuses_sleep_with_503() {
     assert_eq!(stdout(&v), "ok\n");
     node.delete_sandbox(&id);
 }
+
+#[test]
+fn a_sandbox_on_the_network_sleeps_and_wakes_again_and_again_and_forks() {
+    let node = TestNode::start_with(&["--egress-default", "allow"]);
+    let id = counter_sandbox(&node, json!({}));
+    // The sandbox's address: the source of a route out (no packet is sent).
+    let addr = |id: &str| {
+        let v2 = node.exec(
+            id,
+            &json!({ "command": ["python3", "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('203.0.113.1', 9)); print(s.getsockname()[0])"], "wait_seconds": 10 }),
+        );
+        stdout(&v2).trim().to_string()
+    };
+    let before = addr(&id);
+    assert!(before.starts_with("10."), "{before}");
+    for want in 1..=3 {
+        let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+        assert_eq!(s, 200, "sleep {want}: {v}");
+        assert_eq!(ask(&node, &id), want, "wake {want}");
+        assert_eq!(addr(&id), before, "its address after wake {want}");
+    }
+    let (s, v) = post(
+        &node,
+        &format!("/v1/sandboxes/{id}/fork"),
+        json!({ "count": 1 }),
+    );
+    assert_eq!(s, 201, "{v}");
+    let fork = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(ask(&node, &fork), 4);
+    assert_ne!(addr(&fork), before, "a fork has an address of its own");
+    // The fork sleeps and wakes as any sandbox.
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{fork}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(ask(&node, &fork), 5);
+    node.delete_sandbox(&fork);
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}

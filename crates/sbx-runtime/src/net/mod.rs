@@ -1000,6 +1000,22 @@ impl Lease {
         PathBuf::from(format!("/proc/{}/fd/{fd}", std::process::id()))
     }
 
+    /// Holds the network namespace of the process `handle` names (a pidfd of a restored
+    /// sandbox's agent, whose `eth0` the wake moved into a namespace of its own) instead of the
+    /// one held so far: the namespace, with its `eth0`, outlives that sandbox's next sleep.
+    pub fn follow(&mut self, handle: OwnedFd) -> Result<(), NetError> {
+        let ns = ns::within(handle, || {
+            std::fs::File::open("/proc/thread-self/ns/net")
+                .map(OwnedFd::from)
+                .map_err(|e| NetError::Io {
+                    what: "open the namespace".into(),
+                    source: e,
+                })
+        })?;
+        self.ns = Some(ns);
+        Ok(())
+    }
+
     /// A new handle on the namespace (for [`crate::netns::in_netns_of_handle`]).
     pub fn ns_handle(&self) -> std::io::Result<OwnedFd> {
         match &self.ns {

@@ -334,6 +334,11 @@ impl Node {
         };
         crate::node::checkpoint::after(&sb).await.ok();
         *m.machine.locked() = Some(sb.clone());
+        if let Some(net) = self.net.get().filter(|_| m.spec.network) {
+            if let Err(e) = net.follow(&m.id, &sb) {
+                tracing::error!(sandbox = %m.id, error = %e, "the network of a restored sandbox");
+            }
+        }
         if let Err(e) = self.apply_egress_of(m) {
             tracing::error!(sandbox = %m.id, error = %e.message, "egress rules of a restored sandbox");
         }
