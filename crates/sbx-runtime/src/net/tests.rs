@@ -563,7 +563,9 @@ fn hundreds_of_cycles_leave_nothing_behind() {
         }
         net.release(lease).expect("release");
     }
-    let audit = net.audit_settled(Duration::from_secs(60)).expect("audit");
+    // The kernel removes released namespaces in batches of its own time: on a loaded machine
+    // (a build beside the tests) the last one took more than a minute once.
+    let audit = net.audit_settled(Duration::from_secs(180)).expect("audit");
     assert!(audit.is_clean(), "{audit:?}");
     assert!(audit.interfaces.is_empty(), "{audit:?}");
     assert!(audit.elements.is_empty(), "{audit:?}");
