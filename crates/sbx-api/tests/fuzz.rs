@@ -284,22 +284,8 @@ const RUN_FIELDS: &[&str] = &[
     "grace_seconds",
 ];
 
-const EXEC_FIELDS: &[&str] = &[
-    "command",
-    "env",
-    "cwd",
-    "user",
-    "timeout_seconds",
-    "stdin",
-    "stdin_open",
-    "encoding",
-    "tty",
-    "rows",
-    "cols",
-    "wait_seconds",
-    "wait_for_reader",
-    "stream",
-];
+/// The exec call's fields, as the parser knows them.
+const EXEC_FIELDS: &[&str] = &sbx_api::sandbox::EXEC_FIELDS;
 
 /// Valid bodies of the run call, written by hand: the seeds of the mutations.
 fn run_seeds() -> Vec<Vec<u8>> {
