@@ -89,6 +89,11 @@ struct Cli {
     /// to disk with CRIU, its memory freed), where its create gives no suspend_after_ms.
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
     suspend_after_seconds: f64,
+    /// When the host's available memory (MemAvailable) falls below this, paused sandboxes
+    /// sleep at once (longest paused first) instead of after their suspend time. Default: a
+    /// tenth of the host's memory, at least 512 MiB; 0: never for memory.
+    #[arg(long, value_name = "BYTES")]
+    sleep_memory_below_bytes: Option<u64>,
     /// The CRIU binary (4.2 or newer) sandboxes are checkpointed with (sleep, snapshots,
     /// forks); a name is looked up in PATH. Without a usable one those calls are 503
     /// not_served_here and `GET /internal/node` says why.
@@ -340,6 +345,9 @@ fn main() -> anyhow::Result<()> {
         max_sandboxes: fn_cfg.max_sandboxes,
         sleep_after: cli.sleep_after_seconds.resolve(),
         suspend_after: Duration::from_secs_f64(cli.suspend_after_seconds.max(0.0)),
+        sleep_memory_below: cli
+            .sleep_memory_below_bytes
+            .unwrap_or_else(node::sandbox::sleep::default_memory_low),
     };
     store.idem_tidy().context("tidy idempotency records")?;
     node::credentials::init(&cli.data_dir, &store).context("the node key and the secrets table")?;

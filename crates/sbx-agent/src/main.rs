@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+mod awake;
 mod exec;
 mod fs;
 mod ring;

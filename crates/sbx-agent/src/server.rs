@@ -20,6 +20,8 @@ struct Agent {
     defaults: Defaults,
     execs: Rc<exec::Registry>,
     by_pid: RefCell<HashMap<u32, Rc<Exec>>>,
+    /// `/run/sbx/awake`, served by PID 1 of a sandbox (not by an agent started outside one).
+    awake: Option<Rc<crate::awake::Awake>>,
 }
 
 type Out = mpsc::Sender<Vec<u8>>;
@@ -49,6 +51,11 @@ async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
         defaults,
         execs: exec::Registry::new(),
         by_pid: RefCell::new(HashMap::new()),
+        awake: if std::process::id() == 1 {
+            crate::awake::Awake::serve(std::path::Path::new(sbx_proto::AWAKE_SOCKET))
+        } else {
+            None
+        },
     });
     spawn_local(reaper(agent.clone()));
     loop {
@@ -140,14 +147,18 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
             batch.clear();
         }
     });
+    let mut features = vec![
+        sbx_proto::FEATURE_FS.into(),
+        sbx_proto::FEATURE_STDIN_NULL.into(),
+        sbx_proto::FEATURE_WATCH.into(),
+    ];
+    if agent.awake.is_some() {
+        features.push(sbx_proto::FEATURE_AWAKE.into());
+    }
     let hello = AgentMsg::Hello {
         version: PROTO_VERSION,
         agent: format!("sbx-agent {}", env!("CARGO_PKG_VERSION")),
-        features: vec![
-            sbx_proto::FEATURE_FS.into(),
-            sbx_proto::FEATURE_STDIN_NULL.into(),
-            sbx_proto::FEATURE_WATCH.into(),
-        ],
+        features,
     };
     if !send(&out, &hello).await {
         return;
@@ -320,6 +331,30 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
             let _ = sbx_runtime::process::set_dumpable(dumpable);
             let dumpable = sbx_runtime::process::is_dumpable();
             send(out, &AgentMsg::Dumpable { dumpable }).await;
+        }
+        HostMsg::Awake { notice_ms } => {
+            let held = match &agent.awake {
+                Some(a) => {
+                    if let Some(ms) = notice_ms {
+                        a.notify(ms);
+                    }
+                    a.held()
+                }
+                None => crate::awake::Held {
+                    holds: 0,
+                    connected: 0,
+                    lowered_ms_ago: None,
+                },
+            };
+            send(
+                out,
+                &AgentMsg::Awake {
+                    holds: held.holds,
+                    connected: held.connected,
+                    lowered_ms_ago: held.lowered_ms_ago,
+                },
+            )
+            .await;
         }
         // File operations are the connection's (see `connection`).
         HostMsg::Fs { .. } | HostMsg::FsEnd { .. } => {}

@@ -349,6 +349,14 @@ pub struct SandboxObject {
     /// How long it may be idle before it pauses, in seconds (null: never by itself).
     #[serde(default)]
     pub sleep_after_seconds: Option<f64>,
+    /// How long before it pauses for being idle the programs connected to its
+    /// `/run/sbx/awake` are sent `sleep N` (null: not told).
+    #[serde(default)]
+    pub sleep_notice_ms: Option<u32>,
+    /// How long the holds raised on `/run/sbx/awake` keep it up after its idle time has run
+    /// out (0: holds are not heeded).
+    #[serde(default)]
+    pub sleep_hold_max_ms: u32,
 }
 
 /// A snapshot: a sandbox's processes (memory included) and files at one instant. It outlives

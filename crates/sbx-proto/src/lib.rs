@@ -26,6 +26,12 @@ pub use fs::{
 
 /// The feature (in the agent's hello) of [`ExecSpec::stdin_null`].
 pub const FEATURE_STDIN_NULL: &str = "stdin_null";
+/// The feature of [`HostMsg::Awake`]: the agent serves `/run/sbx/awake` in the sandbox.
+pub const FEATURE_AWAKE: &str = "awake";
+/// Where programs of a sandbox hold it awake: a unix socket; `+` raises a hold, `-` lowers one,
+/// the connection's end lowers all of its own; the agent sends `sleep N\n` (milliseconds)
+/// before the sandbox stops for being idle.
+pub const AWAKE_SOCKET: &str = "/run/sbx/awake";
 
 /// The generation of this protocol.
 pub const PROTO_VERSION: u32 = 1;
@@ -175,6 +181,13 @@ pub enum HostMsg {
     /// Makes the agent dumpable (just before a checkpoint) or not (after a wake, and while
     /// awake). Answered by `Dumpable` with the state now.
     SetDumpable { dumpable: bool },
+    /// The holds raised on [`AWAKE_SOCKET`], answered by `Awake`; with `notice_ms`, the
+    /// programs connected are first sent `sleep N` (the sandbox stops that long after). Only
+    /// to an agent that announces [`FEATURE_AWAKE`].
+    Awake {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        notice_ms: Option<u32>,
+    },
 }
 
 /// How a command ended, as [`ExitInfo::status`]. On the wire: `"exited"`, `"timed_out"`,
@@ -263,6 +276,14 @@ pub enum AgentMsg {
     Synced { token: u64 },
     /// Whether the agent is dumpable now (the answer to `SetDumpable`).
     Dumpable { dumpable: bool },
+    /// The answer to `Awake`: holds raised now, programs connected, and how long ago the last
+    /// hold was lowered (`None`: none was ever, or one is raised now).
+    Awake {
+        holds: u32,
+        connected: u32,
+        #[serde(default)]
+        lowered_ms_ago: Option<u64>,
+    },
     /// A download of file operation `id` starts: data frames of stream `file` follow, from
     /// position `offset`, `length` bytes (`None`: as many as there are), then `FsDone`.
     FsOpened {
@@ -543,6 +564,38 @@ mod tests {
         )
         .unwrap();
         assert_eq!((x.status, x.exit_code), (ExitStatus::Exited, 3));
+    }
+
+    /// The awake messages' wire shape; an older answer without `lowered_ms_ago` reads.
+    #[test]
+    fn awake_schema_snapshot() {
+        let ask = serde_json::to_string(&HostMsg::Awake { notice_ms: None }).unwrap();
+        assert_eq!(ask, r#"{"type":"awake"}"#);
+        let notice = serde_json::to_string(&HostMsg::Awake {
+            notice_ms: Some(500),
+        })
+        .unwrap();
+        assert_eq!(notice, r#"{"type":"awake","notice_ms":500}"#);
+        let state = serde_json::to_string(&AgentMsg::Awake {
+            holds: 2,
+            connected: 3,
+            lowered_ms_ago: Some(7),
+        })
+        .unwrap();
+        assert_eq!(
+            state,
+            r#"{"type":"awake","holds":2,"connected":3,"lowered_ms_ago":7}"#
+        );
+        let old: AgentMsg =
+            serde_json::from_str(r#"{"type":"awake","holds":0,"connected":1}"#).unwrap();
+        assert_eq!(
+            old,
+            AgentMsg::Awake {
+                holds: 0,
+                connected: 1,
+                lowered_ms_ago: None
+            }
+        );
     }
 
     /// Pins the wire shape: a change here is a protocol change (see the module doc).

@@ -89,6 +89,8 @@ pub struct AgentConn {
     fs: bool,
     /// The agent serves watches and the file operations of [`sbx_proto::FEATURE_WATCH`].
     watch: bool,
+    /// The agent serves `/run/sbx/awake` ([`sbx_proto::FEATURE_AWAKE`]).
+    awake: bool,
 }
 
 /// Connections whose exchanges are all over, by agent socket: the next operation on the same
@@ -113,6 +115,7 @@ impl AgentConn {
             stdin_null: false,
             fs: false,
             watch: false,
+            awake: false,
         };
         let hello = tokio::time::timeout(timeout, conn.recv())
             .await
@@ -124,6 +127,7 @@ impl AgentConn {
                 conn.stdin_null = features.iter().any(|f| f == sbx_proto::FEATURE_STDIN_NULL);
                 conn.fs = features.iter().any(|f| f == sbx_proto::FEATURE_FS);
                 conn.watch = features.iter().any(|f| f == sbx_proto::FEATURE_WATCH);
+                conn.awake = features.iter().any(|f| f == sbx_proto::FEATURE_AWAKE);
                 Ok(conn)
             }
             Frame::Msg(AgentMsg::Hello { version, .. }) => Err(AgentError::Version(version)),
@@ -283,6 +287,46 @@ pub async fn one_shot(socket: &Path, msg: &HostMsg) -> Result<AgentMsg, AgentErr
     };
     c.release();
     Ok(answer)
+}
+
+/// The holds programs of a sandbox raise on `/run/sbx/awake`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Holds {
+    /// Holds raised now.
+    pub holds: u32,
+    /// Programs connected (told before the sandbox stops).
+    pub connected: u32,
+    /// How long ago the last hold was lowered, in milliseconds.
+    pub lowered_ms_ago: Option<u64>,
+}
+
+/// What is held in the sandbox of the agent at `socket`; with `notice_ms`, the programs
+/// connected are first told `sleep N`. An agent that serves no awake socket holds nothing.
+pub async fn holds(socket: &Path, notice_ms: Option<u32>) -> Result<Holds, AgentError> {
+    let mut c = AgentConn::open(socket, Duration::from_secs(5)).await?;
+    if !c.awake {
+        c.release();
+        return Ok(Holds::default());
+    }
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        c.request(&HostMsg::Awake { notice_ms }),
+    )
+    .await
+    .map_err(|_| AgentError::Timeout)??;
+    c.release();
+    match answer {
+        AgentMsg::Awake {
+            holds,
+            connected,
+            lowered_ms_ago,
+        } => Ok(Holds {
+            holds,
+            connected,
+            lowered_ms_ago,
+        }),
+        _ => Err(AgentError::Closed),
+    }
 }
 
 /// Sends a signal to a command's process group (and waits until the agent has sent it).

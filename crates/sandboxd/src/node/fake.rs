@@ -609,6 +609,15 @@ async fn handle(agent: &Arc<Agent>, out: &Out, msg: HostMsg) {
         HostMsg::SetDumpable { dumpable } => {
             send(out, &AgentMsg::Dumpable { dumpable }).await;
         }
+        // The fake's hello claims no awake socket; answer as an agent without one.
+        HostMsg::Awake { .. } => {
+            let held = AgentMsg::Awake {
+                holds: 0,
+                connected: 0,
+                lowered_ms_ago: None,
+            };
+            send(out, &held).await;
+        }
         HostMsg::Fs { id, .. } => {
             let error = FsFailure::new(
                 FsErrorCode::Unsupported,

@@ -61,6 +61,10 @@ pub struct NodeConfig {
     /// How long a kept sandbox stays paused before it sleeps for real, where its create gives
     /// no suspend_after_ms (`--suspend-after-seconds`).
     pub suspend_after: Duration,
+    /// Below this much available memory (the host's MemAvailable), paused sandboxes sleep
+    /// before their suspend_after_ms, the longest paused first (`--sleep-memory-below-bytes`;
+    /// 0: never for memory).
+    pub sleep_memory_below: u64,
 }
 
 /// A sandbox in the table.

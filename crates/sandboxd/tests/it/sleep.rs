@@ -455,3 +455,131 @@ fn a_sandbox_on_the_network_sleeps_and_wakes_again_and_again_and_forks() {
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// A program of the sandbox that holds it awake: it raises a hold on `/run/sbx/awake`, writes
+/// every line it is sent to /tmp/notices, and lowers its hold once /tmp/lower exists.
+const HOLDER: &str = r#"import os, socket
+s = socket.socket(socket.AF_UNIX)
+s.connect('/run/sbx/awake')
+s.sendall(b'+')
+open('/tmp/held', 'w').write('yes')
+s.settimeout(0.1)
+lowered = False
+while True:
+    try:
+        data = s.recv(100)
+        if not data:
+            break
+        with open('/tmp/notices', 'a') as f:
+            f.write(data.decode())
+    except socket.timeout:
+        pass
+    if not lowered and os.path.exists('/tmp/lower'):
+        s.sendall(b'-')
+        lowered = True
+"#;
+
+/// Starts [`HOLDER`] in sandbox `id`, in the background, and waits until it holds.
+fn start_holder(node: &TestNode, id: &str) {
+    let v = node.exec(
+        id,
+        &json!({
+            "command": "printf '%s' \"$HOLDER\" > /tmp/holder.py && setsid python3 /tmp/holder.py >/tmp/holder.log 2>&1 </dev/null &",
+            "env": { "HOLDER": HOLDER },
+            "wait_seconds": 10,
+        }),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = node.exec(
+            id,
+            &json!({ "command": "cat /tmp/held /tmp/holder.log 2>/dev/null; true", "wait_seconds": 10 }),
+        );
+        if stdout(&v).starts_with("yes") {
+            return;
+        }
+        assert!(Instant::now() < end, "the holder did not hold: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_hold_on_run_sbx_awake_keeps_a_sandbox_up_and_its_programs_are_told_before_it_pauses() {
+    let node = TestNode::start_with(&["--sleep-after-seconds", "1"]);
+    let held =
+        node.create_sandbox(&json!({ "sleep_notice_ms": 1500, "sleep_hold_max_ms": 600000 }));
+    assert_eq!(held["sleep_notice_ms"], 1500, "{held}");
+    assert_eq!(held["sleep_hold_max_ms"], 600000, "{held}");
+    let held = held["id"].as_str().unwrap().to_string();
+    let capped = node.create_sandbox(&json!({ "sleep_hold_max_ms": 1000 }));
+    assert!(capped["sleep_notice_ms"].is_null(), "{capped}");
+    let capped = capped["id"].as_str().unwrap().to_string();
+    let plain = node.create_sandbox(&json!({}));
+    assert_eq!(plain["sleep_hold_max_ms"], 30000, "the default: {plain}");
+    let plain = plain["id"].as_str().unwrap().to_string();
+    start_holder(&node, &held);
+    start_holder(&node, &capped);
+
+    // Idle for three times its sleep_after_seconds, the held one runs on (reading its object
+    // is not a use); past its sleep_hold_max_ms the capped one pauses whatever holds it.
+    assert!(
+        wait_paused(&node, &capped, Duration::from_secs(15)),
+        "a hold past sleep_hold_max_ms kept a sandbox up"
+    );
+    assert!(
+        wait_paused(&node, &plain, Duration::from_secs(15)),
+        "a sandbox without holds did not pause"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!paused(&node, &held), "a held sandbox paused");
+    assert_ne!(freezer_state(&node, &held), "FROZEN");
+
+    // Its hold lowered, it pauses: its program told first.
+    let v = node.exec(
+        &held,
+        &json!({ "command": "touch /tmp/lower", "wait_seconds": 10 }),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert!(
+        wait_paused(&node, &held, Duration::from_secs(20)),
+        "a sandbox whose hold was lowered did not pause"
+    );
+    let v = node.exec(
+        &held,
+        &json!({ "command": "cat /tmp/notices", "wait_seconds": 10 }),
+    );
+    assert_eq!(stdout(&v), "sleep 1500\n", "{v}");
+    for id in [&held, &capped, &plain] {
+        node.delete_sandbox(id);
+    }
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn paused_sandboxes_sleep_at_once_when_the_host_is_short_of_memory() {
+    // Every amount of memory is short of this: a paused sandbox sleeps without waiting for
+    // its suspend_after_ms (600 s).
+    let node = TestNode::start_with(&[
+        "--sleep-after-seconds",
+        "1",
+        "--sleep-memory-below-bytes",
+        "18446744073709551615",
+    ]);
+    let id = counter_sandbox(
+        &node,
+        json!({ "sleep_after_seconds": 1, "suspend_after_ms": 600000 }),
+    );
+    assert_eq!(ask(&node, &id), 1);
+    let end = Instant::now() + Duration::from_secs(30);
+    while status(&node, &id) != "sleeping" {
+        assert!(
+            Instant::now() < end,
+            "a paused sandbox did not sleep for memory"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(ask(&node, &id), 2);
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}

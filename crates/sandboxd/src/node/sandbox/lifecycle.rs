@@ -242,6 +242,8 @@ impl Node {
             token: None,
             sleep_after: sleep::SleepAfter::from_request(req.sleep_after_seconds),
             suspend_after_ms: req.suspend_after_ms,
+            sleep_notice_ms: req.sleep_notice_ms,
+            sleep_hold_max_ms: req.sleep_hold_max_ms,
             on_expiry: req.on_expiry,
             held_asleep: req.held_asleep,
         };

@@ -97,6 +97,12 @@ pub struct StoredSpec {
     /// `suspend_after_ms` as the create gave it (none: the node's).
     #[serde(default)]
     pub suspend_after_ms: Option<u32>,
+    /// `sleep_notice_ms` as the create gave it (none or 0: not told).
+    #[serde(default)]
+    pub sleep_notice_ms: Option<u32>,
+    /// `sleep_hold_max_ms` as the create gave it (none: 30 s).
+    #[serde(default)]
+    pub sleep_hold_max_ms: Option<u32>,
     /// What its expires_at does when it comes.
     #[serde(default)]
     pub on_expiry: sbx_api::OnExpiry,
@@ -435,6 +441,8 @@ impl Node {
             preview_url: self.preview_url(&m.id),
             paused: self.is_paused(m),
             sleep_after_seconds: self.sleep_after(m).map(|d| d.as_secs_f64()),
+            sleep_notice_ms: m.spec.sleep_notice_ms.filter(|ms| *ms > 0),
+            sleep_hold_max_ms: sleep::hold_max(&m.spec).as_millis() as u32,
         }
     }
 
@@ -576,6 +584,8 @@ mod tests {
             token: None,
             sleep_after: sleep::SleepAfter::default(),
             suspend_after_ms: None,
+            sleep_notice_ms: None,
+            sleep_hold_max_ms: None,
             on_expiry: sbx_api::OnExpiry::Delete,
             held_asleep: false,
         }

@@ -14,7 +14,16 @@
 //! its processes are saved to disk with their memory, which is freed; status `sleeping`.
 //! `POST /v1/sandboxes/{id}/sleep` does it at once, whatever runs in it (its commands keep their
 //! ids, output and positions). Any use wakes it, as a paused one is resumed; it survives the
-//! node's restart asleep.
+//! node's restart asleep. Where the host's available memory falls below
+//! `--sleep-memory-below-bytes`, paused sandboxes sleep at once, the longest paused first.
+//!
+//! Programs of a sandbox may put its pause off: connected to `/run/sbx/awake` (served by its
+//! agent), they raise a hold with `+` and lower it with `-` (or by closing the connection).
+//! Once its idle time has run out, the node asks the agent what is held: while a hold is
+//! raised the sandbox runs on, up to `sleep_hold_max_ms` (null: 30 s; 0: holds are not
+//! heeded) past that time; it pauses `sleep_after` after the last hold is lowered. With
+//! `sleep_notice_ms`, the programs connected are sent `sleep N` that long before the pause
+//! (where none is connected, the pause is not put off).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +39,43 @@ use sbx_runtime::Sandbox;
 
 /// How often the node looks for idle sandboxes.
 const SWEEP: Duration = Duration::from_millis(250);
+/// How long holds keep a sandbox up past its idle time where its create said nothing.
+const HOLD_MAX_DEFAULT: Duration = Duration::from_secs(30);
+/// How often the node reads the host's available memory.
+const MEMORY_EVERY: u32 = 4;
+
+/// How long the holds raised in sandbox `spec` keep it up past its idle time.
+pub(crate) fn hold_max(spec: &super::StoredSpec) -> Duration {
+    spec.sleep_hold_max_ms
+        .map(|ms| Duration::from_millis(u64::from(ms)))
+        .unwrap_or(HOLD_MAX_DEFAULT)
+}
+
+/// The notice sandbox `spec`'s programs are given before it pauses.
+fn notice(spec: &super::StoredSpec) -> Option<Duration> {
+    spec.sleep_notice_ms
+        .filter(|ms| *ms > 0)
+        .map(|ms| Duration::from_millis(u64::from(ms)))
+}
+
+/// `--sleep-memory-below-bytes` where not given: a tenth of the host's memory, at least 512 MiB.
+pub(crate) fn default_memory_low() -> u64 {
+    let total = meminfo("MemTotal:").unwrap_or(0);
+    (total / 10).max(512 << 20)
+}
+
+/// A line of /proc/meminfo, in bytes.
+fn meminfo(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line[key.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib.saturating_mul(1024))
+}
 
 /// `sleep_after_seconds` as a create gave it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -72,6 +118,10 @@ pub(crate) struct Idle {
     paused_since: Option<Instant>,
     /// Being put to sleep or woken: a use waits for the sandbox's op lock, then looks again.
     pub(super) changing: bool,
+    /// Its programs were told it pauses: at this instant.
+    stop_at: Option<Instant>,
+    /// Its agent is being asked what is held.
+    asking: bool,
 }
 
 impl Idle {
@@ -81,6 +131,8 @@ impl Idle {
             users: 0,
             paused_since: None,
             changing: false,
+            stop_at: None,
+            asking: false,
         }
     }
 
@@ -143,6 +195,7 @@ impl Node {
                     }
                     idle.users += 1;
                     idle.last = Instant::now();
+                    idle.stop_at = None;
                     return Ok(InUse { m: m.clone() });
                 }
             }
@@ -161,38 +214,112 @@ impl Node {
         m.spec.sleep_after.resolve(self.cfg.sleep_after)
     }
 
-    /// Pauses `m` if it has been idle long enough: running, nothing of it in use, no command
-    /// of its running. The decision and the freeze are made under its use lock, so a use that
-    /// comes meanwhile finds it paused and thaws it.
-    fn pause_if_idle(&self, m: &Arc<Managed>, now: Instant) {
+    /// Whether `m` may pause now: running, no command of its running, nothing of it in use,
+    /// not paused, not changing; its machine then.
+    fn may_pause(&self, m: &Managed, idle: &Idle) -> Option<Arc<Sandbox>> {
+        if m.status() != SandboxStatus::Running
+            || m.running.locked().iter().any(|e| e != START_EXEC)
+            || idle.paused_since.is_some()
+            || idle.users > 0
+            || idle.changing
+        {
+            return None;
+        }
+        m.machine()
+    }
+
+    /// Pauses `m` if it has been idle long enough. Where its programs may hold it up or be
+    /// told first (`/run/sbx/awake`), its agent is asked ([`Node::decide_pause`]); else the
+    /// freeze is made here. The decision and the freeze are made under its use lock, so a
+    /// use that comes meanwhile finds it paused and thaws it.
+    fn pause_if_idle(self: &Arc<Self>, m: &Arc<Managed>, now: Instant) {
         let Some(after) = self.sleep_after(m) else {
             return;
         };
-        if m.status() != SandboxStatus::Running
-            || m.running.locked().iter().any(|e| e != START_EXEC)
-        {
-            return;
-        }
-        let Some(sb) = m.machine() else {
-            return;
-        };
         let mut idle = m.idle.locked();
-        if idle.paused_since.is_some()
-            || idle.users > 0
-            || now.saturating_duration_since(idle.last) < after
-        {
-            return;
-        }
-        // A lifecycle change (delete, restart) in progress: leave it alone.
-        let Ok(_op) = m.op.try_lock() else {
+        let Some(sb) = self.may_pause(m, &idle) else {
             return;
         };
-        match sb.set_paused(true) {
-            Ok(()) => {
-                idle.paused_since = Some(now);
-                tracing::debug!(sandbox = %m.id, "paused: idle");
+        if now.saturating_duration_since(idle.last) < after {
+            idle.stop_at = None;
+            return;
+        }
+        if notice(&m.spec).is_none() && hold_max(&m.spec).is_zero() {
+            freeze(m, &sb, &mut idle, now);
+            return;
+        }
+        if idle.asking {
+            return;
+        }
+        idle.asking = true;
+        drop(idle);
+        let (node, m) = (self.clone(), m.clone());
+        tokio::spawn(async move {
+            node.decide_pause(&m, &sb, after).await;
+        });
+    }
+
+    /// Asks `m`'s agent what its programs hold, then pauses it, tells its programs it will,
+    /// or leaves it running while a hold is raised (up to its `sleep_hold_max_ms`).
+    async fn decide_pause(&self, m: &Arc<Managed>, sb: &Arc<Sandbox>, after: Duration) {
+        let held = crate::agent::holds(&sb.socket, None)
+            .await
+            .unwrap_or_else(|e| {
+                tracing::debug!(sandbox = %m.id, error = %e, "the holds of /run/sbx/awake");
+                crate::agent::Holds::default()
+            });
+        let now = Instant::now();
+        let Some(n) = self.decide_locked(m, sb, after, held, now) else {
+            return;
+        };
+        let ms = u32::try_from(n.as_millis()).unwrap_or(u32::MAX);
+        if let Err(e) = crate::agent::holds(&sb.socket, Some(ms)).await {
+            tracing::debug!(sandbox = %m.id, error = %e, "the notice of a pause");
+        }
+        tracing::debug!(sandbox = %m.id, ms, "told it pauses");
+    }
+
+    /// [`Node::decide_pause`] under `m`'s use lock: the notice to send, if one is due.
+    fn decide_locked(
+        &self,
+        m: &Managed,
+        sb: &Sandbox,
+        after: Duration,
+        held: crate::agent::Holds,
+        now: Instant,
+    ) -> Option<Duration> {
+        let mut idle = m.idle.locked();
+        idle.asking = false;
+        self.may_pause(m, &idle)?;
+        // Idle from when its last hold was lowered.
+        if let Some(t) = held
+            .lowered_ms_ago
+            .and_then(|ago| now.checked_sub(Duration::from_millis(ago)))
+        {
+            if t > idle.last {
+                idle.last = t;
             }
-            Err(e) => tracing::warn!(sandbox = %m.id, error = %e, "pause"),
+        }
+        let due = idle.last + after;
+        if now < due {
+            idle.stop_at = None;
+            return None;
+        }
+        let max = hold_max(&m.spec);
+        if held.holds > 0 && !max.is_zero() && now < due + max {
+            idle.stop_at = None;
+            return None;
+        }
+        match (idle.stop_at, notice(&m.spec)) {
+            (Some(at), _) if now < at => None,
+            (None, Some(n)) if held.connected > 0 => {
+                idle.stop_at = Some(now + n);
+                Some(n)
+            }
+            _ => {
+                freeze(m, sb, &mut idle, now);
+                None
+            }
         }
     }
 
@@ -215,6 +342,30 @@ impl Node {
             && idle
                 .paused_since
                 .is_some_and(|t| now.saturating_duration_since(t) >= self.suspend_after(m))
+    }
+
+    /// Whether the host is short of memory (`--sleep-memory-below-bytes`), on a node that
+    /// checkpoints.
+    fn memory_short(&self) -> bool {
+        let below = self.cfg.sleep_memory_below;
+        below > 0
+            && self.checkpointer().is_ok()
+            && meminfo("MemAvailable:").is_some_and(|avail| avail < below)
+    }
+
+    /// The sandbox of `all` paused longest that may sleep now.
+    fn longest_paused(all: &[Arc<Managed>]) -> Option<Arc<Managed>> {
+        all.iter()
+            .filter(|m| m.status() == SandboxStatus::Running)
+            .filter_map(|m| {
+                let idle = m.idle.locked();
+                let since = idle
+                    .paused_since
+                    .filter(|_| !idle.changing && idle.users == 0)?;
+                Some((since, m))
+            })
+            .min_by_key(|(since, _)| *since)
+            .map(|(_, m)| m.clone())
     }
 
     /// The node's checkpointer, or 503 not_served_here saying why it has none.
@@ -434,6 +585,9 @@ impl Node {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SWEEP);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut ticks = 0u32;
+            // One sandbox at a time is put to sleep for memory.
+            let for_memory = Arc::new(std::sync::atomic::AtomicBool::new(false));
             loop {
                 tick.tick().await;
                 let Some(node) = node.upgrade() else {
@@ -455,8 +609,42 @@ impl Node {
                         });
                     }
                 }
+                ticks = ticks.wrapping_add(1);
+                if ticks.is_multiple_of(MEMORY_EVERY)
+                    && !for_memory.load(std::sync::atomic::Ordering::SeqCst)
+                    && node.memory_short()
+                {
+                    let all: Vec<Arc<Managed>> = node.managed.locked().values().cloned().collect();
+                    if let Some(m) = Node::longest_paused(&all) {
+                        for_memory.store(true, std::sync::atomic::Ordering::SeqCst);
+                        let (node, flag) = (node.clone(), for_memory.clone());
+                        tokio::spawn(async move {
+                            tracing::info!(sandbox = %m.id, "the host is short of memory: put to sleep");
+                            if let Err(e) = node.sleep_managed(&m, false).await {
+                                tracing::info!(sandbox = %m.id, error = %e.message, "not put to sleep");
+                            }
+                            flag.store(false, std::sync::atomic::Ordering::SeqCst);
+                        });
+                    }
+                }
             }
         });
+    }
+}
+
+/// Freezes `m` (idle, decided under its use lock `idle`), unless a lifecycle change (delete,
+/// restart) is in progress.
+fn freeze(m: &Managed, sb: &Sandbox, idle: &mut Idle, now: Instant) {
+    let Ok(_op) = m.op.try_lock() else {
+        return;
+    };
+    match sb.set_paused(true) {
+        Ok(()) => {
+            idle.paused_since = Some(now);
+            idle.stop_at = None;
+            tracing::debug!(sandbox = %m.id, "paused: idle");
+        }
+        Err(e) => tracing::warn!(sandbox = %m.id, error = %e, "pause"),
     }
 }
 

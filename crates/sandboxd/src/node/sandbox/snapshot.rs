@@ -274,6 +274,8 @@ impl Node {
         spec.expires_at = req.expires_at.clone();
         spec.sleep_after = super::sleep::SleepAfter::from_request(req.sleep_after_seconds);
         spec.suspend_after_ms = req.suspend_after_ms;
+        spec.sleep_notice_ms = req.sleep_notice_ms;
+        spec.sleep_hold_max_ms = req.sleep_hold_max_ms;
         if spec.network && !self.has_net() {
             spec.network = false;
         }

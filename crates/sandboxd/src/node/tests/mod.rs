@@ -78,6 +78,7 @@ fn config(dir: &Path) -> NodeConfig {
         max_sandboxes: 16,
         sleep_after: None,
         suspend_after: Duration::from_secs(600),
+        sleep_memory_below: 0,
     }
 }
 
