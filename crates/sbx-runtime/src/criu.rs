@@ -59,6 +59,38 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CriuError {
 pub struct Criu {
     pub bin: PathBuf,
     pub version: (u32, u32, u32),
+    /// A tmpfs shown to criu as its /run, where the host's /run is not one: criu keeps what it
+    /// learns of the kernel (`/run/criu.kdat`, tens of milliseconds a run) only on a tmpfs.
+    pub run: Option<PathBuf>,
+}
+
+/// Where the tmpfs criu is given as /run is mounted (once, kept across the node's restarts).
+const KDAT_RUN: &str = "/run/sbx/criu-run";
+
+/// The tmpfs for criu's /run ([`Criu::run`]): `None` where the host's /run is a tmpfs (criu
+/// keeps its cache there itself) or one cannot be made (criu then learns the kernel anew each
+/// run).
+fn kdat_run() -> Option<PathBuf> {
+    use nix::sys::statfs::{statfs, TMPFS_MAGIC};
+    let is_tmpfs = |p: &Path| statfs(p).is_ok_and(|s| s.filesystem_type() == TMPFS_MAGIC);
+    if is_tmpfs(Path::new("/run")) {
+        return None;
+    }
+    let dir = PathBuf::from(KDAT_RUN);
+    std::fs::create_dir_all(&dir).ok()?;
+    if !is_tmpfs(&dir) {
+        nix::mount::mount(
+            Some("sbx-criu-run"),
+            &dir,
+            Some("tmpfs"),
+            nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
+            Some("size=4m,mode=0755"),
+        )
+        .ok()?;
+    }
+    // The mount point of the host's /run/sbx (the CA bundles a restore binds).
+    std::fs::create_dir_all(dir.join("sbx")).ok()?;
+    Some(dir)
 }
 
 fn run(bin: &Path, args: &[&str]) -> Result<(bool, String), CriuError> {
@@ -114,6 +146,7 @@ pub fn detect(bin: &Path) -> Result<Criu, CriuError> {
     Ok(Criu {
         bin: bin.to_path_buf(),
         version,
+        run: kdat_run(),
     })
 }
 
@@ -417,8 +450,15 @@ fn criu_run(
     log: &Path,
 ) -> Result<(), CriuError> {
     let mut cmd = Command::new(&criu.bin);
-    cmd.args(args)
-        .env_clear()
+    cmd.args(args);
+    // A log with timestamps of every step, for finding where a checkpoint's time goes.
+    if let Some(level) = std::env::var("SBX_CRIU_LOG_LEVEL")
+        .ok()
+        .filter(|l| matches!(l.as_str(), "0" | "1" | "2" | "3" | "4"))
+    {
+        cmd.arg(format!("-v{level}"));
+    }
+    cmd.env_clear()
         .env(
             "PATH",
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -427,9 +467,9 @@ fn criu_run(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    if let Some((root, data)) = overlay {
-        let mount = crate::process::PrivateMount::overlay(&root, &data)
-            .map_err(io("prepare the overlay mount"))?;
+    if overlay.is_some() || criu.run.is_some() {
+        let mount = crate::process::PrivateMount::new(overlay, criu.run.as_deref())
+            .map_err(io("prepare criu's mounts"))?;
         // SAFETY: the closure runs in the forked child before exec and only makes raw
         // syscalls (unshare, mount) on memory prepared before the fork.
         unsafe {

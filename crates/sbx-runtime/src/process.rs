@@ -5,7 +5,7 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
@@ -872,21 +872,37 @@ pub fn userns_with_netns((base, count): (u32, u32)) -> io::Result<OwnedFd> {
     result
 }
 
-/// A mount made in a new mount namespace of a child before it execs (for criu's `--root`):
-/// prepared before the fork, applied in the child with raw syscalls only.
+/// Mounts made in a new mount namespace of a child before it execs (for criu: its `--root`,
+/// and a tmpfs as its /run): prepared before the fork, applied in the child with raw syscalls
+/// only.
 #[derive(Debug)]
 pub struct PrivateMount {
-    target: CString,
-    data: CString,
+    /// An overlay's mount point and options.
+    overlay: Option<(CString, CString)>,
+    /// A tmpfs shown as /run, and its `sbx` folder, where the host's /run/sbx is bound.
+    run: Option<(CString, CString)>,
 }
 
 impl PrivateMount {
-    /// An overlay with mount options `data` at `target`.
-    pub fn overlay(target: &Path, data: &str) -> io::Result<PrivateMount> {
-        Ok(PrivateMount {
-            target: CString::new(target.as_os_str().as_bytes())?,
-            data: CString::new(data)?,
-        })
+    /// An overlay with mount options `data` at `target` (given as `(target, data)`), and the
+    /// folder `run` (a tmpfs with a `sbx` folder) bound over /run with the host's /run/sbx in
+    /// it.
+    pub fn new(overlay: Option<(PathBuf, String)>, run: Option<&Path>) -> io::Result<PrivateMount> {
+        let overlay = match overlay {
+            Some((target, data)) => Some((
+                CString::new(target.as_os_str().as_bytes())?,
+                CString::new(data)?,
+            )),
+            None => None,
+        };
+        let run = match run {
+            Some(dir) => Some((
+                CString::new(dir.as_os_str().as_bytes())?,
+                CString::new(dir.join("sbx").as_os_str().as_bytes())?,
+            )),
+            None => None,
+        };
+        Ok(PrivateMount { overlay, run })
     }
 
     /// In the child (between fork and exec): a mount namespace of its own, private, with the
@@ -909,18 +925,46 @@ impl PrivateMount {
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: as above; `data` is the overlay's option string.
-        let r = unsafe {
-            libc::mount(
-                c"overlay".as_ptr(),
-                self.target.as_ptr(),
-                c"overlay".as_ptr(),
-                0,
-                self.data.as_ptr() as *const libc::c_void,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
+        if let Some((target, data)) = &self.overlay {
+            // SAFETY: as above; `data` is the overlay's option string.
+            let r = unsafe {
+                libc::mount(
+                    c"overlay".as_ptr(),
+                    target.as_ptr(),
+                    c"overlay".as_ptr(),
+                    0,
+                    data.as_ptr() as *const libc::c_void,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        if let Some((run, sbx)) = &self.run {
+            // The host's /run/sbx into the tmpfs, then the tmpfs over /run. Best effort: where
+            // it fails, criu runs with the host's /run (and learns the kernel again).
+            // SAFETY: as above.
+            let r = unsafe {
+                libc::mount(
+                    c"/run/sbx".as_ptr(),
+                    sbx.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND | libc::MS_REC,
+                    std::ptr::null(),
+                )
+            };
+            if r == 0 {
+                // SAFETY: as above.
+                unsafe {
+                    libc::mount(
+                        run.as_ptr(),
+                        c"/run".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND | libc::MS_REC,
+                        std::ptr::null(),
+                    )
+                };
+            }
         }
         Ok(())
     }
