@@ -242,15 +242,14 @@ fn take_idle(socket: &Path) -> Option<AgentConn> {
 }
 
 /// Closes the idle connections to the agent at `socket`: before a checkpoint, since an open
-/// connection to the node is a peer outside the sandbox, which CRIU refuses.
-#[allow(dead_code)] // for the node's sleep and snapshot (issue #15)
+/// connection to the node is a peer outside the sandbox, which CRIU refuses; and when the
+/// sandbox ends.
 pub fn close_idle(socket: &Path) {
     IDLE.locked().remove(socket);
 }
 
 /// Makes the agent dumpable (`true`, just before a checkpoint: CRIU needs it) or not again
 /// (after a wake); on a connection of its own, closed after the answer.
-#[allow(dead_code)] // for the node's sleep and snapshot (issue #15)
 pub async fn set_dumpable(socket: &Path, dumpable: bool) -> Result<(), AgentError> {
     let mut c = AgentConn::connect(socket, Duration::from_secs(5)).await?;
     let answer = tokio::time::timeout(

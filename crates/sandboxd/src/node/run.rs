@@ -201,6 +201,8 @@ impl Node {
 
     pub(crate) fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
         self.teardowns.fetch_add(1, Ordering::SeqCst);
+        // Connections kept for its next call would outlive it (a descriptor each).
+        crate::agent::close_idle(&sb.socket);
         let node = self.clone();
         tokio::task::spawn_blocking(move || {
             // A group that still has processes after a round (each kills for 30 s) is tried

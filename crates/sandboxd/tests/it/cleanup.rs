@@ -136,3 +136,50 @@ fn a_killed_node_cleans_up_when_it_starts_again() {
     assert_eq!(v["stdout"], "again\n");
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// The node's open descriptors, read on the host.
+fn node_fds(node: &TestNode) -> usize {
+    let pid = node.pid().expect("the node's pid");
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the node's descriptors")
+        .count()
+}
+
+#[test]
+fn deleted_sandboxes_leave_no_descriptor_in_the_node() {
+    let node = TestNode::start();
+    // Warm: the base template, the pools, the first connections.
+    let first = node.create_sandbox(&json!({}));
+    let first = first["id"].as_str().unwrap().to_string();
+    node.exec(&first, &json!({ "command": "true", "wait_seconds": 10 }));
+    node.delete_sandbox(&first);
+    std::thread::sleep(Duration::from_millis(500));
+    let before = node_fds(&node);
+    let ids: Vec<String> = (0..8)
+        .map(|_| {
+            let v = node.create_sandbox(&json!({}));
+            v["id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    // Calls that leave connections kept for the next one.
+    for id in &ids {
+        for _ in 0..3 {
+            let v = node.exec(id, &json!({ "command": "true", "wait_seconds": 10 }));
+            assert_eq!(v["exit_code"], 0, "{v}");
+        }
+    }
+    for id in &ids {
+        node.delete_sandbox(id);
+    }
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut after = node_fds(&node);
+    while after > before + 2 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(200));
+        after = node_fds(&node);
+    }
+    assert!(
+        after <= before + 2,
+        "the node holds {after} descriptors after 8 sandboxes came and went, {before} before"
+    );
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -423,6 +423,8 @@ impl Node {
         // What ran in this boot is final now: record it before the agent goes.
         self.record_finals(m, &sb).await;
         m.machine.locked().take();
+        // Connections kept for its next call would outlive it (a descriptor each).
+        crate::agent::close_idle(&sb.socket);
         let driver = self.driver.clone();
         let id = sb.id.clone();
         let destroyed = tokio::task::spawn_blocking(move || driver.destroy(&sb)).await;
@@ -545,6 +547,7 @@ impl Node {
         self.set_failed(m, "agent_lost", why);
         self.record_finals(m, sb).await;
         m.machine.locked().take();
+        crate::agent::close_idle(&sb.socket);
         let driver = self.driver.clone();
         let (sb, dir) = (sb.clone(), self.sandboxes_dir().join(&m.id));
         let _ = tokio::task::spawn_blocking(move || {
