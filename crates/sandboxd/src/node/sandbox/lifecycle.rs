@@ -17,6 +17,9 @@ use crate::probe::Probe;
 use crate::store::SandboxRow;
 use crate::sync::LockExt;
 
+/// The status a row has on disk while its sandbox is being deleted (the API says `stopping`).
+const DELETING: &str = "deleting";
+
 impl Node {
     /// `POST /v1/sandboxes`.
     pub async fn create_sandbox(
@@ -468,7 +471,11 @@ impl Node {
         {
             let mut row = m.row.locked();
             row.status = "stopping".into();
-            let _ = self.store.update_sandbox(&row);
+            // On disk the delete is asked for: a node that goes before it is done finishes it
+            // when it starts again (`recover`), rather than keeping a half-ended sandbox.
+            let mut stored = row.clone();
+            stored.status = DELETING.into();
+            let _ = self.store.update_sandbox(&stored);
         }
         self.end_machine(&m).await;
         let dir = self.sandboxes_dir().join(&m.id);
@@ -560,6 +567,25 @@ impl Node {
         self.release_net(&m.id);
     }
 
+    /// At start: the delete of sandbox `row` that the previous node did not finish: what runs
+    /// of it is ended, what is left of it removed, its row (and its commands') deleted.
+    fn finish_delete(&self, row: &super::SandboxRow, dir: &std::path::Path) {
+        if let Some(pid) = row.pid {
+            if let Some(sb) = self.driver.adopt(&row.id, dir, pid, row.start_time) {
+                crate::agent::close_idle(&sb.socket);
+                if let Err(e) = self.driver.destroy(&sb) {
+                    tracing::warn!(sandbox = %row.id, error = %e, "ending a sandbox being deleted");
+                }
+            }
+        }
+        let _ = self.driver.remove_leftovers(&row.id);
+        let _ = sbx_runtime::driver::remove_dir(dir);
+        if let Err(e) = self.store.delete_sandbox(&row.id) {
+            tracing::error!(sandbox = %row.id, error = %e, "the row of a sandbox being deleted");
+        }
+        tracing::info!(sandbox = %row.id, "a delete the previous node did not finish: done");
+    }
+
     /// At start: adopts the sandboxes whose agents still run, marks the others failed (and
     /// removes what is left of them), and ends whatever else is in the node's cgroups.
     pub fn recover(self: &Arc<Self>) -> (usize, usize) {
@@ -573,8 +599,12 @@ impl Node {
                     continue;
                 }
             };
-            let m = Arc::new(Managed::new(row.clone(), spec));
             let dir = self.sandboxes_dir().join(&row.id);
+            if row.status == DELETING {
+                self.finish_delete(&row, &dir);
+                continue;
+            }
+            let m = Arc::new(Managed::new(row.clone(), spec));
             let alive = match (row.status.as_str(), row.pid) {
                 // A zombie (an agent that died while no node reaped it) is no agent.
                 ("running" | "starting" | "stopping", Some(pid)) => self
