@@ -112,12 +112,22 @@ pub(crate) fn hold_while_sent(
     held: crate::node::sandbox::sleep::InUse,
 ) -> Response {
     let (parts, body) = resp.into_parts();
-    Response::from_parts(parts, axum::body::Body::new(Held { body, _held: held }))
+    let cut = Box::pin(held.cut());
+    Response::from_parts(
+        parts,
+        axum::body::Body::new(Held {
+            body,
+            cut,
+            _held: held,
+        }),
+    )
 }
 
-/// A body that holds a sandbox awake while it is sent.
+/// A body that holds a sandbox awake while it is sent, and ends where a sleep asked for cuts
+/// it.
 struct Held {
     body: axum::body::Body,
+    cut: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     _held: crate::node::sandbox::sleep::InUse,
 }
 
@@ -129,6 +139,11 @@ impl http_body::Body for Held {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        if self.cut.as_mut().poll(cx).is_ready() {
+            return std::task::Poll::Ready(Some(Err(axum::Error::new(
+                "the sandbox was put to sleep",
+            ))));
+        }
         std::pin::Pin::new(&mut self.body).poll_frame(cx)
     }
 

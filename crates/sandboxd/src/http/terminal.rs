@@ -71,10 +71,23 @@ pub(super) async fn terminal(
     ws.max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
         .on_upgrade(move |ws| async move {
-            // The sandbox stays awake while its terminal is open.
+            // The sandbox stays awake while its terminal is open, unless a sleep asked for
+            // cuts it.
+            let cut = held.as_ref().map(|h| h.cut());
             let _held = held;
-            if let Err(e) = session(ws, socket, exec_id, from).await {
-                tracing::info!(error = %e, "terminal session ended");
+            let cut = async move {
+                match cut {
+                    Some(c) => c.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = session(ws, socket, exec_id, from) => {
+                    if let Err(e) = r {
+                        tracing::info!(error = %e, "terminal session ended");
+                    }
+                }
+                () = cut => tracing::info!("terminal closed: the sandbox was put to sleep"),
             }
         })
 }

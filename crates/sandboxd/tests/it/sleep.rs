@@ -583,3 +583,56 @@ fn paused_sandboxes_sleep_at_once_when_the_host_is_short_of_memory() {
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+#[test]
+fn a_sleep_asked_for_cuts_the_streams_still_open_and_the_command_goes_on_after() {
+    use std::io::{Read, Write};
+    let node = TestNode::start();
+    let v = node.create_sandbox(&json!({ "sleep_after_seconds": null }));
+    let id = v["id"].as_str().unwrap().to_string();
+    let e = node.exec(
+        &id,
+        &json!({ "command": "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done", "wait_seconds": 0 }),
+    );
+    let exe = e["id"].as_str().unwrap().to_string();
+    // An event stream of its output, open while the sleep is asked for.
+    let mut stream = std::net::TcpStream::connect(&node.addr).expect("connect");
+    write!(
+        stream,
+        "GET /v1/sandboxes/{id}/exec/{exe}/output HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\n\r\n",
+        node.addr
+    )
+    .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut first = [0u8; 512];
+    let n = stream.read(&mut first).expect("the stream's first bytes");
+    assert!(
+        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "a sleep asked for while a stream is open: {v}");
+    assert_eq!(v["status"], "sleeping", "{v}");
+    // The stream was cut: it ends (or fails) rather than hanging.
+    let mut rest = Vec::new();
+    let ended = stream.read_to_end(&mut rest);
+    assert!(
+        ended.is_ok()
+            || ended
+                .as_ref()
+                .is_err_and(|e| e.kind() != std::io::ErrorKind::WouldBlock
+                    && e.kind() != std::io::ErrorKind::TimedOut),
+        "the stream was not cut: {ended:?}"
+    );
+    // The command goes on after the wake, under its id.
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    std::thread::sleep(Duration::from_millis(500));
+    let (s, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{exe}"));
+    assert_eq!((s, v["status"].as_str()), (200, Some("running")), "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -312,6 +312,9 @@ pub struct Managed {
     /// True from before a sleep's checkpoint to after its wake: the node's watchers of its
     /// commands let go of the agent meanwhile.
     pub(crate) asleep: tokio::sync::watch::Sender<bool>,
+    /// Raised (its count moved on) when a sleep asked for cuts the uses still open: answers
+    /// being sent end, terminals close ([`sleep::InUse::cut`]).
+    pub(crate) cut: tokio::sync::watch::Sender<u64>,
     /// Connections of the node's watchers open to its agent now.
     pub(crate) attached: std::sync::atomic::AtomicUsize,
     /// Asleep when the node started: its commands have no watcher until it wakes.
@@ -334,6 +337,7 @@ impl Managed {
             expiry: Mutex::new((spec.expires_at.clone(), 0)),
             idle: Mutex::new(sleep::Idle::new()),
             asleep: tokio::sync::watch::Sender::new(false),
+            cut: tokio::sync::watch::Sender::new(0),
             attached: std::sync::atomic::AtomicUsize::new(0),
             rewatch: std::sync::atomic::AtomicBool::new(false),
             held: std::sync::atomic::AtomicBool::new(spec.held_asleep),

@@ -155,6 +155,18 @@ impl std::fmt::Debug for InUse {
     }
 }
 
+impl InUse {
+    /// Resolves when a sleep asked for cuts this use (`POST …/sleep` while it is open): the
+    /// holder ends it then (an answer stops being sent, a terminal closes).
+    pub fn cut(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.m.cut.subscribe();
+        async move {
+            // An error is the sender's end, which cannot come while this use holds it.
+            let _ = rx.changed().await;
+        }
+    }
+}
+
 impl Drop for InUse {
     fn drop(&mut self) {
         let mut idle = self.m.idle.locked();
@@ -416,8 +428,9 @@ impl Node {
                 "a command runs in the sandbox",
             ));
         }
-        // Nothing of it in use from here on: a use that comes waits for the op lock.
-        self.quiesce(m, 0).await?;
+        // Nothing of it in use from here on: a use that comes waits for the op lock. Asked
+        // for, it cuts the uses still open after a moment.
+        self.quiesce(m, 0, asked).await?;
         let result = self.put_to_sleep(m, &sb, ck).await;
         m.idle.locked().changing = false;
         result

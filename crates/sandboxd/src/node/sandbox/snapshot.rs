@@ -20,6 +20,8 @@ use crate::sync::LockExt;
 
 /// How long a snapshot waits for the uses of its sandbox going on to end.
 const QUIET_WAIT: Duration = Duration::from_secs(5);
+/// How long a sleep asked for waits for the uses of the sandbox to end before it cuts them.
+const CUT_AFTER: Duration = Duration::from_secs(1);
 /// The most sandboxes one fork makes.
 pub const MAX_FORKS: u32 = 16;
 /// The commands of the sandbox at the snapshot's instant, kept with it.
@@ -147,7 +149,7 @@ impl Node {
         };
         let dir = self.snapshots_dir().join(&row.id);
         // The request that asks is a use of the sandbox itself (the edge counts it).
-        self.quiesce(&m, 1).await?;
+        self.quiesce(&m, 1, false).await?;
         let started = Instant::now();
         let kept: Vec<KeptExec> = self
             .store
@@ -383,14 +385,26 @@ impl Node {
     /// Before a checkpoint of a running sandbox: no use of it but `own` goes on (waits a
     /// moment), none starts until [`Node::unquiesce`], and the node's connections to its
     /// agent are closed (an open one cannot be checkpointed).
-    pub(crate) async fn quiesce(&self, m: &Arc<Managed>, own: u32) -> Result<(), ApiError> {
-        let end = Instant::now() + QUIET_WAIT;
+    pub(crate) async fn quiesce(
+        &self,
+        m: &Arc<Managed>,
+        own: u32,
+        cut: bool,
+    ) -> Result<(), ApiError> {
+        let start = Instant::now();
+        let end = start + QUIET_WAIT;
+        let mut cut_sent = false;
         loop {
             {
                 let mut idle = m.idle.locked();
                 if idle.users <= own {
                     idle.changing = true;
                     break;
+                }
+                if cut && !cut_sent && start.elapsed() >= CUT_AFTER {
+                    tracing::info!(sandbox = %m.id, uses = idle.users - own, "a sleep asked for cuts the uses still open");
+                    m.cut.send_modify(|n| *n += 1);
+                    cut_sent = true;
                 }
                 if Instant::now() >= end {
                     return Err(ApiError::new(
