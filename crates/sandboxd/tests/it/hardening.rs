@@ -438,3 +438,94 @@ fn a_given_cgroup_parent_is_where_the_folders_go() {
         assert!(f.parent().unwrap().is_dir());
     }
 }
+
+/// A cgroup folder in each hierarchy the node uses, standing for the scope (a login session's,
+/// a shell's, a supervisor's) that started the node; removed when dropped.
+struct Scope(Vec<PathBuf>);
+
+impl Scope {
+    /// Beside the node's folders' parent (`<hierarchy>/sbx.slice`), at each hierarchy's root.
+    fn new(node: &TestNode) -> Scope {
+        let name = common::unique("sbx-test-scope");
+        let mut dirs = Vec::new();
+        for ctrl in ["memory", "pids", "cpu", "freezer", "unified"] {
+            let Some(folder) = node.cgroup_dir(ctrl) else {
+                continue;
+            };
+            let slice = folder.parent().expect("the node's folder's parent");
+            assert!(slice.ends_with("sbx.slice"), "{}", folder.display());
+            let dir = slice.parent().expect("the hierarchy's root").join(&name);
+            if !dirs.contains(&dir) {
+                std::fs::create_dir(&dir).unwrap();
+                dirs.push(dir);
+            }
+        }
+        Scope(dirs)
+    }
+
+    fn add(&self, pid: u32) {
+        for d in &self.0 {
+            std::fs::write(d.join("cgroup.procs"), pid.to_string()).unwrap();
+        }
+    }
+
+    /// What a scope's clean-up does: every process in it killed, its folders removed.
+    fn clean_up(&self) {
+        let deadline = Instant::now() + WAIT;
+        for d in &self.0 {
+            while d.exists() {
+                let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    // SAFETY: kill has no memory effects.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                    }
+                }
+                let _ = std::fs::remove_dir(d);
+                assert!(Instant::now() < deadline, "{} stays", d.display());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+#[test]
+fn cleaning_up_the_scope_the_node_runs_in_leaves_its_sandboxes_running() {
+    // The report: a node started from a shell; the shell's scope cleaned up; the
+    // sandboxes were killed with it. Now they are not in the node's scope.
+    let mut node = TestNode::start_with(&["--warm-pool", "0"]);
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let agent = node.agent_pid(&id).expect("its agent");
+    let scope = Scope::new(&node);
+    scope.add(node.pid().unwrap());
+    scope.clean_up();
+    node.kill();
+    assert_eq!(
+        node.agent_pid(&id),
+        Some(agent),
+        "the sandbox outlived the scope"
+    );
+    node.restart();
+    let (status, v) = get_json(&node, &format!("/v1/sandboxes/{id}"));
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("running")),
+        "{v}"
+    );
+    let v = node.exec(&id, &json!({ "command": "echo alive" }));
+    let v = node.exec_wait(&id, v["id"].as_str().unwrap(), WAIT);
+    assert_eq!(common::stdout(&v), "alive\n", "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
