@@ -134,6 +134,18 @@ pub struct Placement {
     pub fallback: Option<String>,
 }
 
+/// The node's folders of the old layout (under its own cgroup).
+#[derive(Debug, Clone)]
+struct Legacy {
+    /// Every hierarchy's old folder (where a hierarchy fell back, the same as the current).
+    layout: Layout,
+    /// The old folder of a hierarchy where it differs from the current one: a sandbox whose
+    /// group is there is an old one.
+    probe: PathBuf,
+    /// The old folders that are not current ones (what goes once empty).
+    only: Vec<PathBuf>,
+}
+
 /// One hierarchy the node uses: its mount and the node's own cgroup in it.
 struct Hierarchy {
     ctrl: Option<&'static str>,
@@ -150,7 +162,7 @@ pub struct Cgroups {
     /// The node's folders under its own cgroup (the layout of older nodes), where they exist
     /// and differ from `layout`: sandboxes an older node made there are adopted and ended
     /// there. `None` once they are gone.
-    legacy: std::sync::Mutex<Option<Layout>>,
+    legacy: std::sync::Mutex<Option<Legacy>>,
     /// Serializes making the folders again (two creates that find them gone at once).
     remake: std::sync::Mutex<()>,
 }
@@ -266,7 +278,8 @@ impl Cgroups {
         let hs = hierarchies()?;
         let v2 = hs.iter().any(|h| h.ctrl.is_none());
         let mut placement = Vec::new();
-        let mut legacy = Vec::new();
+        let mut olds = Vec::new();
+        let mut only = Vec::new();
         for h in &hs {
             let own = h.mount.join(&h.own).join(name);
             let (folder, fallback) = match parent {
@@ -287,8 +300,9 @@ impl Cgroups {
                 },
             };
             if folder != own {
-                legacy.push((h.ctrl, own));
+                only.push(own.clone());
             }
+            olds.push((h.ctrl, own));
             placement.push(Placement {
                 controller: h.ctrl.unwrap_or("unified").to_string(),
                 folder,
@@ -306,17 +320,20 @@ impl Cgroups {
             )
         };
         // The old folders are worth a look only where they exist (a node of the old layout
-        // ran here with this name); v1 needs every hierarchy's, v2 its one.
-        let legacy = match legacy.first() {
-            Some((_, first)) if first.is_dir() => Some(if v2 {
-                Layout::V2(first.clone())
-            } else {
-                Layout::V1(
-                    legacy
-                        .into_iter()
-                        .filter_map(|(c, d)| Some((c?, d)))
-                        .collect(),
-                )
+        // ran here with this name).
+        let legacy = match only.first() {
+            Some(probe) if probe.is_dir() => Some(Legacy {
+                layout: if v2 {
+                    Layout::V2(olds[0].1.clone())
+                } else {
+                    Layout::V1(
+                        olds.into_iter()
+                            .filter_map(|(c, d)| Some((c?, d)))
+                            .collect(),
+                    )
+                },
+                probe: probe.clone(),
+                only,
             }),
             _ => None,
         };
@@ -337,13 +354,7 @@ impl Cgroups {
         &self.placement
     }
 
-    /// The node's folders of the old layout that still exist (sandboxes of an older node may
-    /// run there).
-    pub fn legacy_folders(&self) -> Vec<PathBuf> {
-        self.legacy_layout().map(|l| l.dirs()).unwrap_or_default()
-    }
-
-    fn legacy_layout(&self) -> Option<Layout> {
+    fn legacy_layout(&self) -> Option<Legacy> {
         self.legacy
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -396,7 +407,7 @@ impl Cgroups {
         let Some(l) = legacy.as_ref() else {
             return Vec::new();
         };
-        let dirs = l.dirs();
+        let dirs = l.only.clone();
         if dirs.iter().any(|d| !subgroups(d).is_empty()) {
             return Vec::new();
         }
@@ -434,8 +445,8 @@ impl Cgroups {
     /// there, else at the node's folder.
     pub fn group(&self, id: &str) -> Group {
         if let Some(l) = self.legacy_layout() {
-            if l.first().is_some_and(|d| d.join(id).is_dir()) {
-                return l.group(id);
+            if l.probe.join(id).is_dir() {
+                return l.layout.group(id);
             }
         }
         self.layout.group(id)
@@ -495,7 +506,7 @@ impl Cgroups {
     pub fn list(&self) -> Vec<String> {
         let mut out: Vec<String> = self.layout.first().map(subgroups).unwrap_or_default();
         if let Some(l) = self.legacy_layout() {
-            for id in l.first().map(subgroups).unwrap_or_default() {
+            for id in subgroups(&l.probe) {
                 if !out.contains(&id) {
                     out.push(id);
                 }
@@ -1012,6 +1023,73 @@ mod tests {
         // Stable: the same directory gives the same folder at every start.
         assert_eq!(a, default_name(Path::new("/srv/sbx-a")));
         assert!(a[4..].chars().all(|c| c.is_ascii_hexdigit()), "{a}");
+    }
+
+    #[test]
+    fn a_folder_of_the_old_layout_is_looked_at_until_it_is_empty_and_removed() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let name = format!("sbx-legacy-test-{}", std::process::id());
+        let limits = Limits {
+            memory_bytes: 64 << 20,
+            vcpus: 1,
+            pids: 16,
+        };
+        // A node of the old layout made group `old` under its own cgroup.
+        let before = Cgroups::place(&name, &Parent::Own).unwrap();
+        before.prepare().unwrap();
+        let old = before.create_group("old", &limits).unwrap();
+        let after = Cgroups::place(&name, &Parent::Auto).unwrap();
+        after.prepare().unwrap();
+        let moved = after.placement().iter().any(|p| p.fallback.is_none());
+        if moved {
+            // The old group is found where it is; a new one goes to the stable place.
+            assert_eq!(after.group("old"), old);
+            let new = after.create_group("new", &limits).unwrap();
+            assert_ne!(new, before.group("new"));
+            let mut ids = after.list();
+            ids.sort();
+            assert_eq!(ids, ["new", "old"]);
+            assert!(after.remove_legacy_if_empty().is_empty(), "not empty yet");
+            old.destroy(Duration::from_secs(5)).unwrap();
+            let removed = after.remove_legacy_if_empty();
+            assert!(!removed.is_empty() && removed.iter().all(|d| !d.exists()));
+            assert_eq!(after.list(), ["new"]);
+            assert_eq!(after.group("old"), after.layout().group("old"));
+            new.destroy(Duration::from_secs(5)).unwrap();
+        } else {
+            old.destroy(Duration::from_secs(5)).unwrap();
+        }
+        after.remove_if_empty();
+        before.remove_if_empty();
+        assert!(!after.folder().exists() && !before.folder().exists());
+    }
+
+    #[test]
+    fn a_gone_folder_is_made_again_at_the_next_create() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let cg = Cgroups::discover(&format!("sbx-remake-test-{}", std::process::id())).unwrap();
+        cg.prepare().unwrap();
+        let limits = Limits {
+            memory_bytes: 64 << 20,
+            vcpus: 1,
+            pids: 16,
+        };
+        cg.remove_if_empty();
+        assert!(!cg.folder().exists());
+        assert!(cg.check().is_ok(), "the check makes them again");
+        assert!(cg.folder().exists());
+        cg.remove_if_empty();
+        let g = cg.create_group("a", &limits).unwrap();
+        assert!(g.exists());
+        g.destroy(Duration::from_secs(5)).unwrap();
+        cg.remove_if_empty();
+        assert!(!cg.folder().exists());
     }
 
     #[test]
