@@ -62,9 +62,9 @@ struct Cli {
     #[arg(long)]
     cgroup_name: Option<String>,
     /// Where the node's cgroup folder goes in each hierarchy: a path under the hierarchy's
-    /// root (`/sbx.slice`, `/system.slice/sandboxd.service`), made if missing; the node does
-    /// not start when it cannot be. `own`: under the node's own cgroup (nodes before 0.2 did
-    /// so). Default: `/sbx.slice` where the root can be written, else (logged, per
+    /// root (`/sbx.slice`, `/machine.slice/sbx`), made if missing; the node does not start
+    /// when it cannot be. `own`: under the node's own cgroup (as nodes did before the stable
+    /// place). Default: `/sbx.slice` where the root can be written, else (logged, per
     /// hierarchy) the node's own cgroup.
     #[arg(long, value_name = "PATH|own", value_parser = parse_cgroup_parent)]
     cgroup_parent: Option<sbx_runtime::cgroup::Parent>,
