@@ -6,7 +6,8 @@
 //! max_concurrent_exec_per_sandbox = 4    # execs at once in one sandbox (over it: S003)
 //! max_exec_timeout_ms = 300000           # the longest (and the default) exec timeout
 //! idle_timeout_secs = 600                # default idle timeout of sandbox::create (0: none)
-//! max_sandboxes = 64                     # sandboxes at once (over it: S400)
+//! max_sandboxes = 64                     # sandboxes at once (over it: S400; default: from the
+//!                                        # machine, see README "Capacity"; --max-sandboxes wins)
 //! default_cpus = 1                       # shape of a sandbox that asks for none
 //! default_memory_mb = 512
 //! docs_base_url = "https://iii.dev/docs/sandbox#"   # errors' docs_url is this + the S-code
@@ -49,7 +50,9 @@ pub struct Config {
     pub max_concurrent_exec_per_sandbox: Option<usize>,
     pub max_exec_timeout_ms: u64,
     pub idle_timeout_secs: u64,
-    pub max_sandboxes: usize,
+    /// The most sandboxes at once; none: `--max-sandboxes`, else derived from the machine
+    /// (`node::capacity`).
+    pub max_sandboxes: Option<usize>,
     pub default_cpus: Option<u32>,
     pub default_memory_mb: Option<u64>,
     pub docs_base_url: Option<String>,
@@ -68,7 +71,7 @@ impl Default for Config {
             max_concurrent_exec_per_sandbox: None,
             max_exec_timeout_ms: 300_000,
             idle_timeout_secs: 600,
-            max_sandboxes: 64,
+            max_sandboxes: None,
             default_cpus: None,
             default_memory_mb: None,
             docs_base_url: None,
@@ -89,7 +92,7 @@ impl Config {
             cfg.max_exec_timeout_ms > 0,
             "max_exec_timeout_ms must be over 0"
         );
-        anyhow::ensure!(cfg.max_sandboxes > 0, "max_sandboxes must be over 0");
+        anyhow::ensure!(cfg.max_sandboxes != Some(0), "max_sandboxes must be over 0");
         anyhow::ensure!(
             cfg.max_concurrent_exec_per_sandbox != Some(0),
             "max_concurrent_exec_per_sandbox must be over 0"

@@ -56,11 +56,27 @@ struct Cli {
     /// The sbx-agent binary (default: next to this one).
     #[arg(long)]
     agent: Option<PathBuf>,
-    /// Name of the cgroup folder the node's sandboxes go in (under the node's own cgroup).
+    /// Name of the cgroup folder the node's sandboxes go in (under --cgroup-parent).
     /// Default: `sbx` for the data directory /var/lib/sbx, else `sbx-` and a hash of the data
     /// directory. A folder another living node holds is refused at start.
     #[arg(long)]
     cgroup_name: Option<String>,
+    /// Where the node's cgroup folder goes in each hierarchy: a path under the hierarchy's
+    /// root (`/sbx.slice`, `/machine.slice/sbx`), made if missing; the node does not start
+    /// when it cannot be. `own`: under the node's own cgroup (as nodes did before the stable
+    /// place). Default: `/sbx.slice` where the root can be written, else (logged, per
+    /// hierarchy) the node's own cgroup.
+    #[arg(long, value_name = "PATH|own", value_parser = parse_cgroup_parent)]
+    cgroup_parent: Option<sbx_runtime::cgroup::Parent>,
+    /// The most sandboxes (runs' and kept ones) the node holds at once; one more is 503
+    /// no_capacity. Default: the config file's max_sandboxes, else derived from the machine's
+    /// memory, pids and open files (GET /internal/node `capacity` shows how).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_sandboxes: Option<u64>,
+    /// Free bytes of the data disk under which GET /healthz answers 503 (the node cannot make
+    /// sandboxes).
+    #[arg(long, default_value_t = 512 << 20, value_name = "BYTES")]
+    min_free_disk_bytes: u64,
     /// Host uid that is root in sandboxes (65536 uids from it are theirs).
     #[arg(long, default_value_t = 100_000)]
     uid_base: u32,
@@ -216,6 +232,11 @@ fn main() -> anyhow::Result<()> {
     if let Err(e) = inherited {
         tracing::warn!(error = %e, "could not mark inherited descriptors close-on-exec");
     }
+    // Each sandbox costs the node descriptors: the soft limit goes up to the hard one.
+    match sbx_runtime::process::raise_nofile_limit() {
+        Ok((soft, hard)) => tracing::debug!(soft, hard, "open files limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
+    }
     let cli = Cli::parse();
     let images_dir = cli
         .images_dir
@@ -280,9 +301,12 @@ fn main() -> anyhow::Result<()> {
     };
     // The cgroup folder is this node's alone (its lock, taken before anything is made or
     // cleaned in it): a node on a folder another one holds stops here.
-    let driver = sbx_runtime::driver::NamespaceDriver::with_cgroup_name(
+    let driver = sbx_runtime::driver::NamespaceDriver::with_cgroups(
         agent,
         &cgroup_name,
+        cli.cgroup_parent
+            .as_ref()
+            .unwrap_or(&sbx_runtime::cgroup::Parent::Auto),
         &format!(
             "pid {}, data dir {}",
             std::process::id(),
@@ -311,6 +335,19 @@ fn main() -> anyhow::Result<()> {
         .map(|n| n.get() as u32)
         .unwrap_or(1)
         .min(32);
+    let capacity = node::capacity::resolve(
+        cli.max_sandboxes
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        fn_cfg.max_sandboxes,
+        node::capacity::derive(&node::capacity::Host::read(host_memory()), cli.warm_pool),
+    );
+    tracing::info!(
+        max_sandboxes = capacity.max_sandboxes,
+        from = capacity.source,
+        derived = capacity.derived.max_sandboxes,
+        limited_by = capacity.derived.limited_by,
+        "capacity"
+    );
     let cfg = node::NodeConfig {
         data_dir: cli.data_dir.clone(),
         default_memory_bytes: fn_cfg
@@ -342,7 +379,8 @@ fn main() -> anyhow::Result<()> {
             );
             all
         }),
-        max_sandboxes: fn_cfg.max_sandboxes,
+        max_sandboxes: capacity.max_sandboxes,
+        min_free_disk_bytes: cli.min_free_disk_bytes,
         sleep_after: cli.sleep_after_seconds.resolve(),
         suspend_after: Duration::from_secs_f64(cli.suspend_after_seconds.max(0.0)),
         sleep_memory_below: cli
@@ -364,6 +402,7 @@ fn main() -> anyhow::Result<()> {
     }
     let node = node::Node::new(cfg, driver, images, store, templates);
     node.set_checkpoints(checkpoints);
+    node.set_capacity(capacity);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -453,6 +492,22 @@ fn main() -> anyhow::Result<()> {
 /// The connection cap: as given, else 512; at most a quarter of the open files limit unless
 /// given (each connection may hold a descriptor of its own and one to an agent, beside the
 /// sandboxes' sockets and pidfds), with a warning when a given cap is over that.
+/// `--cgroup-parent`: `own`, or an absolute path under each hierarchy's root.
+fn parse_cgroup_parent(s: &str) -> Result<sbx_runtime::cgroup::Parent, String> {
+    if s == "own" {
+        return Ok(sbx_runtime::cgroup::Parent::Own);
+    }
+    let p = PathBuf::from(s);
+    let plain = p.is_absolute()
+        && p.components()
+            .skip(1)
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !plain || p.components().count() < 2 {
+        return Err("an absolute path below the hierarchy's root (e.g. /sbx.slice), or own".into());
+    }
+    Ok(sbx_runtime::cgroup::Parent::Given(p))
+}
+
 /// A DNS upstream: `ADDR` (port 53) or `ADDR:PORT`.
 fn parse_upstream(a: &str) -> anyhow::Result<SocketAddr> {
     if let Ok(ip) = a.parse::<std::net::IpAddr>() {

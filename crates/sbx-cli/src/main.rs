@@ -11,6 +11,7 @@ mod sandboxes;
 mod terminal;
 
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -339,11 +340,15 @@ pub(crate) fn ensure_node(cli: &Cli) -> anyhow::Result<()> {
         .append(true)
         .open(&log_path)
         .with_context(|| format!("open {}", log_path.display()))?;
+    // The node outlives this command: in a process group of its own, a Ctrl-C or a job
+    // control signal to the terminal's foreground group does not reach it, and its sandboxes'
+    // cgroups are at the stable place (sbx.slice), not in this shell's scope.
     let child = Command::new(sibling("sandboxd"))
         .arg("--listen")
         .arg(addr.to_string())
         .arg("--data-dir")
         .arg(&data_dir)
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)

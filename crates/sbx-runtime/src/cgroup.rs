@@ -1,10 +1,15 @@
 //! Cgroups for sandboxes, v1 and v2 behind one interface.
 //!
-//! Each sandbox gets a group `sbx/<id>` under the node's own cgroup in every hierarchy that it
-//! uses (v1: memory, cpu, pids, freezer; v2: the unified tree with those controllers enabled).
-//! The node's own cgroup is read from `/proc/self/cgroup`, so a node that runs nested (as on these
-//! machines, where the memory controller puts the node under `/process_api/...`) keeps its
-//! sandboxes inside whatever limits it is itself under.
+//! Each sandbox gets a group `<parent>/<node>/<id>` in every hierarchy that it uses (v1:
+//! memory, cpu, pids, freezer; v2: the unified tree with those controllers enabled). The
+//! parent is a place no caller's scope owns: [`DEFAULT_PARENT`] (`sbx.slice`) at each
+//! hierarchy's root, or the one the operator gives (`--cgroup-parent`). So a node started from a
+//! shell, a login session or a supervisor's scope does not leave its sandboxes there: when that
+//! scope is cleaned up (its processes killed, its folders removed), the sandboxes live on. Where
+//! a hierarchy's root cannot be written (a node nested in a container whose cgroups are
+//! read-only, or a v2 root that holds processes), that hierarchy falls back to the node's own
+//! cgroup (read from `/proc/self/cgroup`: the layout of older nodes), with the reason logged.
+//! Sandboxes an older node made under its own cgroup are still found there (`legacy`).
 
 use std::fs;
 use std::io::{ErrorKind, Write};
@@ -74,71 +79,286 @@ pub enum Layout {
     V2(PathBuf),
 }
 
+impl Layout {
+    fn dirs(&self) -> Vec<PathBuf> {
+        match self {
+            Layout::V1(dirs) => dirs.iter().map(|(_, d)| d.clone()).collect(),
+            Layout::V2(base) => vec![base.clone()],
+        }
+    }
+
+    fn group(&self, id: &str) -> Group {
+        let dirs = match self {
+            Layout::V1(dirs) => dirs.iter().map(|(c, d)| (Some(*c), d.join(id))).collect(),
+            Layout::V2(base) => vec![(None, base.join(id))],
+        };
+        Group { dirs }
+    }
+
+    /// The folder sandboxes' groups are listed from (the first hierarchy's on v1).
+    fn first(&self) -> Option<&Path> {
+        match self {
+            Layout::V1(dirs) => dirs.first().map(|(_, d)| d.as_path()),
+            Layout::V2(b) => Some(b.as_path()),
+        }
+    }
+}
+
 const V1_CONTROLLERS: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
 
-/// The node's cgroup layout, found from `/proc/self/mountinfo` and `/proc/self/cgroup`.
+/// The folder at each hierarchy's root that nodes' folders go in by default.
+pub const DEFAULT_PARENT: &str = "sbx.slice";
+
+/// Where the node's folders go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parent {
+    /// [`DEFAULT_PARENT`] at each hierarchy's root; a hierarchy whose root cannot be written
+    /// falls back to the node's own cgroup (the reason is in [`Cgroups::placement`]).
+    Auto,
+    /// This path under each hierarchy's root (`--cgroup-parent`); no fallback: a node that
+    /// cannot make its folders there does not start.
+    Given(PathBuf),
+    /// Under the node's own cgroup, as nodes before the stable place did (tests of the
+    /// upgrade; a node that wants its sandboxes inside its own limits).
+    Own,
+}
+
+/// Where the node's folder went in one hierarchy, and why it is not at the stable place when
+/// it is not.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Placement {
+    /// The controller (`memory`, ...) or `unified`.
+    pub controller: String,
+    pub folder: PathBuf,
+    /// Set when the hierarchy fell back to the node's own cgroup.
+    pub fallback: Option<String>,
+}
+
+/// The node's folders of the old layout (under its own cgroup).
 #[derive(Debug, Clone)]
+struct Legacy {
+    /// Every hierarchy's old folder (where a hierarchy fell back, the same as the current).
+    layout: Layout,
+    /// The old folder of a hierarchy where it differs from the current one: a sandbox whose
+    /// group is there is an old one.
+    probe: PathBuf,
+    /// The old folders that are not current ones (what goes once empty).
+    only: Vec<PathBuf>,
+}
+
+/// One hierarchy the node uses: its mount and the node's own cgroup in it.
+struct Hierarchy {
+    ctrl: Option<&'static str>,
+    mount: PathBuf,
+    /// The node's own cgroup, relative to the mount.
+    own: PathBuf,
+}
+
+/// The node's cgroup layout, found from `/proc/self/mountinfo` and `/proc/self/cgroup`.
+#[derive(Debug)]
 pub struct Cgroups {
     layout: Layout,
+    placement: Vec<Placement>,
+    /// The node's folders under its own cgroup (the layout of older nodes), where they exist
+    /// and differ from `layout`: sandboxes an older node made there are adopted and ended
+    /// there. `None` once they are gone.
+    legacy: std::sync::Mutex<Option<Legacy>>,
+    /// Serializes making the folders again (two creates that find them gone at once).
+    remake: std::sync::Mutex<()>,
+}
+
+/// The hierarchies the node uses: the v1 ones of [`V1_CONTROLLERS`] when memory and pids are
+/// among them, else the unified one (which must have memory).
+fn hierarchies() -> Result<Vec<Hierarchy>, CgroupError> {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(io_err(Path::new("/proc/self/mountinfo")))?;
+    let own =
+        fs::read_to_string("/proc/self/cgroup").map_err(io_err(Path::new("/proc/self/cgroup")))?;
+    let mounts = parse_mountinfo(&mountinfo);
+    let own = parse_proc_cgroup(&own);
+    let mut v1 = Vec::new();
+    for ctrl in V1_CONTROLLERS {
+        let mount = mounts
+            .iter()
+            .find(|m| m.fstype == "cgroup" && m.options.iter().any(|o| o == ctrl));
+        let path = own
+            .iter()
+            .find(|(ctrls, _)| ctrls.split(',').any(|c| c == ctrl))
+            .map(|(_, p)| p.clone());
+        if let (Some(m), Some(p)) = (mount, path) {
+            let rel = p.trim_start_matches('/');
+            // The mount's root is a prefix of the path we are in.
+            let root = m.root.trim_start_matches('/');
+            let rel = rel
+                .strip_prefix(root)
+                .unwrap_or(rel)
+                .trim_start_matches('/');
+            v1.push(Hierarchy {
+                ctrl: Some(ctrl),
+                mount: m.mount_point.clone(),
+                own: PathBuf::from(rel),
+            });
+        }
+    }
+    if v1.iter().any(|h| h.ctrl == Some("memory")) && v1.iter().any(|h| h.ctrl == Some("pids")) {
+        return Ok(v1);
+    }
+    let unified = mounts
+        .iter()
+        .find(|m| m.fstype == "cgroup2")
+        .ok_or(CgroupError::NoController("memory"))?;
+    let controllers =
+        fs::read_to_string(unified.mount_point.join("cgroup.controllers")).unwrap_or_default();
+    if !controllers.split_whitespace().any(|c| c == "memory") {
+        return Err(CgroupError::NoController("memory"));
+    }
+    let path = own
+        .iter()
+        .find(|(ctrls, _)| ctrls.is_empty())
+        .map(|(_, p)| p.clone())
+        .unwrap_or_else(|| "/".into());
+    Ok(vec![Hierarchy {
+        ctrl: None,
+        mount: unified.mount_point.clone(),
+        own: PathBuf::from(path.trim_start_matches('/')),
+    }])
+}
+
+/// The controllers a v2 folder enables for its children.
+const V2_ENABLE: &[u8] = b"+memory +cpu +pids";
+
+/// Makes `rel` (relative) under the mount `mount` as far as it does not exist, and on v2
+/// enables the controllers in every folder from the root down to it (the root's children
+/// need them enabled in the root, and so on down). Fails on the first folder that cannot be
+/// made or written.
+fn make_parent(mount: &Path, rel: &Path, v2: bool) -> Result<(), CgroupError> {
+    let mut dir = mount.to_path_buf();
+    if v2 {
+        enable_v2(&dir)?;
+    }
+    for part in rel.components() {
+        dir.push(part);
+        match fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io_err(&dir)(e)),
+        }
+        if v2 {
+            enable_v2(&dir)?;
+        }
+    }
+    // A folder that exists on a read-only mount (or one this user may not write) is found
+    // here, before the node relies on it.
+    nix::unistd::access(&dir, nix::unistd::AccessFlags::W_OK).map_err(|e| CgroupError::Io {
+        path: dir.clone(),
+        source: std::io::Error::from(e),
+    })
+}
+
+fn enable_v2(dir: &Path) -> Result<(), CgroupError> {
+    let ctl = dir.join("cgroup.subtree_control");
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .open(&ctl)
+        .map_err(io_err(&ctl))?;
+    f.write_all(V2_ENABLE).map_err(io_err(&ctl))
 }
 
 impl Cgroups {
-    /// Finds where sandboxes' groups go. `prefix` is the folder made under the node's group
-    /// (e.g. `sbx`).
-    pub fn discover(prefix: &str) -> Result<Cgroups, CgroupError> {
-        let mountinfo = fs::read_to_string("/proc/self/mountinfo")
-            .map_err(io_err(Path::new("/proc/self/mountinfo")))?;
-        let own = fs::read_to_string("/proc/self/cgroup")
-            .map_err(io_err(Path::new("/proc/self/cgroup")))?;
-        let mounts = parse_mountinfo(&mountinfo);
-        let own = parse_proc_cgroup(&own);
-        let mut v1 = Vec::new();
-        for ctrl in V1_CONTROLLERS {
-            let mount = mounts
-                .iter()
-                .find(|m| m.fstype == "cgroup" && m.options.iter().any(|o| o == ctrl));
-            let path = own
-                .iter()
-                .find(|(ctrls, _)| ctrls.split(',').any(|c| c == ctrl))
-                .map(|(_, p)| p.clone());
-            if let (Some(m), Some(p)) = (mount, path) {
-                let rel = p.trim_start_matches('/');
-                // The mount's root is a prefix of the path we are in.
-                let root = m.root.trim_start_matches('/');
-                let rel = rel
-                    .strip_prefix(root)
-                    .unwrap_or(rel)
-                    .trim_start_matches('/');
-                v1.push((ctrl, m.mount_point.join(rel).join(prefix)));
+    /// Finds where sandboxes' groups go, the default way ([`Parent::Auto`]). `name` is the
+    /// node's folder (e.g. `sbx`).
+    pub fn discover(name: &str) -> Result<Cgroups, CgroupError> {
+        Cgroups::place(name, &Parent::Auto)
+    }
+
+    /// Finds where sandboxes' groups go: the folder `name` under `parent` in each hierarchy.
+    /// Makes the parent folders (not the node's own folder: [`Cgroups::prepare`] does, after
+    /// the node's lock is taken).
+    pub fn place(name: &str, parent: &Parent) -> Result<Cgroups, CgroupError> {
+        let hs = hierarchies()?;
+        let v2 = hs.iter().any(|h| h.ctrl.is_none());
+        let mut placement = Vec::new();
+        let mut olds = Vec::new();
+        let mut only = Vec::new();
+        for h in &hs {
+            let own = h.mount.join(&h.own).join(name);
+            let (folder, fallback) = match parent {
+                Parent::Own => (own.clone(), None),
+                Parent::Given(p) => {
+                    let rel = p.strip_prefix("/").unwrap_or(p);
+                    make_parent(&h.mount, rel, v2)?;
+                    (h.mount.join(rel).join(name), None)
+                }
+                Parent::Auto => match make_parent(&h.mount, Path::new(DEFAULT_PARENT), v2) {
+                    Ok(()) => (h.mount.join(DEFAULT_PARENT).join(name), None),
+                    Err(e) => (
+                        own.clone(),
+                        Some(format!(
+                            "{e}: the node's folder goes under its own cgroup in this hierarchy"
+                        )),
+                    ),
+                },
+            };
+            if folder != own {
+                only.push(own.clone());
             }
-        }
-        if v1.iter().any(|(c, _)| *c == "memory") && v1.iter().any(|(c, _)| *c == "pids") {
-            return Ok(Cgroups {
-                layout: Layout::V1(v1),
+            olds.push((h.ctrl, own));
+            placement.push(Placement {
+                controller: h.ctrl.unwrap_or("unified").to_string(),
+                folder,
+                fallback,
             });
         }
-        let unified = mounts
-            .iter()
-            .find(|m| m.fstype == "cgroup2")
-            .ok_or(CgroupError::NoController("memory"))?;
-        let controllers_file = unified.mount_point.join("cgroup.controllers");
-        let controllers = fs::read_to_string(&controllers_file).unwrap_or_default();
-        if !controllers.split_whitespace().any(|c| c == "memory") {
-            return Err(CgroupError::NoController("memory"));
-        }
-        let path = own
-            .iter()
-            .find(|(ctrls, _)| ctrls.is_empty())
-            .map(|(_, p)| p.clone())
-            .unwrap_or_else(|| "/".into());
-        let base = unified.mount_point.join(path.trim_start_matches('/'));
+        let layout = if v2 {
+            Layout::V2(placement[0].folder.clone())
+        } else {
+            Layout::V1(
+                hs.iter()
+                    .zip(&placement)
+                    .filter_map(|(h, p)| Some((h.ctrl?, p.folder.clone())))
+                    .collect(),
+            )
+        };
+        // The old folders are worth a look only where they exist (a node of the old layout
+        // ran here with this name).
+        let legacy = match only.first() {
+            Some(probe) if probe.is_dir() => Some(Legacy {
+                layout: if v2 {
+                    Layout::V2(olds[0].1.clone())
+                } else {
+                    Layout::V1(
+                        olds.into_iter()
+                            .filter_map(|(c, d)| Some((c?, d)))
+                            .collect(),
+                    )
+                },
+                probe: probe.clone(),
+                only,
+            }),
+            _ => None,
+        };
         Ok(Cgroups {
-            layout: Layout::V2(base.join(prefix)),
+            layout,
+            placement,
+            legacy: std::sync::Mutex::new(legacy),
+            remake: std::sync::Mutex::new(()),
         })
     }
 
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// Where the node's folder is in each hierarchy, and why where it fell back.
+    pub fn placement(&self) -> &[Placement] {
+        &self.placement
+    }
+
+    fn legacy_layout(&self) -> Option<Legacy> {
+        self.legacy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The node's folder that names it: the memory hierarchy's on v1, the one folder on v2.
@@ -171,18 +391,41 @@ impl Cgroups {
     }
 
     /// Removes the node's folders if no sandbox group is left in them (a node that stops with
-    /// no sandbox leaves no cgroup behind); a folder still in use stays.
+    /// no sandbox leaves no cgroup behind); a folder still in use stays. The shared parent
+    /// (`sbx.slice`) stays: another node may be making its folder in it.
     pub fn remove_if_empty(&self) {
-        let dirs: Vec<PathBuf> = match &self.layout {
-            Layout::V1(dirs) => dirs.iter().map(|(_, d)| d.clone()).collect(),
-            Layout::V2(base) => vec![base.clone()],
-        };
-        for d in dirs {
+        for d in self.layout.dirs() {
             let _ = fs::remove_dir(d);
         }
+        self.remove_legacy_if_empty();
     }
 
-    /// Prepares the parent folders once (and, on v2, enables the controllers in them).
+    /// Removes the node's folders of the old layout if no sandbox group is left in them;
+    /// returns the folders removed. From then on only the stable place is looked at.
+    pub fn remove_legacy_if_empty(&self) -> Vec<PathBuf> {
+        let mut legacy = self.legacy.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(l) = legacy.as_ref() else {
+            return Vec::new();
+        };
+        let dirs = l.only.clone();
+        if dirs.iter().any(|d| !subgroups(d).is_empty()) {
+            return Vec::new();
+        }
+        let mut removed = Vec::new();
+        for d in dirs {
+            match fs::remove_dir(&d) {
+                Ok(()) => removed.push(d),
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                // A group made meanwhile: try again at the next stop.
+                Err(_) => return removed,
+            }
+        }
+        *legacy = None;
+        removed
+    }
+
+    /// Prepares the node's folders (and, on v2, enables the controllers in them). Also what
+    /// makes them again when they are gone (a scope's clean-up, an operator's `rmdir`).
     pub fn prepare(&self) -> Result<(), CgroupError> {
         match &self.layout {
             Layout::V1(dirs) => {
@@ -193,43 +436,95 @@ impl Cgroups {
             }
             Layout::V2(base) => {
                 fs::create_dir_all(base).map_err(io_err(base))?;
-                let ctl = base.join("cgroup.subtree_control");
-                let mut f = fs::OpenOptions::new()
-                    .write(true)
-                    .open(&ctl)
-                    .map_err(io_err(&ctl))?;
-                f.write_all(b"+memory +cpu +pids").map_err(io_err(&ctl))?;
-                Ok(())
+                enable_v2(base)
             }
         }
     }
 
-    /// The group of sandbox `id` (not made yet).
+    /// The group of sandbox `id` (not made yet): at the old place when an older node made it
+    /// there, else at the node's folder.
     pub fn group(&self, id: &str) -> Group {
-        let dirs = match &self.layout {
-            Layout::V1(dirs) => dirs.iter().map(|(c, d)| (Some(*c), d.join(id))).collect(),
-            Layout::V2(base) => vec![(None, base.join(id))],
-        };
-        Group { dirs }
+        if let Some(l) = self.legacy_layout() {
+            if l.probe.join(id).is_dir() {
+                return l.layout.group(id);
+            }
+        }
+        self.layout.group(id)
     }
 
-    /// Names of the groups under the node's folder (sandbox ids), for reconciliation.
-    pub fn list(&self) -> Vec<String> {
-        let base = match &self.layout {
-            Layout::V1(dirs) => match dirs.first() {
-                Some((_, d)) => d.clone(),
-                None => return Vec::new(),
-            },
-            Layout::V2(b) => b.clone(),
-        };
-        let Ok(rd) = fs::read_dir(base) else {
-            return Vec::new();
-        };
-        rd.filter_map(|e| e.ok())
-            .filter(|e| e.path().is_dir())
-            .filter_map(|e| e.file_name().into_string().ok())
-            .collect()
+    /// Makes sandbox `id`'s group with `limits`. When the node's folders are gone (removed by
+    /// someone else), makes them again and tries once more.
+    pub fn create_group(&self, id: &str, limits: &Limits) -> Result<Group, CgroupError> {
+        let group = self.group(id);
+        match group.create(limits) {
+            Err(CgroupError::Io { path, source }) if source.kind() == ErrorKind::NotFound => {
+                let _once = self.remake.lock().unwrap_or_else(|e| e.into_inner());
+                tracing::warn!(
+                    path = %path.display(),
+                    "the node's cgroup folder was gone: made again"
+                );
+                self.prepare()?;
+                group.create(limits)?;
+                Ok(group)
+            }
+            r => r.map(|()| group),
+        }
     }
+
+    /// Whether sandboxes can be made: each of the node's folders is a cgroup folder (made
+    /// again when gone). The reason when not.
+    pub fn check(&self) -> Result<(), String> {
+        let broken = || {
+            self.layout
+                .dirs()
+                .into_iter()
+                .find(|d| !d.join("cgroup.procs").is_file())
+        };
+        if broken().is_none() {
+            return Ok(());
+        }
+        {
+            let _once = self.remake.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(e) = self.prepare() {
+                return Err(format!("the node's cgroup folder cannot be made: {e}"));
+            }
+        }
+        match broken() {
+            None => {
+                tracing::warn!("the node's cgroup folders were gone: made again");
+                Ok(())
+            }
+            Some(d) => Err(format!(
+                "{} is not a cgroup folder (no cgroup.procs in it)",
+                d.display()
+            )),
+        }
+    }
+
+    /// Names of the groups under the node's folders (sandbox ids), for reconciliation: at the
+    /// stable place and at the old one.
+    pub fn list(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.layout.first().map(subgroups).unwrap_or_default();
+        if let Some(l) = self.legacy_layout() {
+            for id in subgroups(&l.probe) {
+                if !out.contains(&id) {
+                    out.push(id);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Names of the folders in `dir` (none when it does not exist).
+fn subgroups(dir: impl AsRef<Path>) -> Vec<String> {
+    let Ok(rd) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect()
 }
 
 /// One sandbox's group, in each hierarchy.
@@ -728,6 +1023,73 @@ mod tests {
         // Stable: the same directory gives the same folder at every start.
         assert_eq!(a, default_name(Path::new("/srv/sbx-a")));
         assert!(a[4..].chars().all(|c| c.is_ascii_hexdigit()), "{a}");
+    }
+
+    #[test]
+    fn a_folder_of_the_old_layout_is_looked_at_until_it_is_empty_and_removed() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let name = format!("sbx-legacy-test-{}", std::process::id());
+        let limits = Limits {
+            memory_bytes: 64 << 20,
+            vcpus: 1,
+            pids: 16,
+        };
+        // A node of the old layout made group `old` under its own cgroup.
+        let before = Cgroups::place(&name, &Parent::Own).unwrap();
+        before.prepare().unwrap();
+        let old = before.create_group("old", &limits).unwrap();
+        let after = Cgroups::place(&name, &Parent::Auto).unwrap();
+        after.prepare().unwrap();
+        let moved = after.placement().iter().any(|p| p.fallback.is_none());
+        if moved {
+            // The old group is found where it is; a new one goes to the stable place.
+            assert_eq!(after.group("old"), old);
+            let new = after.create_group("new", &limits).unwrap();
+            assert_ne!(new, before.group("new"));
+            let mut ids = after.list();
+            ids.sort();
+            assert_eq!(ids, ["new", "old"]);
+            assert!(after.remove_legacy_if_empty().is_empty(), "not empty yet");
+            old.destroy(Duration::from_secs(5)).unwrap();
+            let removed = after.remove_legacy_if_empty();
+            assert!(!removed.is_empty() && removed.iter().all(|d| !d.exists()));
+            assert_eq!(after.list(), ["new"]);
+            assert_eq!(after.group("old"), after.layout().group("old"));
+            new.destroy(Duration::from_secs(5)).unwrap();
+        } else {
+            old.destroy(Duration::from_secs(5)).unwrap();
+        }
+        after.remove_if_empty();
+        before.remove_if_empty();
+        assert!(!after.folder().exists() && !before.folder().exists());
+    }
+
+    #[test]
+    fn a_gone_folder_is_made_again_at_the_next_create() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let cg = Cgroups::discover(&format!("sbx-remake-test-{}", std::process::id())).unwrap();
+        cg.prepare().unwrap();
+        let limits = Limits {
+            memory_bytes: 64 << 20,
+            vcpus: 1,
+            pids: 16,
+        };
+        cg.remove_if_empty();
+        assert!(!cg.folder().exists());
+        assert!(cg.check().is_ok(), "the check makes them again");
+        assert!(cg.folder().exists());
+        cg.remove_if_empty();
+        let g = cg.create_group("a", &limits).unwrap();
+        assert!(g.exists());
+        g.destroy(Duration::from_secs(5)).unwrap();
+        cg.remove_if_empty();
+        assert!(!cg.folder().exists());
     }
 
     #[test]

@@ -144,6 +144,20 @@ pub trait Driver: Send + Sync {
     /// At the node's stop: gives back what the driver holds for the node itself (its cgroup
     /// folders, once no sandbox is in them).
     fn release(&self) {}
+    /// Whether the driver can make a sandbox now (its cgroup folders are usable; gone ones are
+    /// made again); the reason when not.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
+    /// Where the driver's cgroup folders are, per hierarchy (none for a driver without).
+    fn placement(&self) -> Vec<crate::cgroup::Placement> {
+        Vec::new()
+    }
+    /// Removes the node's cgroup folders of an older layout once no sandbox is left in them
+    /// (after the adoption at start); the folders removed.
+    fn tidy_old_layout(&self) -> Vec<PathBuf> {
+        Vec::new()
+    }
 }
 
 impl Drop for Sandbox {
@@ -173,10 +187,11 @@ pub struct NamespaceDriver {
 
 impl NamespaceDriver {
     /// `agent` is the `sbx-agent` binary; sandbox root is host uid `uid_base`; sandboxes'
-    /// cgroups go in a folder `cgroup_name` under the node's own cgroup. The folder is this
-    /// node's alone: its lock ([`Cgroups::lock`], naming `holder`, e.g. the data directory) is
-    /// taken before anything is made in it, and a folder another living node holds is
-    /// refused ([`crate::cgroup::CgroupError::InUse`]).
+    /// cgroups go in a folder `cgroup_name` at the stable place ([`crate::cgroup::Parent::Auto`]:
+    /// `sbx.slice/<cgroup_name>` at each hierarchy's root where it can be written). The folder
+    /// is this node's alone: its lock ([`Cgroups::lock`], naming `holder`, e.g. the data
+    /// directory) is taken before anything is made in it, and a folder another living node
+    /// holds is refused ([`crate::cgroup::CgroupError::InUse`]).
     pub fn with_cgroup_name(
         agent: PathBuf,
         cgroup_name: &str,
@@ -184,10 +199,44 @@ impl NamespaceDriver {
         uid_base: u32,
         uid_count: u32,
     ) -> Result<Self, RuntimeError> {
+        NamespaceDriver::with_cgroups(
+            agent,
+            cgroup_name,
+            &crate::cgroup::Parent::Auto,
+            holder,
+            uid_base,
+            uid_count,
+        )
+    }
+
+    /// [`NamespaceDriver::with_cgroup_name`] with the node's folders under `parent`.
+    pub fn with_cgroups(
+        agent: PathBuf,
+        cgroup_name: &str,
+        parent: &crate::cgroup::Parent,
+        holder: &str,
+        uid_base: u32,
+        uid_count: u32,
+    ) -> Result<Self, RuntimeError> {
         if !agent.is_file() {
             return Err(RuntimeError::AgentMissing(agent));
         }
-        let cgroups = Cgroups::discover(cgroup_name)?;
+        let cgroups = Cgroups::place(cgroup_name, parent)?;
+        for p in cgroups.placement() {
+            match &p.fallback {
+                Some(why) => tracing::warn!(
+                    controller = %p.controller,
+                    folder = %p.folder.display(),
+                    reason = %why,
+                    "sandboxes' cgroups: not at the stable place in this hierarchy"
+                ),
+                None => tracing::debug!(
+                    controller = %p.controller,
+                    folder = %p.folder.display(),
+                    "sandboxes' cgroups"
+                ),
+            }
+        }
         let lock = cgroups.lock(holder)?;
         cgroups.prepare()?;
         crate::process::set_child_subreaper().map_err(|e| RuntimeError::Io {
@@ -322,8 +371,7 @@ impl NamespaceDriver {
     ) -> Result<Sandbox, RuntimeError> {
         // Its cgroups with its limits (kept while it slept; made again if a node's restart
         // removed them): CRIU puts the tasks back into them and leaves their settings.
-        let group = self.cgroups.group(&spec.id);
-        group.create(&spec.limits)?;
+        let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
         let restored = crate::criu::restore(
             criu,
             &crate::criu::RestoreSpec {
@@ -441,8 +489,7 @@ impl NamespaceDriver {
         for d in ["work", "rootfs"] {
             std::fs::create_dir_all(spec.dir.join(d)).map_err(io("mkdir"))?;
         }
-        let group = self.cgroups.group(&spec.id);
-        group.create(&spec.limits)?;
+        let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
         let cgroup_roots = group
             .cgroup_paths()?
             .into_iter()
@@ -475,8 +522,7 @@ impl Driver for NamespaceDriver {
     }
 
     fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
-        let group = self.cgroups.group(&spec.id);
-        group.create(&spec.limits)?;
+        let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
         std::fs::create_dir_all(&spec.dir).map_err(|e| RuntimeError::Io {
             what: format!("mkdir {}", spec.dir.display()),
             source: e,
@@ -548,6 +594,18 @@ impl Driver for NamespaceDriver {
 
     fn release(&self) {
         self.cgroups.remove_if_empty();
+    }
+
+    fn health(&self) -> Result<(), String> {
+        self.cgroups.check()
+    }
+
+    fn placement(&self) -> Vec<crate::cgroup::Placement> {
+        self.cgroups.placement().to_vec()
+    }
+
+    fn tidy_old_layout(&self) -> Vec<PathBuf> {
+        self.cgroups.remove_legacy_if_empty()
     }
 }
 

@@ -283,3 +283,22 @@ mod tests {
         assert_eq!(short_hash(b"a"), "ca978112ca1bbdca");
     }
 }
+
+/// Room left on the filesystem of a path (`statvfs`), as an unprivileged writer sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskFree {
+    /// Bytes a non-root writer may still take (f_bavail × f_frsize).
+    pub bytes: u64,
+    /// Inodes still free (f_favail); `None` on filesystems that report no inode count (btrfs,
+    /// some overlays: f_files is 0).
+    pub inodes: Option<u64>,
+}
+
+/// [`DiskFree`] of the filesystem `path` is on.
+pub fn disk_free(path: &Path) -> std::io::Result<DiskFree> {
+    let st = rustix::fs::statvfs(path).map_err(std::io::Error::from)?;
+    Ok(DiskFree {
+        bytes: st.f_bavail.saturating_mul(st.f_frsize),
+        inodes: (st.f_files > 0).then_some(st.f_favail),
+    })
+}

@@ -413,6 +413,28 @@ pub fn nofile_limit() -> Option<u64> {
     }
 }
 
+/// Raises this process's soft limit on open files to its hard limit (each sandbox costs the
+/// node descriptors: its agent's pidfd, connections, watches). Returns the limit in force
+/// after: (soft, hard); `u64::MAX` stands for none.
+pub fn raise_nofile_limit() -> io::Result<(u64, u64)> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io::Error::from)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_err(io::Error::from)?;
+    }
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io::Error::from)?;
+    Ok((soft, hard))
+}
+
+/// A kernel setting of /proc/sys (e.g. `kernel/pid_max`) read as a number.
+pub fn sysctl_u64(name: &str) -> Option<u64> {
+    std::fs::read_to_string(Path::new("/proc/sys").join(name))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Makes this process the reaper of its orphaned descendants (the node reaps its agents).
 pub fn set_child_subreaper() -> io::Result<()> {
     // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer argument and touches no memory.

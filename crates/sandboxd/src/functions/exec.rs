@@ -186,7 +186,7 @@ pub(super) async fn run(node: &Arc<Node>, f: &Arc<Fns>, p: Payload) -> Result<Va
     req.env = p.env()?.unwrap_or_default();
     req.stdin = p.str("stdin")?.map(String::into_bytes);
     req.check()?;
-    capacity(node, f)?;
+    capacity(node)?;
     let plan = node.plan_run(req)?;
     let meta = plan.meta();
     let (tx, mut rx) = mpsc::channel(64);

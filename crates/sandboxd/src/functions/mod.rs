@@ -276,7 +276,7 @@ async fn dispatch(
                     "functions": FUNCTIONS,
                     "max_concurrent_exec_per_sandbox": node.cfg.max_execs_per_sandbox,
                     "max_exec_timeout_ms": f.cfg.max_exec_timeout_ms,
-                    "max_sandboxes": f.cfg.max_sandboxes,
+                    "max_sandboxes": node.cfg.max_sandboxes,
                 },
             }))
         }

@@ -72,14 +72,14 @@ pub(super) fn sandboxes_now(node: &Node) -> usize {
     node.list_sandboxes(&q).0.len() + node.sandbox_count()
 }
 
-pub(super) fn capacity(node: &Node, f: &Fns) -> Result<(), FnError> {
+pub(super) fn capacity(node: &Node) -> Result<(), FnError> {
     let n = sandboxes_now(node);
-    if n >= f.cfg.max_sandboxes {
+    if n >= node.cfg.max_sandboxes {
         return Err(FnError::new(
             "S400",
             format!(
                 "the node holds {n} sandboxes, its max_sandboxes ({})",
-                f.cfg.max_sandboxes
+                node.cfg.max_sandboxes
             ),
         ));
     }
@@ -141,7 +141,7 @@ pub(super) async fn create(
         network: Some(a.network),
     };
     let _one = f.create_lock.lock().await;
-    capacity(node, f)?;
+    capacity(node)?;
     let obj = node.create_sandbox(req).await?;
     if obj.status != SandboxStatus::Running {
         let why = obj.failure.clone().unwrap_or_default();

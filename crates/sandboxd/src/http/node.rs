@@ -7,10 +7,36 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use sbx_api::{ApiError, ErrorCode};
 
+use crate::sync::LockExt;
+
 use super::*;
 
-pub(super) async fn healthz() -> &'static str {
-    "ok\n"
+/// 200 `ok` when the node can make a sandbox; else 503 `unavailable` (the error body, nothing
+/// beside it) whose message names each failed check and its reason. The checks
+/// (`node/health.rs`) run at most once a second; `GET /internal/node` lists them (`health`).
+pub(super) async fn healthz(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+) -> Response {
+    let node = st.node.clone();
+    let health = match tokio::task::spawn_blocking(move || node.health()).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "the health checks failed");
+            return error_response(&ApiError::internal(), &rid.0, st.docs_url.as_deref());
+        }
+    };
+    match health.reason() {
+        None => "ok\n".into_response(),
+        Some(reason) => error_response(
+            &ApiError::new(
+                ErrorCode::Unavailable,
+                format!("the node cannot make sandboxes: {reason}"),
+            ),
+            &rid.0,
+            st.docs_url.as_deref(),
+        ),
+    }
 }
 
 /// What the node is and holds: its driver, its shape limits, the warm pool.
@@ -24,7 +50,13 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "default_vcpus": n.cfg.default_vcpus,
         "default_memory_bytes": n.cfg.default_memory_bytes,
         "pids_max": n.cfg.pids_max,
-        "sandboxes": n.sandbox_count(),
+        "sandboxes": n.held_sandboxes(),
+        "runs": n.sandbox_count(),
+        "kept": n.managed.locked().len(),
+        "max_sandboxes": n.cfg.max_sandboxes,
+        "capacity": n.capacity.get(),
+        "cgroups": n.driver.placement(),
+        "health": health_info(&n.health()),
         "teardowns": n.pending_teardowns(),
         "warm_pool": { "target": n.cfg.warm_pool, "ready": n.warm_ids() },
         "templates": n.template_objects(),
@@ -37,6 +69,10 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         })),
     }))
     .into_response()
+}
+
+fn health_info(h: &crate::node::health::Health) -> serde_json::Value {
+    serde_json::json!({ "ok": h.ok(), "checks": h.checks })
 }
 
 pub(super) async fn not_found(

@@ -1,6 +1,7 @@
 //! The node: the sandbox table, the driver, and the actions the API (and later the functions
 //! interface and the CLI) run. Handlers parse and validate; this module acts.
 
+pub mod capacity;
 pub mod checkpoint;
 pub mod credentials;
 pub mod dns;
@@ -8,6 +9,7 @@ pub mod egress;
 #[cfg(test)]
 mod fake;
 pub mod files;
+pub mod health;
 mod machine;
 pub mod net;
 pub mod output;
@@ -53,8 +55,10 @@ pub struct NodeConfig {
     /// When set, only these image names boot (the config file's image_allowlist, with the
     /// local images its custom images boot as).
     pub image_allowlist: Option<Vec<String>>,
-    /// The most sandboxes (runs' and kept ones) the node holds at once.
+    /// The most sandboxes (runs' and kept ones) the node holds at once (`capacity.rs`).
     pub max_sandboxes: usize,
+    /// Free bytes of the data disk under which `/healthz` answers 503.
+    pub min_free_disk_bytes: u64,
     /// How long a kept sandbox may be idle before it pauses, where its create said nothing
     /// (`--sleep-after-seconds`; `None`: never).
     pub sleep_after: Option<Duration>,
@@ -103,6 +107,10 @@ pub struct Node {
     pub(crate) preview: std::sync::OnceLock<crate::node::sandbox::PreviewSettings>,
     /// Whether (and with what) the node checkpoints sandboxes; set once at start.
     pub(crate) checkpoints: std::sync::OnceLock<checkpoint::Checkpoints>,
+    /// The last answer of the health checks (`health.rs`).
+    health: health::HealthCache,
+    /// Where `max_sandboxes` comes from (`capacity.rs`); set once at start.
+    pub(crate) capacity: std::sync::OnceLock<capacity::Capacity>,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -204,6 +212,8 @@ impl Node {
             net: std::sync::OnceLock::new(),
             preview: std::sync::OnceLock::new(),
             checkpoints: std::sync::OnceLock::new(),
+            health: health::HealthCache::default(),
+            capacity: std::sync::OnceLock::new(),
         })
     }
 
@@ -261,6 +271,10 @@ impl Node {
                 n += 1;
             }
         }
+        // The folders of an older layout go once nothing of theirs is adopted.
+        for dir in self.driver.tidy_old_layout() {
+            tracing::info!(folder = %dir.display(), "removed the empty cgroup folder of the old layout");
+        }
         n
     }
 
@@ -275,6 +289,17 @@ impl Node {
     /// Sandboxes in use by runs now (not counting warm ones).
     pub fn sandbox_count(&self) -> usize {
         self.table.locked().by_id.len()
+    }
+
+    /// Sandboxes the node holds against `max_sandboxes`: runs' and kept ones (of every status),
+    /// not the warm pool's.
+    pub fn held_sandboxes(&self) -> usize {
+        self.sandbox_count() + self.managed.locked().len()
+    }
+
+    /// Sets where `max_sandboxes` comes from (once, at start), for `GET /internal/node`.
+    pub fn set_capacity(&self, c: capacity::Capacity) {
+        let _ = self.capacity.set(c);
     }
 
     /// Teardowns still under way.

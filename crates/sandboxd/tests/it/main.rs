@@ -14,6 +14,7 @@ mod edge;
 mod egress;
 mod files;
 mod functions;
+mod hardening;
 mod iii;
 mod images;
 mod isolation;

@@ -76,6 +76,7 @@ fn config(dir: &Path) -> NodeConfig {
         max_execs_per_sandbox: 4,
         image_allowlist: None,
         max_sandboxes: 16,
+        min_free_disk_bytes: 0,
         sleep_after: None,
         suspend_after: Duration::from_secs(600),
         sleep_memory_below: 0,

@@ -10,8 +10,25 @@ use super::node::TestNode;
 /// The v1 controllers the node makes sandboxes' groups in.
 const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "freezer"];
 
-/// Where the node's cgroup folders are: one per hierarchy, as the daemon finds them.
+/// The folder at each hierarchy's root the daemon puts nodes' folders in by default.
+const STABLE_PARENT: &str = "sbx.slice";
+
+/// Where the node's cgroup folders are: one per hierarchy at the stable place
+/// (`<hierarchy>/sbx.slice/<name>`), or under the tests' own cgroup where the daemon fell back
+/// to it (or a node of the old layout ran); both when both exist (the stable place first).
 pub(super) fn node_cgroup_dirs(name: &str) -> Vec<(String, PathBuf)> {
+    let (stable, own) = cgroup_places(name);
+    let exists = |dirs: &[(String, PathBuf)]| dirs.iter().any(|(_, d)| d.is_dir());
+    match (exists(&stable), exists(&own)) {
+        (true, true) => stable.into_iter().chain(own).collect(),
+        (false, true) => own,
+        _ => stable,
+    }
+}
+
+/// The node's folders at the stable place and under the tests' own cgroup.
+#[allow(clippy::type_complexity)]
+fn cgroup_places(name: &str) -> (Vec<(String, PathBuf)>, Vec<(String, PathBuf)>) {
     let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
     let own: Vec<(String, String)> = own
         .lines()
@@ -37,6 +54,7 @@ pub(super) fn node_cgroup_dirs(name: &str) -> Vec<(String, PathBuf)> {
             ))
         })
         .collect();
+    let mut stable = Vec::new();
     let mut v1 = Vec::new();
     for ctrl in V1_CONTROLLERS {
         let mount = mounts
@@ -54,23 +72,27 @@ pub(super) fn node_cgroup_dirs(name: &str) -> Vec<(String, PathBuf)> {
                 .unwrap_or(rel)
                 .trim_start_matches('/');
             v1.push((ctrl.to_string(), m.1.join(rel).join(name)));
+            stable.push((ctrl.to_string(), m.1.join(STABLE_PARENT).join(name)));
         }
     }
     if v1.iter().any(|(c, _)| c == "memory") && v1.iter().any(|(c, _)| c == "pids") {
-        return v1;
+        return (stable, v1);
     }
     let Some(unified) = mounts.iter().find(|m| m.2 == "cgroup2") else {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     };
     let path = own
         .iter()
         .find(|(c, _)| c.is_empty())
         .map(|(_, p)| p.clone())
         .unwrap_or_else(|| "/".into());
-    vec![(
-        "unified".into(),
-        unified.1.join(path.trim_start_matches('/')).join(name),
-    )]
+    (
+        vec![("unified".into(), unified.1.join(STABLE_PARENT).join(name))],
+        vec![(
+            "unified".into(),
+            unified.1.join(path.trim_start_matches('/')).join(name),
+        )],
+    )
 }
 
 pub(super) fn send_signal(pid: u32, sig: i32) {

@@ -211,7 +211,15 @@ impl TestNode {
             .spawn()
             .expect("start sandboxd");
         self.child = Some(child);
-        self.wait_healthy(Duration::from_secs(20))
+        let healthy = self.wait_healthy(Duration::from_secs(20));
+        // Where the daemon put its folders (the stable place, or its own cgroup's).
+        self.cgroup_dirs = node_cgroup_dirs(&self.cgroup_name);
+        healthy
+    }
+
+    /// The arguments the node is started with from its next (re)start on.
+    pub fn set_args(&mut self, args: &[&str]) {
+        self.args = args.iter().map(|a| a.to_string()).collect();
     }
 
     /// Kills the daemon with SIGKILL: its sandboxes are left as they are.
