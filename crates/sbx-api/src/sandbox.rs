@@ -349,6 +349,10 @@ pub struct SandboxObject {
     /// How long it may be idle before it pauses, in seconds (null: never by itself).
     #[serde(default)]
     pub sleep_after_seconds: Option<f64>,
+    /// Its runtime settings as the spec's `Runtime` shows them ([`crate::run::Runtime::shown`]);
+    /// null: none.
+    #[serde(default)]
+    pub runtime: Option<serde_json::Value>,
 }
 
 /// A snapshot: a sandbox's processes (memory included) and files at one instant. It outlives
