@@ -36,6 +36,8 @@ pub struct SandboxSpec {
     /// A CA bundle of the host (the public roots and the node's egress CA) mounted read-only
     /// over the image's /etc/ssl/certs/ca-certificates.crt where the image has that file.
     pub ca_bundle: Option<PathBuf>,
+    /// Runtime settings (limits, sysctls, tmpfs, /dev/shm's size): [`crate::rtset`].
+    pub runtime: crate::rtset::RuntimeSettings,
 }
 
 /// The most a freeze or a thaw may take before it counts as failed.
@@ -223,6 +225,7 @@ impl NamespaceDriver {
             netns: spec.netns.clone(),
             resolv_conf: spec.resolv_conf.clone(),
             ca_bundle: spec.ca_bundle.clone(),
+            runtime: spec.runtime.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         let io = |what: &str| {
@@ -641,6 +644,7 @@ mod bench {
                 netns: None,
                 resolv_conf: None,
                 ca_bundle: None,
+                runtime: Default::default(),
             };
             let t = std::time::Instant::now();
             let sb = driver.create(&spec).expect("create");
