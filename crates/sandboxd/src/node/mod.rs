@@ -12,6 +12,7 @@ mod machine;
 pub mod net;
 pub mod output;
 mod run;
+pub(crate) mod runtime_settings;
 pub mod sandbox;
 pub mod templates;
 #[cfg(test)]

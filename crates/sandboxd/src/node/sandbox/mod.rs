@@ -156,6 +156,7 @@ impl StoredSpec {
             },
             vcpus: self.vcpus,
             memory_bytes: self.memory_bytes,
+            runtime: crate::node::runtime_settings::template_part(self.runtime.as_ref()),
         }
     }
 }
@@ -435,6 +436,7 @@ impl Node {
             preview_url: self.preview_url(&m.id),
             paused: self.is_paused(m),
             sleep_after_seconds: self.sleep_after(m).map(|d| d.as_secs_f64()),
+            runtime: crate::node::runtime_settings::shown(m.spec.runtime.as_ref()),
         }
     }
 
