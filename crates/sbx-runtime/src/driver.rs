@@ -361,6 +361,19 @@ fn restored_sandbox(
         }
     };
     let pidfd = PidFd::open(pid).map_err(io("pidfd of the restored agent"))?;
+    if spec.runtime.sets_net_sysctls() {
+        // Its processes run again already: a failure here is logged, not theirs to die of.
+        let written = pidfd
+            .try_clone_fd()
+            .map_err(|e| e.to_string())
+            .and_then(|h| {
+                crate::rtset::restore_net_sysctls(h, &spec.runtime.sysctls)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = written {
+            tracing::error!(sandbox = %spec.id, error = %e, "runtime sysctls after a restore");
+        }
+    }
     if rename {
         crate::process::set_hostname_of(pid, &spec.hostname)
             .map_err(io("set the copy's hostname"))?;

@@ -284,6 +284,31 @@ pub fn write_sysctls(sysctls: &[(String, String)]) -> Result<(), RtsetError> {
 
 use std::os::unix::fs::OpenOptionsExt;
 
+/// After a restore (a wake, a copy): CRIU makes the network namespace again with few of its
+/// settings, so the net sysctls are written again, in the namespace of the agent `handle`
+/// (a pidfd) names, from a thread of the host's root joined to it. The IPC namespace's are
+/// CRIU's to restore (it does).
+pub fn restore_net_sysctls(
+    handle: OwnedFd,
+    sysctls: &[(String, String)],
+) -> Result<(), RtsetError> {
+    let net: Vec<(String, String)> = sysctls
+        .iter()
+        .filter(|(k, _)| k.starts_with("net."))
+        .cloned()
+        .collect();
+    if net.is_empty() {
+        return Ok(());
+    }
+    crate::netns::in_netns_of_handle(handle, move || {
+        write_sysctls(&net).map_err(|e| std::io::Error::other(e.to_string()))
+    })
+    .map_err(|e| RtsetError::Sysctl {
+        name: "net.*".into(),
+        why: format!("after a restore: {e}"),
+    })
+}
+
 /// The mount options of /dev/shm (mode 1777, owned by sandbox root `base`).
 pub fn shm_options(size_bytes: Option<u64>, base: u32) -> String {
     format!(

@@ -419,10 +419,73 @@ fn a_sandbox_with_tmpfs_and_shm_sleeps_and_wakes_with_their_files_and_its_limits
         sh(
             &node,
             &id,
-            "cat /proc/sys/kernel/shmmax /proc/sys/fs/mqueue/msg_max"
+            "cat /proc/sys/kernel/shmmax /proc/sys/fs/mqueue/msg_max /proc/sys/net/ipv4/ip_unprivileged_port_start"
         ),
-        "1073741824\n20\n"
+        "1073741824\n20\n80\n"
     );
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
+}
+
+/// A tmpfs path is resolved inside the sandbox's root: a symlink the sandbox put in its way
+/// (its disk outlives a restart) cannot lead the node's mount out to the host.
+#[test]
+fn a_tmpfs_behind_a_symlink_of_the_sandbox_stays_inside_it() {
+    let node = TestNode::start();
+    let name = crate::common::unique("rt-escape");
+    let sb = node.create_sandbox(&json!({ "runtime": {"tmpfs": [format!("/data/{name}")]} }));
+    let id = sb["id"].as_str().unwrap().to_string();
+    // /data becomes a symlink that climbs far above / to /tmp.
+    sh(
+        &node,
+        &id,
+        "mv /data /data.old && ln -s ../../../../../../../../../../tmp /data",
+    );
+    let r = node.post(&format!("/v1/sandboxes/{id}/restart"), &[], b"");
+    assert_eq!(r.status, 200, "{}\n{}", r.json(), node.log_tail(20));
+    assert_eq!(r.json()["status"], "running", "{}", r.json());
+    // Mounted at the sandbox's own /tmp/<name>; nothing made on the host.
+    let mounts = sh(&node, &id, "cat /proc/mounts");
+    assert!(
+        mounts
+            .lines()
+            .any(|l| l.split(' ').nth(1) == Some(&format!("/tmp/{name}"))),
+        "{mounts}"
+    );
+    let host = std::path::Path::new("/tmp").join(&name);
+    assert!(!host.exists(), "{} was made on the host", host.display());
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+/// On a node with network (a pool of namespaces): net sysctls are written in the sandbox's
+/// leased namespace, kept while it sleeps, and that namespace is never another sandbox's.
+#[test]
+fn net_sysctls_in_a_leased_namespace_stay_its_own() {
+    let node = TestNode::start_with(&["--egress-default", "allow"]);
+    let default = node.run_ok(&json!({
+        "command": "cat /proc/sys/net/ipv4/ip_unprivileged_port_start"
+    }));
+    let default = stdout(&default).to_string();
+    assert_ne!(default, "99\n");
+    let sb = node.create_sandbox(&json!({
+        "runtime": {"sysctls": {"net.ipv4.ip_unprivileged_port_start": "99", "net.ipv4.tcp_keepalive_time": "600"}}
+    }));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let read =
+        "cat /proc/sys/net/ipv4/ip_unprivileged_port_start /proc/sys/net/ipv4/tcp_keepalive_time";
+    assert_eq!(sh(&node, &id, read), "99\n600\n");
+    let r = node.post_json(&format!("/v1/sandboxes/{id}/sleep"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.json());
+    assert_eq!(sh(&node, &id, read), "99\n600\n", "after a wake");
+    node.delete_sandbox(&id);
+    // The namespaces runs get afterwards (the pool's, recycled ones among them) have the
+    // kernel's defaults.
+    for _ in 0..6 {
+        let v = node.run_ok(&json!({
+            "command": "cat /proc/sys/net/ipv4/ip_unprivileged_port_start"
+        }));
+        assert_eq!(stdout(&v), default, "{v}");
+    }
+    node.assert_clean(Duration::from_secs(30));
 }
