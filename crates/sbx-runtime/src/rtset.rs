@@ -107,6 +107,49 @@ impl Resource {
         })
     }
 
+    /// Docker's name of it.
+    pub fn name(self) -> &'static str {
+        use Resource::*;
+        match self {
+            Core => "core",
+            Cpu => "cpu",
+            Data => "data",
+            Fsize => "fsize",
+            Locks => "locks",
+            Memlock => "memlock",
+            Msgqueue => "msgqueue",
+            Nice => "nice",
+            Nofile => "nofile",
+            Nproc => "nproc",
+            Rss => "rss",
+            Rtprio => "rtprio",
+            Rttime => "rttime",
+            Sigpending => "sigpending",
+            Stack => "stack",
+            As => "as",
+        }
+    }
+
+    /// The highest hard limit this process can give its children's commands (`None`: no
+    /// bound): with CAP_SYS_RESOURCE any (nofile up to fs.nr_open, which the API's range
+    /// keeps to); without it (a node in a container that lacks it), its own hard limit.
+    pub fn ceiling(self) -> Option<u64> {
+        let can_raise = caps::has_cap(
+            None,
+            caps::CapSet::Effective,
+            caps::Capability::CAP_SYS_RESOURCE,
+        )
+        .unwrap_or(false);
+        if can_raise {
+            return None;
+        }
+        match getrlimit(self.raw()) {
+            Ok(l) if l.rlim_max != u64::MAX => Some(l.rlim_max),
+            Ok(_) => None,
+            Err(_) => Some(0),
+        }
+    }
+
     /// The kernel's number of it (`RLIMIT_*`).
     pub(crate) fn raw(self) -> libc::c_int {
         use Resource::*;
@@ -165,7 +208,7 @@ pub struct Tmpfs {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RtsetError {
-    #[error("ulimit {resource:?}: {source}")]
+    #[error("ulimit {}: {source}", resource.name())]
     Limit {
         resource: Resource,
         #[source]

@@ -73,6 +73,7 @@ impl Node {
             )
             .with_param("init"));
         }
+        crate::node::runtime_settings::check_on_node(req.runtime.as_ref())?;
         if !long_lived && (req.ready.is_some() || req.start_command.is_some()) {
             let param = if req.ready.is_some() {
                 "ready"

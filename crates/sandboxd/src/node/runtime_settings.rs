@@ -39,6 +39,24 @@ pub(crate) fn sets_net_sysctls(v: Option<&Value>) -> bool {
     settings(v).sets_net_sysctls()
 }
 
+/// The ulimits against what this node can give: a hard limit above its ceiling
+/// ([`Resource::ceiling`]: a node without CAP_SYS_RESOURCE gives at most its own) is 400
+/// invalid_field naming the limit.
+pub(crate) fn check_on_node(v: Option<&Value>) -> Result<(), sbx_api::ApiError> {
+    for l in settings(v).rlimits {
+        if let Some(max) = l.resource.ceiling() {
+            if l.hard.is_none_or(|h| h > max) {
+                let name = l.resource.name();
+                return Err(sbx_api::ApiError::invalid_field(
+                    format!("runtime.ulimits.{name}"),
+                    format!("runtime.ulimits.{name}: a hard limit of at most {max} on this node"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What init applies: the commands' limits (-1: none), the sysctls, the tmpfs mounts and
 /// /dev/shm's size.
 pub(crate) fn settings(v: Option<&Value>) -> RuntimeSettings {

@@ -24,6 +24,17 @@ fn limits_line(limits: &str, name: &str) -> (String, String) {
     (rest[0].to_string(), rest[1].to_string())
 }
 
+/// Whether this process (root, as the test node is) holds CAP_SYS_RESOURCE.
+fn has_sys_resource() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    eff & (1 << 24) != 0
+}
+
 fn runtime() -> Value {
     json!({
         "ulimits": {
@@ -265,6 +276,28 @@ fn a_run_with_runtime_gets_it_and_the_next_run_does_not() {
         "{out}"
     );
     assert_eq!(lines[3], "4096", "{out}");
+    // Above the node's own hard limit: init raises it as host root where the node may
+    // (CAP_SYS_RESOURCE); a node without it refuses what it cannot give, before anything is
+    // made. As another user.
+    let body = json!({
+        "command": "ulimit -Sn; ulimit -Hn; id -u",
+        "user": "65534",
+        "runtime": {"ulimits": {"nofile": {"soft": 1024, "hard": 1048576}}}
+    });
+    if has_sys_resource() {
+        let v = node.run_ok(&body);
+        assert_eq!(stdout(&v), "1024\n1048576\n65534\n", "{v}");
+    } else {
+        let (s, v) = node.run(&body);
+        assert_error(s, &v, 400, "invalid_field", Some("runtime.ulimits.nofile"));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("on this node"),
+            "{v}"
+        );
+    }
     // A run without runtime (a warm sandbox, or a new one) has the defaults.
     let v = node.run_ok(&json!({
         "command": "cat /proc/sys/kernel/msgmax; grep -c ' /scratch ' /proc/mounts; df -k /dev/shm | tail -1 | awk '{print $2}'"
