@@ -26,7 +26,7 @@ start_node() {
   pid=$!
   wait_healthy $port
 }
-stop_node() { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; }
+stop_node() { kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
 trap 'stop_node; rm -rf "$data"' EXIT
 measure() {
   URL="http://127.0.0.1:$port" N="${N:-20}" WHAT="$1" RUNTIME="$2" python3 - <<'PY'
