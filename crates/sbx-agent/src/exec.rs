@@ -26,6 +26,9 @@ pub struct Defaults {
     pub user: Option<String>,
     pub workdir: Option<String>,
     pub hostname: String,
+    /// The limits of every command (the sandbox's runtime ulimits), set in its child before
+    /// it executes; the agent keeps its own.
+    pub rlimits: Vec<sbx_runtime::rtset::Rlimit>,
 }
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -541,6 +544,7 @@ pub fn start(
         gid: user.gid,
         groups: &user.groups,
         stdin_null: spec.stdin_null && !spec.stdin_open,
+        rlimits: &d.rlimits,
     };
     if spec.tty {
         let on_pty = process::spawn_pty(&how, spec.rows, spec.cols)

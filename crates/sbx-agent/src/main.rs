@@ -48,6 +48,7 @@ fn main() {
                 user: cfg.image_user.clone(),
                 workdir: cfg.image_workdir.clone(),
                 hostname: cfg.hostname.clone(),
+                rlimits: cfg.runtime.rlimits.clone(),
             };
             // Run in process only when the image cannot exec the agent's binary.
             let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults));
@@ -79,6 +80,7 @@ fn main() {
                 user: cfg.image_user,
                 workdir: cfg.image_workdir,
                 hostname: cfg.hostname,
+                rlimits: cfg.rlimits,
             };
             server::run(listener, defaults);
         }

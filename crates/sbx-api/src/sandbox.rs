@@ -357,6 +357,10 @@ pub struct SandboxObject {
     /// out (0: holds are not heeded).
     #[serde(default)]
     pub sleep_hold_max_ms: u32,
+    /// Its runtime settings as the spec's `Runtime` shows them ([`crate::run::Runtime::shown`]);
+    /// null: none.
+    #[serde(default)]
+    pub runtime: Option<serde_json::Value>,
 }
 
 /// A snapshot: a sandbox's processes (memory included) and files at one instant. It outlives

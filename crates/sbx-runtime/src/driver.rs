@@ -36,6 +36,8 @@ pub struct SandboxSpec {
     /// A CA bundle of the host (the public roots and the node's egress CA) mounted read-only
     /// over the image's /etc/ssl/certs/ca-certificates.crt where the image has that file.
     pub ca_bundle: Option<PathBuf>,
+    /// Runtime settings (limits, sysctls, tmpfs, /dev/shm's size): [`crate::rtset`].
+    pub runtime: crate::rtset::RuntimeSettings,
 }
 
 /// The most a freeze or a thaw may take before it counts as failed.
@@ -272,6 +274,7 @@ impl NamespaceDriver {
             netns: spec.netns.clone(),
             resolv_conf: spec.resolv_conf.clone(),
             ca_bundle: spec.ca_bundle.clone(),
+            runtime: spec.runtime.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         let io = |what: &str| {
@@ -406,6 +409,19 @@ fn restored_sandbox(
         }
     };
     let pidfd = PidFd::open(pid).map_err(io("pidfd of the restored agent"))?;
+    if spec.runtime.sets_net_sysctls() {
+        // Its processes run again already: a failure here is logged, not theirs to die of.
+        let written = pidfd
+            .try_clone_fd()
+            .map_err(|e| e.to_string())
+            .and_then(|h| {
+                crate::rtset::restore_net_sysctls(h, &spec.runtime.sysctls)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = written {
+            tracing::error!(sandbox = %spec.id, error = %e, "runtime sysctls after a restore");
+        }
+    }
     if rename {
         crate::process::set_hostname_of(pid, &spec.hostname)
             .map_err(io("set the copy's hostname"))?;
@@ -699,6 +715,7 @@ mod bench {
                 netns: None,
                 resolv_conf: None,
                 ca_bundle: None,
+                runtime: Default::default(),
             };
             let t = std::time::Instant::now();
             let sb = driver.create(&spec).expect("create");

@@ -68,6 +68,10 @@ pub struct InitConfig {
     /// (/etc/ssl/certs/ca-certificates.crt, where that is a regular file).
     #[serde(default)]
     pub ca_bundle: Option<PathBuf>,
+    /// Runtime settings: the commands' limits, sysctls, tmpfs, /dev/shm's size
+    /// ([`crate::rtset`]).
+    #[serde(default)]
+    pub runtime: crate::rtset::RuntimeSettings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -190,7 +194,7 @@ fn write_new(path: &Path, contents: &str, uid: u32) -> Result<(), InitError> {
         .ctx(|| format!("chown {}", path.display()))
 }
 
-fn build_dev(root: &Path, base: u32) -> Result<(), InitError> {
+fn build_dev(root: &Path, base: u32, shm_bytes: Option<u64>) -> Result<(), InitError> {
     let dev = root.join("dev");
     fs::create_dir_all(&dev).ctx(|| "mkdir /dev".into())?;
     let owner = format!("uid={base},gid={base}");
@@ -238,7 +242,7 @@ fn build_dev(root: &Path, base: u32) -> Result<(), InitError> {
         &shm,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some(&format!("mode=1777,size=65536k,{owner}")),
+        Some(&crate::rtset::shm_options(shm_bytes, base)),
     )?;
     for (name, to) in [
         ("fd", "/proc/self/fd"),
@@ -316,6 +320,9 @@ pub struct AgentArgs {
     pub image_user: Option<String>,
     #[serde(default)]
     pub image_workdir: Option<String>,
+    /// The limits each command sets before it executes ([`crate::rtset`]).
+    #[serde(default)]
+    pub rlimits: Vec<crate::rtset::Rlimit>,
 }
 
 /// The user namespace that owns the network namespace `ns` (`NS_GET_USERNS`).
@@ -376,6 +383,9 @@ pub fn enter(
         return Err(InitError::Other("the image has no layer".into()));
     }
     let exe = fs::read_link("/proc/self/exe").ctx(|| "the agent's binary".into())?;
+    // Host root: the hard limits the commands are to get, before they are inherited.
+    crate::rtset::raise_hard_limits(&cfg.runtime.rlimits)
+        .map_err(|e| InitError::Other(e.to_string()))?;
     // A leased network namespace comes with the user namespace made for it (its owner): the
     // sandbox joins both. Without one, it makes both.
     let joined = match &cfg.netns {
@@ -524,7 +534,7 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
         MsFlags::empty(),
         Some(&data),
     )?;
-    build_dev(&root, cfg.uid_base)?;
+    build_dev(&root, cfg.uid_base, cfg.runtime.shm_size_bytes)?;
     // The agent's binary, read-only: what PID 1 execs, and what a checkpoint finds it mapped
     // from. Running it gives a sandbox process nothing (it serves only a listener it is given).
     let agent = root.join(AGENT_PATH.trim_start_matches('/'));
@@ -570,6 +580,8 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
             )),
         )?;
     }
+    crate::rtset::mount_tmpfs(&root, &cfg.runtime.tmpfs, cfg.uid_base)
+        .map_err(|e| InitError::Other(e.to_string()))?;
     let etc = root.join("etc");
     if etc.is_dir() {
         write_new(
@@ -705,12 +717,13 @@ fn stage1(
         image_env: cfg.image_env.clone(),
         image_user: cfg.image_user.clone(),
         image_workdir: cfg.image_workdir.clone(),
+        rlimits: cfg.runtime.rlimits.clone(),
     };
     let args = serde_json::to_string(&args).map_err(|e| InitError::Other(e.to_string()))?;
     // SAFETY: stage 1 is single-threaded, so the child may run any code after fork.
     match unsafe { fork() }.ctx(|| "fork PID 1".into())? {
         ForkResult::Child => {
-            let e = match stage2(Path::new("rootfs"), &args, exec, in_process) {
+            let e = match stage2(Path::new("rootfs"), &args, &cfg.runtime, exec, in_process) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -735,6 +748,7 @@ fn stage1(
 fn stage2(
     root: &Path,
     args: &str,
+    runtime: &crate::rtset::RuntimeSettings,
     exec: bool,
     in_process: impl FnOnce(UnixListener) -> std::convert::Infallible,
 ) -> Result<std::convert::Infallible, InitError> {
@@ -764,6 +778,8 @@ fn stage2(
     pivot_root(".", ".").ctx(|| "pivot_root".into())?;
     umount2(".", MntFlags::MNT_DETACH).ctx(|| "detach old root".into())?;
     chdir("/").ctx(|| "chdir /".into())?;
+    // Root of the sandbox's user namespace, capabilities still whole: its namespaces' sysctls.
+    crate::rtset::write_sysctls(&runtime.sysctls).map_err(|e| InitError::Other(e.to_string()))?;
 
     // Bound and listening here, by the agent's own process: the node checks that the listener
     // it reaches is this pid's (SO_PEERCRED of a listener is its listen()er's).

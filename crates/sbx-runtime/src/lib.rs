@@ -26,6 +26,7 @@ pub mod inotify;
 pub mod net;
 pub mod netns;
 pub mod process;
+pub mod rtset;
 pub mod seccomp;
 pub mod sock;
 pub mod tree;

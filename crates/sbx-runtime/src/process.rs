@@ -24,6 +24,9 @@ pub struct SpawnSpec<'a> {
     pub groups: &'a [u32],
     /// Stdin is /dev/null instead of a pipe (a command given no input).
     pub stdin_null: bool,
+    /// Resource limits the child sets (`prlimit`) before it executes: the sandbox's runtime
+    /// ulimits ([`crate::rtset`]).
+    pub rlimits: &'a [crate::rtset::Rlimit],
 }
 
 /// A started command: its pid (also its process group) and its ends of the pipes.
@@ -48,6 +51,8 @@ struct ChildPlan {
     uid: libc::uid_t,
     gid: libc::gid_t,
     groups: Vec<libc::gid_t>,
+    /// `prlimit` before the exec: (resource, limits).
+    rlimits: Vec<(libc::c_int, libc::rlimit64)>,
     /// Descriptors that become the child's 0, 1 and 2 (all above 2).
     stdio: [RawFd; 3],
     /// A session of its own with stdin as its controlling terminal; else a process group of
@@ -91,6 +96,7 @@ impl ChildPlan {
             uid: spec.uid,
             gid: spec.gid,
             groups: spec.groups.to_vec(),
+            rlimits: spec.rlimits.iter().map(crate::rtset::Rlimit::raw).collect(),
             stdio,
             on_terminal,
             to_reset: signals_to_reset(),
@@ -190,6 +196,18 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             }
         } else if libc::setpgid(0, 0) != 0 {
             return fail(plan);
+        }
+        for (resource, limit) in &plan.rlimits {
+            let set = libc::syscall(
+                libc::SYS_prlimit64,
+                0,
+                *resource,
+                limit as *const libc::rlimit64,
+                std::ptr::null_mut::<libc::rlimit64>(),
+            );
+            if set != 0 {
+                return fail(plan);
+            }
         }
         if libc::syscall(libc::SYS_setgroups, plan.groups.len(), plan.groups.as_ptr()) != 0 {
             return fail(plan);
@@ -650,7 +668,52 @@ mod tests {
             gid: uid,
             groups: &[],
             stdin_null: false,
+            rlimits: &[],
         }
+    }
+
+    #[test]
+    fn a_command_gets_its_limits_and_the_spawner_keeps_its_own() {
+        use crate::rtset::{Resource, Rlimit};
+        let argv = [
+            "sh".to_string(),
+            "-c".into(),
+            "ulimit -Sn; ulimit -Hn; ulimit -Sc".into(),
+        ];
+        let env = [("PATH".to_string(), "/usr/bin:/bin".to_string())];
+        let limits = [
+            Rlimit {
+                resource: Resource::Nofile,
+                soft: Some(77),
+                hard: Some(99),
+            },
+            Rlimit {
+                resource: Resource::Core,
+                soft: Some(0),
+                hard: Some(0),
+            },
+        ];
+        let before = nofile_limit();
+        // SAFETY: getuid and getgid have no memory effects.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let s = SpawnSpec {
+            stdin_null: true,
+            gid,
+            rlimits: &limits,
+            ..spec(Path::new("/bin/sh"), &argv, &env, Path::new("/"), uid)
+        };
+        let mut child = spawn(&s).unwrap();
+        let mut out = String::new();
+        fs::File::from(std::mem::replace(&mut child.stdout, pipe().unwrap().0))
+            .read_to_string(&mut out)
+            .unwrap();
+        assert_eq!(wait(child.pid), 0);
+        assert_eq!(out, "77\n99\n0\n");
+        assert_eq!(
+            nofile_limit(),
+            before,
+            "the spawner's own limit is unchanged"
+        );
     }
 
     #[test]

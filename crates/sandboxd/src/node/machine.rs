@@ -73,12 +73,7 @@ impl Node {
             )
             .with_param("init"));
         }
-        // runtime.dns is served; the other runtime settings are not yet.
-        if let Some(rt) = req.runtime.as_ref().and_then(|r| r.as_object()) {
-            if let Some((k, _)) = rt.iter().find(|(k, v)| *k != "dns" && !v.is_null()) {
-                return Err(not_served(&format!("runtime.{k}"), "this runtime setting"));
-            }
-        }
+        crate::node::runtime_settings::check_on_node(req.runtime.as_ref())?;
         if !long_lived && (req.ready.is_some() || req.start_command.is_some()) {
             let param = if req.ready.is_some() {
                 "ready"
@@ -288,24 +283,35 @@ impl Node {
         plan: &RunPlan,
         image: &Image,
     ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
-        self.create(
-            SandboxSpec {
-                id: plan.sandbox_id.clone(),
-                lowers: image.lowers.clone(),
-                dir: self.sandboxes_dir().join(&plan.sandbox_id),
-                hostname: plan.hostname.clone(),
-                limits: plan.limits,
-                tmp_memory: plan.tmp_memory,
-                image_env: image.meta.env.clone(),
-                image_user: image.meta.user.clone(),
-                image_workdir: image.meta.workdir.clone(),
-                netns: None,
-                resolv_conf: plan.resolv_conf.clone(),
-                ca_bundle: None,
-            },
-            plan.network,
-        )
-        .await
+        let dir = self.sandboxes_dir().join(&plan.sandbox_id);
+        let made = self
+            .create(
+                SandboxSpec {
+                    id: plan.sandbox_id.clone(),
+                    lowers: image.lowers.clone(),
+                    dir: self.sandboxes_dir().join(&plan.sandbox_id),
+                    hostname: plan.hostname.clone(),
+                    limits: plan.limits,
+                    tmp_memory: plan.tmp_memory,
+                    image_env: image.meta.env.clone(),
+                    image_user: image.meta.user.clone(),
+                    image_workdir: image.meta.workdir.clone(),
+                    netns: None,
+                    resolv_conf: plan.resolv_conf.clone(),
+                    ca_bundle: None,
+                    runtime: plan.runtime.clone(),
+                },
+                plan.network,
+            )
+            .await;
+        // A run's sandbox that did not start (its init refused, e.g. a sysctl the sandbox does
+        // not have) is in no table: its directory goes here. One that started is torn down
+        // by the run.
+        if made.is_err() && !self.live.locked().contains_key(&plan.sandbox_id) {
+            let _ =
+                tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
+        }
+        made
     }
 }
 

@@ -14,6 +14,7 @@ mod machine;
 pub mod net;
 pub mod output;
 mod run;
+pub(crate) mod runtime_settings;
 pub mod sandbox;
 pub mod templates;
 #[cfg(test)]

@@ -23,6 +23,9 @@ use crate::sync::LockExt;
 pub struct NodeNet {
     network: Network,
     leases: Mutex<HashMap<String, Lease>>,
+    /// Sandboxes whose namespace had sysctls of theirs written (`runtime.sysctls`): it never
+    /// goes back to the pool for another sandbox.
+    no_recycle: Mutex<std::collections::HashSet<String>>,
     resolv_conf: String,
     policies: Arc<Policies>,
     ca_bundle: Option<PathBuf>,
@@ -228,6 +231,7 @@ impl NodeNet {
         Ok(Arc::new(NodeNet {
             network,
             leases: Mutex::new(HashMap::new()),
+            no_recycle: Mutex::new(std::collections::HashSet::new()),
             resolv_conf: format!("nameserver {gw}\noptions edns0\n"),
             policies,
             ca_bundle: Some(ca_bundle),
@@ -245,6 +249,10 @@ impl NodeNet {
         let lease = self.network.take()?;
         spec.netns = Some(lease.ns_path());
         self.leases.locked().insert(id.to_string(), lease);
+        // Its init writes them in this namespace, which is then its alone.
+        if spec.runtime.sets_net_sysctls() {
+            self.no_recycle.locked().insert(id.to_string());
+        }
         self.fill_spec(spec);
         Ok(())
     }
@@ -312,9 +320,10 @@ impl NodeNet {
     /// back to the pool.
     pub fn release(&self, id: &str, destroyed: bool) {
         let lease = self.leases.locked().remove(id);
+        let own_sysctls = self.no_recycle.locked().remove(id);
         if let Some(lease) = lease {
             self.policies.set(lease.address(), None);
-            let r = if destroyed {
+            let r = if destroyed && !own_sysctls {
                 self.network.recycle(lease)
             } else {
                 self.network.release(lease)
@@ -323,6 +332,12 @@ impl NodeNet {
                 tracing::warn!(sandbox = %id, error = %e, "network: release");
             }
         }
+    }
+
+    /// Marks sandbox `id`'s namespace as its alone (sysctls of its own were written there):
+    /// it is not given to another sandbox after it. For an adopted one.
+    pub fn keep_own(&self, id: &str) {
+        self.no_recycle.locked().insert(id.to_string());
     }
 
     /// Takes back the namespace of a sandbox a previous node made (after a restart); a

@@ -39,6 +39,8 @@ pub struct RunPlan {
     pub(super) network: bool,
     /// `runtime.dns`'s resolv.conf.
     pub(super) resolv_conf: Option<String>,
+    /// The rest of `runtime` (limits, sysctls, tmpfs, /dev/shm).
+    pub(super) runtime: sbx_runtime::rtset::RuntimeSettings,
     /// Its egress rules (put in force before the command starts).
     pub(super) egress: Option<std::sync::Arc<sbx_api::egress::Egress>>,
 }
@@ -121,7 +123,9 @@ impl Node {
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
         let egress = self.check_egress(req.egress.as_ref(), self.has_net())?;
         let resolv_conf = self.resolv_for(req.runtime.as_ref(), self.has_net());
+        let runtime = super::runtime_settings::settings(req.runtime.as_ref());
         let can_be_warm = resolv_conf.is_none()
+            && runtime.is_empty()
             && image.is_base()
             && req.hostname.is_none()
             && req.tmp == Tmp::Disk;
@@ -172,6 +176,7 @@ impl Node {
             network: self.has_net(),
             egress,
             resolv_conf,
+            runtime,
         })
     }
 

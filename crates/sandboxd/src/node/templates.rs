@@ -44,6 +44,11 @@ pub struct Settings {
     pub env: BTreeMap<String, String>,
     pub vcpus: u32,
     pub memory_bytes: u64,
+    /// The runtime settings in their canonical form: a template of its own
+    /// (`node::runtime_settings`). Absent from the hashed text when none, so the keys of
+    /// templates without one are what they were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<serde_json::Value>,
 }
 
 impl Settings {
@@ -57,6 +62,7 @@ impl Settings {
             && self.ready_probe.is_none()
             && self.vcpus == default_vcpus
             && self.memory_bytes == default_memory
+            && self.runtime.is_none()
     }
 
     /// The template's key: `base`, or `img-` and 16 characters of the id alphabet taken from
@@ -444,6 +450,7 @@ mod tests {
             env: BTreeMap::new(),
             vcpus: 1,
             memory_bytes: 512 << 20,
+            runtime: None,
         }
     }
 
@@ -484,6 +491,18 @@ mod tests {
             k1,
             "a login makes a template of its own"
         );
+        // The key of settings without a runtime is the hash of the text without the field.
+        let mut c = settings("base");
+        c.runtime = Some(serde_json::json!({"ulimits": {"nofile": {"soft": 64, "hard": 64}}}));
+        let kc = c.key(1, 512 << 20);
+        assert!(
+            sbx_api::is_id("img", &kc),
+            "a runtime is never the base: {kc}"
+        );
+        let mut d = c.clone();
+        d.runtime = Some(serde_json::json!({"ulimits": {"nofile": {"soft": 65, "hard": 65}}}));
+        assert_ne!(d.key(1, 512 << 20), kc, "another runtime, another template");
+        assert!(!serde_json::to_string(&a).unwrap().contains("runtime"));
     }
 
     /// A store in a directory of its own, its templates, settings of `image` and their key.

@@ -476,6 +476,14 @@ fn runtime_dns_writes_resolv_conf_and_name_rules_still_hold() {
     // Refusals.
     let (s, v) = n.run(&json!({ "command": ["true"], "runtime": {"dns": {"servers": ["nope"]}} }));
     assert_error(s, &v, 400, "invalid_field", Some("runtime.dns.servers[0]"));
-    let (s, v) = n.run(&json!({ "command": ["true"], "runtime": {"ulimits": {"nofile": 10}} }));
-    assert_error(s, &v, 503, "not_served_here", Some("runtime.ulimits"));
+    // With the other runtime settings (tests/it/runtime_settings.rs), dns still writes it.
+    let v = n.run_ok(&json!({
+        "command": "cat /etc/resolv.conf; ulimit -n",
+        "runtime": {"dns": {"options": ["ndots:4"]}, "ulimits": {"nofile": 10}}
+    }));
+    assert_eq!(
+        stdout_of(&v),
+        format!("nameserver {gw}\noptions ndots:4\n10\n"),
+        "{v}"
+    );
 }

@@ -24,6 +24,7 @@ mod preview;
 mod ready;
 mod restart;
 mod runtime;
+mod runtime_settings;
 mod sandboxes;
 mod seccomp;
 mod secrets;

@@ -22,30 +22,9 @@ pub(super) fn check_egress(v: &Value) -> Result<Value, ApiError> {
     Ok(v.clone())
 }
 
+/// `runtime`, checked ([`super::runtime::Runtime::parse`]) and kept in its canonical form.
 pub(super) fn check_runtime(v: &Value) -> Result<Value, ApiError> {
-    let obj = object(v, "runtime")?;
-    reject_unknown(
-        obj,
-        "runtime",
-        &["ulimits", "sysctls", "tmpfs", "dns", "shm_size_bytes"],
-    )?;
-    for key in ["ulimits", "sysctls", "dns"] {
-        if let Some(val) = given(obj, key) {
-            object(val, &format!("runtime.{key}"))?;
-        }
-    }
-    if let Some(val) = given(obj, "dns") {
-        super::types::RuntimeDns::parse(val)?;
-    }
-    if let Some(val) = given(obj, "tmpfs") {
-        if !val.is_array() {
-            return Err(invalid("runtime.tmpfs", "runtime.tmpfs must be an array"));
-        }
-    }
-    if let Some(val) = given(obj, "shm_size_bytes") {
-        uint_in(val, "runtime.shm_size_bytes", 1 << 20, 1 << 40)?;
-    }
-    Ok(v.clone())
+    Ok(super::runtime::Runtime::parse(v)?.to_value())
 }
 
 pub(super) fn check_image(s: &str) -> Result<String, ApiError> {

@@ -27,6 +27,7 @@ mod command;
 mod fields;
 mod json;
 mod limits;
+mod runtime;
 mod types;
 
 use std::collections::BTreeMap;
@@ -54,6 +55,9 @@ pub use limits::{
     MAX_IMAGE_PULL_SECRET_LEN, MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS,
     MAX_SANDBOX_ID, MAX_SECONDS, MAX_START_COMMAND_BYTES, MAX_USER_CHARS, MAX_VCPUS,
     MEMORY_STEP_BYTES, MIN_MEMORY_BYTES, MIN_TIMEOUT_SECONDS, STOP_SIGNALS,
+};
+pub use runtime::{
+    sysctl_allowed, Runtime, TmpfsMount, Ulimit, DEFAULT_TMPFS_MODE, MAX_NOFILE, ULIMIT_NAMES,
 };
 pub use types::{
     Command, Encoding, Init, Limits, OnExpiry, Ready, Region, RunRequest, RuntimeDns, SecretEnv,

@@ -307,6 +307,8 @@ impl Node {
         spec.ready_probe = t.ready_probe;
         spec.vcpus = t.vcpus;
         spec.memory_bytes = t.memory_bytes;
+        // Its machine is the template's: its runtime settings too.
+        spec.runtime = t.runtime;
         Ok(())
     }
 
@@ -641,6 +643,10 @@ impl Node {
                     self.watch_agent(&m, &sb);
                     if let Some(n) = self.net.get() {
                         n.adopt(&m.id, &sb);
+                        if crate::node::runtime_settings::sets_net_sysctls(m.spec.runtime.as_ref())
+                        {
+                            n.keep_own(&m.id);
+                        }
                         // The table was loaded again: its rules are put back.
                         if let Err(e) = self.apply_egress_of(&m) {
                             tracing::error!(sandbox = %m.id, error = %e.message, "egress rules after a restart");

@@ -162,6 +162,7 @@ impl StoredSpec {
             },
             vcpus: self.vcpus,
             memory_bytes: self.memory_bytes,
+            runtime: crate::node::runtime_settings::template_part(self.runtime.as_ref()),
         }
     }
 }
@@ -447,6 +448,7 @@ impl Node {
             sleep_after_seconds: self.sleep_after(m).map(|d| d.as_secs_f64()),
             sleep_notice_ms: m.spec.sleep_notice_ms.filter(|ms| *ms > 0),
             sleep_hold_max_ms: sleep::hold_max(&m.spec).as_millis() as u32,
+            runtime: crate::node::runtime_settings::shown(m.spec.runtime.as_ref()),
         }
     }
 
