@@ -29,7 +29,7 @@ RUST_LOG=warn "$bin/sandboxd" --listen 127.0.0.1:$port --data-dir "$data/node" \
   --images-dir "$images" --cgroup-name $cg --preview-listen off --sleep-after-seconds never \
   --config "$data/config.toml" >"$data/sandboxd.log" 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
+trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -rf "$data"' EXIT
 wait_healthy $port
 URL="http://127.0.0.1:$port" PID=$pid CG=$cg DATA="$data/node" IFACES_BEFORE="$ifaces_before" \
   RUNS="${RUNS:-1000}" KEPT="${KEPT:-200}" CONC="${CONC:-32}" python3 - <<'PY'
