@@ -68,6 +68,9 @@ pub struct InitConfig {
     /// (/etc/ssl/certs/ca-certificates.crt, where that is a regular file).
     #[serde(default)]
     pub ca_bundle: Option<PathBuf>,
+    /// Volumes bound into the sandbox ([`crate::volume`]).
+    #[serde(default)]
+    pub volumes: Vec<crate::volume::VolumeBind>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -615,6 +618,7 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
             }
         }
     }
+    crate::volume::mount_volumes(&root, cfg.uid_base, &cfg.volumes).ctx(|| "volumes".into())?;
     Ok(())
 }
 

@@ -18,6 +18,7 @@
 
 pub mod cgroup;
 pub mod criu;
+pub mod diskfs;
 pub mod driver;
 pub mod fsutil;
 pub mod hostfs;
@@ -29,6 +30,7 @@ pub mod process;
 pub mod seccomp;
 pub mod sock;
 pub mod tree;
+pub mod volume;
 
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};

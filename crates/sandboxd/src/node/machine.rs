@@ -302,6 +302,7 @@ impl Node {
                 netns: None,
                 resolv_conf: plan.resolv_conf.clone(),
                 ca_bundle: None,
+                volumes: Vec::new(),
             },
             plan.network,
         )

@@ -89,6 +89,7 @@ impl Node {
                     netns: None,
                     resolv_conf: None,
                     ca_bundle: None,
+                    volumes: Vec::new(),
                 };
                 match node.create(spec, node.has_net()).await {
                     Ok((sandbox, conn)) => {

@@ -160,6 +160,7 @@ fn spec(rootfs: &Path, dir: &Path, netns: Option<PathBuf>) -> SandboxSpec {
         netns,
         resolv_conf: None,
         ca_bundle: None,
+        volumes: Vec::new(),
     }
 }
 
