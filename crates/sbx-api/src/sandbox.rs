@@ -349,6 +349,9 @@ pub struct SandboxObject {
     /// How long it may be idle before it pauses, in seconds (null: never by itself).
     #[serde(default)]
     pub sleep_after_seconds: Option<f64>,
+    /// The volumes mounted in it (shown only when it has some).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::volume::SandboxVolume>,
 }
 
 /// A snapshot: a sandbox's processes (memory included) and files at one instant. It outlives

@@ -177,6 +177,13 @@ fn open_dir(path: &Path) -> io::Result<OwnedFd> {
         .into())
 }
 
+/// What the filesystem of `path` has free (0 when it cannot be read).
+pub fn free_bytes(path: &Path) -> u64 {
+    nix::sys::statvfs::statvfs(path)
+        .map(|s| s.blocks_available() * s.fragment_size())
+        .unwrap_or(0)
+}
+
 /// Whether `path` is on a btrfs.
 pub fn is_btrfs(path: &Path) -> bool {
     nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == BTRFS_SUPER_MAGIC)

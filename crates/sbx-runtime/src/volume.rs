@@ -46,7 +46,8 @@ pub fn mount_volumes(root: &Path, uid_base: u32, vols: &[VolumeBind]) -> io::Res
             .map_err(ctx(format!("the volume's path {}", v.path)))?;
         let at = PathBuf::from(format!("/proc/self/fd/{}", target.as_raw_fd()));
         if v.copy && is_empty(&v.host)? {
-            crate::tree::copy_into(&at, &v.host)
+            // `/.` past the descriptor's magic link: the directory, not the link.
+            crate::tree::copy_into(&at.join("."), &v.host)
                 .map_err(ctx(format!("copy the image's {} into the volume", v.path)))?;
         }
         mount(

@@ -16,6 +16,7 @@ pub mod sandbox;
 pub mod templates;
 #[cfg(test)]
 mod tests;
+pub mod volume;
 mod warm;
 
 use std::collections::HashMap;
@@ -99,6 +100,8 @@ pub struct Node {
     pub(crate) preview: std::sync::OnceLock<crate::node::sandbox::PreviewSettings>,
     /// Whether (and with what) the node checkpoints sandboxes; set once at start.
     pub(crate) checkpoints: std::sync::OnceLock<checkpoint::Checkpoints>,
+    /// The node's disk and the runs' volumes (none: no volumes).
+    pub(crate) volumes: volume::Volumes,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -200,6 +203,7 @@ impl Node {
             net: std::sync::OnceLock::new(),
             preview: std::sync::OnceLock::new(),
             checkpoints: std::sync::OnceLock::new(),
+            volumes: volume::Volumes::default(),
         })
     }
 
@@ -337,6 +341,7 @@ impl Node {
         // Kept sandboxes run on (the next node adopts them): their groups keep the folder,
         // and the network's table keeps them fenced in. With none, nothing of the node stays.
         self.driver.release();
+        self.release_disk();
         if let Some(net) = self.net.get() {
             let kept_running = self
                 .managed

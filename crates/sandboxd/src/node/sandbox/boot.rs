@@ -79,7 +79,7 @@ impl Node {
             netns: None,
             resolv_conf: self.resolv_for(m.spec.runtime.as_ref(), m.spec.network),
             ca_bundle: None,
-            volumes: Vec::new(),
+            volumes: self.volume_binds(&m.spec.volumes),
         };
         Ok((spec, resolved))
     }

@@ -38,10 +38,12 @@ impl Node {
             creds: _,
             limits,
             expires_in_ms,
+            volumes,
         } = self.check_machine(&req, true)?;
         self.check_egress(req.egress.as_ref(), network)?;
         let mut spec = self.stored_spec(&req, &limits)?;
         spec.network = network;
+        spec.volumes = volumes;
         spec.token = Some(SandboxToken::new()?);
         let settings = spec.template_settings();
         let key = spec.template.clone().unwrap_or_else(|| BASE.into());
@@ -63,7 +65,8 @@ impl Node {
             && spec.runtime.is_none()
             && spec.memory_bytes == self.cfg.default_memory_bytes
             && spec.vcpus == self.cfg.default_vcpus
-            && spec.network == self.has_net();
+            && spec.network == self.has_net()
+            && spec.volumes.is_empty();
         let warm = if warm_ok { self.pop_warm() } else { None };
         let id = match &warm {
             Some(sb) => sb.id.clone(),
@@ -242,6 +245,7 @@ impl Node {
             token: None,
             sleep_after: sleep::SleepAfter::from_request(req.sleep_after_seconds),
             suspend_after_ms: req.suspend_after_ms,
+            volumes: Vec::new(),
             on_expiry: req.on_expiry,
             held_asleep: req.held_asleep,
         };

@@ -94,6 +94,9 @@ pub struct StoredSpec {
     /// `sleep_after_seconds` as the create gave it (absent: the node's default).
     #[serde(default)]
     pub sleep_after: sleep::SleepAfter,
+    /// The volumes it mounts (ids), attached from its create to its delete.
+    #[serde(default)]
+    pub volumes: Vec<crate::node::volume::StoredVolume>,
     /// `suspend_after_ms` as the create gave it (none: the node's).
     #[serde(default)]
     pub suspend_after_ms: Option<u32>,
@@ -284,6 +287,13 @@ impl Cancel {
 }
 
 /// A sandbox the node keeps.
+impl Managed {
+    /// The volumes it has attached.
+    pub(crate) fn volumes(&self) -> &[crate::node::volume::StoredVolume] {
+        &self.spec.volumes
+    }
+}
+
 pub struct Managed {
     pub id: String,
     row: Mutex<SandboxRow>,
@@ -435,6 +445,7 @@ impl Node {
             preview_url: self.preview_url(&m.id),
             paused: self.is_paused(m),
             sleep_after_seconds: self.sleep_after(m).map(|d| d.as_secs_f64()),
+            volumes: crate::node::volume::sandbox_volumes(&m.spec.volumes),
         }
     }
 
@@ -576,6 +587,7 @@ mod tests {
             token: None,
             sleep_after: sleep::SleepAfter::default(),
             suspend_after_ms: None,
+            volumes: Vec::new(),
             on_expiry: sbx_api::OnExpiry::Delete,
             held_asleep: false,
         }
