@@ -79,19 +79,20 @@ pub fn parse_volume_create(body: &[u8]) -> Result<VolumeCreate, ApiError> {
         }
         Some(_) => return Err(ApiError::invalid_field("name", "name must be a string")),
     };
-    let size_bytes =
-        match o.get("size_bytes") {
-            None | Some(Value::Null) => None,
-            Some(v) => match v.as_u64() {
-                Some(n) if n >= MIN_VOLUME_BYTES => Some(n),
-                _ => return Err(ApiError::invalid_field(
+    let size_bytes = match o.get("size_bytes") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= MIN_VOLUME_BYTES => Some(n),
+            _ => {
+                return Err(ApiError::invalid_field(
                     "size_bytes",
                     format!(
                         "size_bytes must be a whole number of bytes, {MIN_VOLUME_BYTES} or more"
                     ),
-                )),
-            },
-        };
+                ))
+            }
+        },
+    };
     let shared = match o.get("shared") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
