@@ -636,7 +636,7 @@ mod tests {
         drop(f);
         nix::unistd::sync();
         let used = used_bytes(&sub).expect("used");
-        assert!(used >= 4 << 20 && used <= 9 << 20, "{used}");
+        assert!(((4 << 20)..=(9 << 20)).contains(&used), "{used}");
         remove_subvolume(&sub).expect("removed");
         assert!(!sub.exists());
         disk.release();
