@@ -155,6 +155,10 @@ struct Recorded {
     external: Vec<String>,
     /// Whether the sandbox had a network of its own (a leased namespace).
     network: bool,
+    /// Volumes bound into it: (mount point inside, directory on the host), each an external
+    /// mount too.
+    #[serde(default)]
+    volumes: Vec<(String, PathBuf)>,
 }
 
 const RECORD: &str = "sbx-checkpoint.json";
@@ -167,6 +171,67 @@ fn mountpoints(pid: u32) -> Result<Vec<String>, CriuError> {
         .lines()
         .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
         .collect())
+}
+
+/// A path as mountinfo writes it, unescaped (`\040` and the like).
+fn unescape(p: &str) -> String {
+    let b = p.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = (b[i] == b'\\' && i + 3 < b.len())
+            .then(|| &b[i + 1..i + 4])
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0')))
+            .and_then(|n| u8::try_from(n).ok());
+        if let Some(n) = octal {
+            out.push(n);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The volumes bound into the process `pid`'s mount namespace ([`crate::volume`]): mounts
+/// of a subvolume under `/volumes/` of a btrfs, with the directory each is on the host (the
+/// host's mount of that filesystem's root, from the node's own mountinfo).
+fn volume_mounts(pid: u32) -> Result<Vec<(String, PathBuf)>, CriuError> {
+    let inside = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .map_err(io(format!("read /proc/{pid}/mountinfo")))?;
+    let host =
+        std::fs::read_to_string("/proc/self/mountinfo").map_err(io("read /proc/self/mountinfo"))?;
+    // (major:minor, root, mount point, fstype)
+    let parse = |l: &str| -> Option<(String, String, String, String)> {
+        let f: Vec<&str> = l.split(' ').collect();
+        let dash = f.iter().position(|x| *x == "-")?;
+        Some((
+            f.get(2)?.to_string(),
+            unescape(f.get(3)?),
+            unescape(f.get(4)?),
+            f.get(dash + 1)?.to_string(),
+        ))
+    };
+    let mut out = Vec::new();
+    for (dev, root, point, fstype) in inside.lines().filter_map(parse) {
+        if fstype != "btrfs" || !root.starts_with("/volumes/") {
+            continue;
+        }
+        let base = host
+            .lines()
+            .filter_map(parse)
+            .find(|(d, r, _, _)| *d == dev && r == "/")
+            .map(|(_, _, p, _)| p)
+            .ok_or_else(|| {
+                CriuError::Other(format!(
+                    "the volume at {point} is on a filesystem the node has not mounted"
+                ))
+            })?;
+        out.push((point, Path::new(&base).join(root.trim_start_matches('/'))));
+    }
+    Ok(out)
 }
 
 /// The last lines of a criu log (for an error).
@@ -213,9 +278,11 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
         .map(|(m, _)| m.to_string())
         .filter(|m| present.iter().any(|p| p == m))
         .collect();
+    let volumes = volume_mounts(spec.pid)?;
     let record = Recorded {
         external: external.clone(),
         network: spec.network,
+        volumes: volumes.clone(),
     };
     let record = serde_json::to_vec(&record).map_err(|e| CriuError::Other(e.to_string()))?;
     std::fs::write(spec.images.join(RECORD), record).map_err(io("write the checkpoint record"))?;
@@ -248,7 +315,7 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
     if spec.leave_running {
         args.push("--leave-running".into());
     }
-    for m in &external {
+    for m in external.iter().chain(volumes.iter().map(|(m, _)| m)) {
         args.push("--external".into());
         args.push(format!("mnt[{m}]:{}", key(m)));
     }
@@ -350,6 +417,10 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
                 }
             },
         };
+        args.push("--external".into());
+        args.push(format!("mnt[{}]:{}", key(m), host.display()));
+    }
+    for (m, host) in &record.volumes {
         args.push("--external".into());
         args.push(format!("mnt[{}]:{}", key(m), host.display()));
     }

@@ -528,3 +528,51 @@ fn copy_gives_a_new_volume_what_the_image_has_there() {
     node.delete_sandbox(&sid);
     node.assert_clean(CLEAN);
 }
+
+#[test]
+fn a_sandbox_with_volumes_sleeps_and_wakes_with_them() {
+    let node = TestNode::start();
+    let (_, info) = get_json(&node, "/internal/node");
+    if info["checkpoints"]["available"] != true {
+        eprintln!(
+            "skipped: the node takes no checkpoints: {}",
+            info["checkpoints"]
+        );
+        return;
+    }
+    create_volume(&node, &json!({"name": "rw"}));
+    create_volume(&node, &json!({"name": "ro", "shared": true}));
+    let id = node.create_sandbox(&json!({"volumes": [
+        {"path": "/data", "volume": "rw"},
+        {"path": "/ref", "volume": "ro", "read_only": true},
+    ]}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // A process holds a file of the volume open across the sleep.
+    sh(&node, &id, "echo before > /data/a");
+    node.exec(&id, &json!({"command": "exec 3>>/data/a; sleep 3600"}));
+    let r = node.post_json(&format!("/v1/sandboxes/{id}/sleep"), &json!({}));
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    assert_eq!(v["status"], "sleeping", "{v}");
+    let r = node.post_json(&format!("/v1/sandboxes/{id}/wake"), &json!({}));
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    assert_eq!(v["status"], "running", "{v}");
+    let v = sh(
+        &node,
+        &id,
+        "cat /data/a; echo after >> /data/a; touch /ref/x 2>/dev/null || echo ro; cat /data/a",
+    );
+    assert_eq!(stdout(&v), "before\nro\nbefore\nafter\n", "{v}");
+    // The writes landed in the volume itself.
+    let (_, vol) = get_json(&node, "/v1/volumes/rw");
+    let vid = vol["id"].as_str().unwrap();
+    assert_eq!(
+        fs::read_to_string(volume_dir(&node, vid).join("a")).unwrap(),
+        "before\nafter\n"
+    );
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
