@@ -420,7 +420,11 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
         args.push("--external".into());
         args.push(format!("mnt[{}]:{}", key(m), host.display()));
     }
-    for (m, host) in &record.volumes {
+    // The volumes: CRIU opens each from inside the sandbox's user namespace, which cannot
+    // pass the data directory (root's 0700): each is bound for the restore's time under a
+    // directory of /run/sbx that the sandbox's root owns.
+    let staged = VolumeStage::new(&record.volumes)?;
+    for (m, host) in &staged.binds {
         args.push("--external".into());
         args.push(format!("mnt[{}]:{}", key(m), host.display()));
     }
@@ -455,6 +459,67 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
     pid.trim()
         .parse::<u32>()
         .map_err(|_| CriuError::Other(format!("criu's pidfile says {pid:?}")))
+}
+
+/// The volumes of a restore, each bound at `/run/sbx/criu-vol-<pid>-<n>/<key>` (the folder
+/// owned by the volume's owner, a uid of the sandbox's user namespace, mode 0700: no other
+/// host user goes in); unbound and removed when dropped (the restored mounts are CRIU's own
+/// clones by then).
+struct VolumeStage {
+    dir: Option<PathBuf>,
+    binds: Vec<(String, PathBuf)>,
+}
+
+impl VolumeStage {
+    fn new(volumes: &[(String, PathBuf)]) -> Result<VolumeStage, CriuError> {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let mut stage = VolumeStage {
+            dir: None,
+            binds: Vec::new(),
+        };
+        let Some((_, first)) = volumes.first() else {
+            return Ok(stage);
+        };
+        let owner = std::fs::metadata(first).map_err(io(format!("stat {}", first.display())))?;
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = PathBuf::from(format!("/run/sbx/criu-vol-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(io(format!("mkdir {}", dir.display())))?;
+        stage.dir = Some(dir.clone());
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("chmod the volumes' stage"))?;
+        std::os::unix::fs::chown(&dir, Some(owner.uid()), Some(owner.gid()))
+            .map_err(io("chown the volumes' stage"))?;
+        for (m, host) in volumes {
+            let at = dir.join(key(m));
+            std::fs::create_dir(&at).map_err(io(format!("mkdir {}", at.display())))?;
+            nix::mount::mount(
+                Some(host.as_path()),
+                &at,
+                None::<&str>,
+                nix::mount::MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(|e| {
+                CriuError::Other(format!("bind {} for the restore: {e}", host.display()))
+            })?;
+            stage.binds.push((m.clone(), at));
+        }
+        Ok(stage)
+    }
+}
+
+impl Drop for VolumeStage {
+    fn drop(&mut self) {
+        // Empty directories only: never a recursive remove where a volume may still be bound.
+        for (_, at) in &self.binds {
+            let _ = nix::mount::umount2(at, nix::mount::MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(at);
+        }
+        if let Some(d) = &self.dir {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
 }
 
 fn overlay_options(lowers: &[PathBuf], dir: &Path) -> Result<String, CriuError> {

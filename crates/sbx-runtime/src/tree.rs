@@ -203,4 +203,32 @@ mod tests {
         assert!(disk_usage(&dst) > 0);
         fs::remove_dir_all(&root).unwrap();
     }
+
+    /// `copy_into` fills a directory that exists: a hard link stays one file (copied once),
+    /// the root takes the source's mode and times.
+    #[test]
+    fn copy_into_keeps_hard_links_and_the_roots_attributes() {
+        let root = std::env::temp_dir().join(format!("sbx-tree-into-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let src = root.join("src");
+        fs::create_dir_all(src.join("sub")).unwrap();
+        fs::write(src.join("a"), b"shared").unwrap();
+        fs::hard_link(src.join("a"), src.join("sub/b")).unwrap();
+        fs::set_permissions(&src, fs::Permissions::from_mode(0o2750)).unwrap();
+        let dst = root.join("dst");
+        fs::create_dir(&dst).unwrap();
+        assert_eq!(
+            copy_into(&src, &dst).unwrap(),
+            6,
+            "the linked file is copied once"
+        );
+        let a = fs::metadata(dst.join("a")).unwrap();
+        let b = fs::metadata(dst.join("sub/b")).unwrap();
+        assert_eq!((a.ino(), a.nlink()), (b.ino(), 2));
+        let d = fs::metadata(&dst).unwrap();
+        let s = fs::metadata(&src).unwrap();
+        assert_eq!(d.mode() & 0o7777, 0o2750);
+        assert_eq!(d.mtime(), s.mtime());
+        fs::remove_dir_all(&root).unwrap();
+    }
 }
