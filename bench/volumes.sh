@@ -4,7 +4,9 @@
 # rounds each (default 20), each sandbox deleted after; and create/delete of a volume. Warm
 # pool 0 for all three, so that they compare (a create without volumes takes a warm sandbox
 # when the pool has one: see the last line, with the pool on). Starts a node of its own. As
-# root. PROFILE=debug uses target/debug instead of a release build.
+# root. PROFILE=debug uses target/debug instead of a release build. NO_DISK=1: the same node
+# with --no-disk (sandboxes' directories plain, no volumes), creates without volume only: what
+# a sandbox's subvolume costs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -20,17 +22,18 @@ port=7796
 start_node() {
   RUST_LOG=warn target/$profile/sandboxd --listen 127.0.0.1:$port --data-dir "$data" \
     --images-dir "$images" --cgroup-name sbx-bench-volumes --preview-listen off \
-    --egress-default none --sleep-after-seconds never --warm-pool "$1" \
+    --egress-default none --sleep-after-seconds never --warm-pool "$1" ${NO_DISK:+--no-disk} \
     >>"$data/sandboxd.log" 2>&1 &
   pid=$!
   wait_healthy $port
 }
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; umount -l "$data/disk" 2>/dev/null; rm -rf "$data"' EXIT
 bench() {
-URL="http://127.0.0.1:$port" N="${N:-20}" WARM="$1" python3 - <<'PY'
+URL="http://127.0.0.1:$port" N="${N:-20}" WARM="$1" NO_DISK="${NO_DISK:-}" python3 - <<'PY'
 import json, os, time, urllib.error, urllib.request
 
 url, n, warm = os.environ["URL"], int(os.environ["N"]), os.environ["WARM"] != "0"
+no_disk = os.environ.get("NO_DISK", "") != ""
 
 def call(method, path, body=None):
     data = None if body is None else json.dumps(body).encode()
@@ -68,7 +71,9 @@ def creates(body, fresh_volume=None):
             time.sleep(0.3)  # the pool refills
     return xs
 
-if warm:
+if no_disk:
+    show("create -> running, --no-disk" + (" (warm pool 2)" if warm else ""), creates({}))
+elif warm:
     show("create -> running, no volume (warm pool 2)", creates({}))
 else:
     vol = call("POST", "/v1/volumes", {"name": "bench"})["id"]
