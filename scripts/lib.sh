@@ -36,9 +36,10 @@ need_cargo() {
   fi
 }
 
-# The packages every sbx node needs: debootstrap builds the base image; gcc links.
+# The packages every sbx node needs: debootstrap builds the base image; gcc links; btrfs-progs
+# makes the node's disk (mkfs.btrfs, once).
 install_node_packages() {
-  install_packages debootstrap gcc libc6-dev ca-certificates
+  install_packages debootstrap gcc libc6-dev ca-certificates btrfs-progs
 }
 
 # Waits (up to 10 s) until a node answers /healthz on 127.0.0.1:PORT.

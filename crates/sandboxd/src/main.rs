@@ -89,6 +89,24 @@ struct Cli {
     /// Most processes in one sandbox.
     #[arg(long, default_value_t = 1024)]
     pids_max: u32,
+    /// Each sandbox's disk (its writable layer), in bytes: a write past it fails in the
+    /// sandbox (EDQUOT), its neighbours and the node unharmed.
+    #[arg(long, default_value_t = 10 << 30)]
+    disk_bytes: u64,
+    /// The size of the node's disk image (DATA_DIR/disk.img, sparse: it takes what is
+    /// written), made once. Default: 90% of what DATA_DIR's filesystem has free then.
+    #[arg(long)]
+    disk_image_bytes: Option<u64>,
+    /// A volume's size when its create gives none, in bytes.
+    #[arg(long, default_value_t = 1 << 30)]
+    volume_bytes: u64,
+    /// The most a volume may have, in bytes.
+    #[arg(long, default_value_t = 64 << 30)]
+    max_volume_bytes: u64,
+    /// No disk of the node: sandboxes write to DATA_DIR's filesystem unbounded, and there are
+    /// no volumes.
+    #[arg(long)]
+    no_disk: bool,
     /// Sandboxes of the base image kept made ahead, so that a run does not wait for one
     /// (0: none).
     #[arg(long, default_value_t = 2)]
@@ -284,8 +302,27 @@ fn main() -> anyhow::Result<()> {
             tracing::info!(dir = %dir.display(), "made private: root's, mode 0700");
         }
     }
-    let _nosuid = sbx_runtime::hostfs::NosuidBind::new(&data_dir.join("sandboxes"))
-        .context("bind the sandboxes' directory nosuid")?;
+    // The node's disk (sandboxes' layers and volumes, each of its own size), made or mounted
+    // now, off the request path; `sandboxes/` is its `sandboxes/`.
+    let disk = if cli.no_disk {
+        None
+    } else {
+        let image_bytes = cli
+            .disk_image_bytes
+            .unwrap_or_else(|| default_image_bytes(&data_dir));
+        match sbx_runtime::diskfs::Disk::open(&data_dir, image_bytes) {
+            Ok(d) => Some(Arc::new(d)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no disk of the node: sandboxes' disks unbounded, no volumes (--no-disk to say so)");
+                None
+            }
+        }
+    };
+    let _nosuid = match &disk {
+        Some(d) => sbx_runtime::hostfs::NosuidBind::of(&d.sandboxes(), &data_dir.join("sandboxes")),
+        None => sbx_runtime::hostfs::NosuidBind::new(&data_dir.join("sandboxes")),
+    }
+    .context("bind the sandboxes' directory nosuid")?;
     let cgroup_name = cli
         .cgroup_name
         .clone()
@@ -316,6 +353,10 @@ fn main() -> anyhow::Result<()> {
         65536,
     )
     .context("the namespace driver")?;
+    let driver = match &disk {
+        Some(_) => driver.with_disk_bytes(cli.disk_bytes),
+        None => driver,
+    };
     let api_keys = match &cli.api_keys {
         Some(p) => {
             let text =
@@ -403,6 +444,16 @@ fn main() -> anyhow::Result<()> {
     let node = node::Node::new(cfg, driver, images, store, templates);
     node.set_checkpoints(checkpoints);
     node.set_capacity(capacity);
+    if let Some(d) = &disk {
+        node.set_volumes(node::volume::VolumeSettings {
+            disk: d.clone(),
+            default_bytes: cli.volume_bytes.min(cli.max_volume_bytes),
+            max_bytes: cli.max_volume_bytes,
+            disk_bytes: cli.disk_bytes,
+            uid_base: cli.uid_base,
+        })
+        .context("the volumes table")?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -636,6 +687,14 @@ async fn stop_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// The default size of the node's disk image: 90% of what `dir`'s filesystem has free (a
+/// sparse image larger than its host's room would fail writes with EIO, not ENOSPC), at
+/// least 1 GiB.
+fn default_image_bytes(dir: &std::path::Path) -> u64 {
+    let free = sbx_runtime::diskfs::free_bytes(dir);
+    (free / 10 * 9).max(1 << 30)
 }
 
 /// `--sleep-after-seconds`: seconds (a number ≥ 0) or `never`.

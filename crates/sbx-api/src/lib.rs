@@ -17,6 +17,7 @@ pub mod functions;
 pub mod ids;
 pub mod run;
 pub mod sandbox;
+pub mod volume;
 
 pub use error::{error_body, ApiError, ErrorCode};
 pub use events::{sse, sse_event, EventKind};
@@ -36,3 +37,4 @@ pub use sandbox::{
     parse_exec_request, parse_sandbox_create, ExecRequest, SandboxCreate, SandboxLimits,
     SandboxObject, SandboxStatus, SnapshotObject,
 };
+pub use volume::{parse_volume_create, SandboxVolume, VolumeCreate, VolumeObject};

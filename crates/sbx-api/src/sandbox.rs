@@ -361,6 +361,9 @@ pub struct SandboxObject {
     /// null: none.
     #[serde(default)]
     pub runtime: Option<serde_json::Value>,
+    /// The volumes mounted in it (shown only when it has some).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::volume::SandboxVolume>,
 }
 
 /// A snapshot: a sandbox's processes (memory included) and files at one instant. It outlives

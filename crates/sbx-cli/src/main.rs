@@ -9,6 +9,7 @@ mod files;
 mod images;
 mod sandboxes;
 mod terminal;
+mod volumes;
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt as _;
@@ -94,6 +95,11 @@ enum Cmd {
     /// Print the preview URL of a port of a sandbox, with its token (?sbx_token=): open it in
     /// a browser.
     Url(sandboxes::UrlArgs),
+    /// Volumes: sbx volume create|ls|rm; mount one with sbx run|create -v NAME:/PATH[:ro].
+    Volume {
+        #[command(subcommand)]
+        command: volumes::VolumeCmd,
+    },
     /// Call a function of the node (sandbox::run, sandbox::exec, sandbox::fs::read, ...) with
     /// key=value arguments (or --json); prints the reply as JSON.
     Call(call::CallArgs),
@@ -125,6 +131,9 @@ struct RunArgs {
     /// Name of the sandbox.
     #[arg(long)]
     name: Option<String>,
+    /// A volume to mount: VOLUME:/PATH[:ro][,copy] (repeatable).
+    #[arg(short = 'v', long = "volume", value_name = "VOLUME:/PATH[:ro]")]
+    volumes: Vec<String>,
     /// Print the exec object as JSON at the end instead of streaming.
     #[arg(long)]
     json: bool,
@@ -174,6 +183,7 @@ fn real_main(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Call(a) => call::call(&cli, a),
         Cmd::Egress(a) => egress::egress(&cli, a),
         Cmd::Url(a) => sandboxes::url_cmd(&cli, a),
+        Cmd::Volume { command } => volumes::volume(&cli, command),
     }
 }
 
@@ -219,6 +229,9 @@ fn run_body(args: &RunArgs) -> anyhow::Result<Value> {
     }
     if let Some(n) = &args.name {
         body.insert("name".into(), json!(n));
+    }
+    if let Some(v) = volumes::mounts(&args.volumes)? {
+        body.insert("volumes".into(), v);
     }
     body.insert("stream".into(), json!(!args.json));
     Ok(Value::Object(body))

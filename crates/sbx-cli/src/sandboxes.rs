@@ -22,6 +22,9 @@ pub struct CreateArgs {
     /// Metadata, K=V (repeatable).
     #[arg(long = "metadata", value_name = "K=V")]
     metadata: Vec<String>,
+    /// A volume to mount: VOLUME:/PATH[:ro][,copy] (repeatable).
+    #[arg(short = 'v', long = "volume", value_name = "VOLUME:/PATH[:ro]")]
+    volumes: Vec<String>,
     /// Memory limit: bytes, or with a unit (512m, 1g).
     #[arg(long)]
     memory: Option<String>,
@@ -250,6 +253,9 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
             "metadata".into(),
             Value::Object(kv_map(&a.metadata, "--metadata")?),
         );
+    }
+    if let Some(v) = crate::volumes::mounts(&a.volumes)? {
+        body.insert("volumes".into(), v);
     }
     let mut limits = Map::new();
     if let Some(m) = &a.memory {

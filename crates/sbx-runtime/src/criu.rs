@@ -188,6 +188,10 @@ struct Recorded {
     external: Vec<String>,
     /// Whether the sandbox had a network of its own (a leased namespace).
     network: bool,
+    /// Volumes bound into it: (mount point inside, directory on the host), each an external
+    /// mount too.
+    #[serde(default)]
+    volumes: Vec<(String, PathBuf)>,
 }
 
 const RECORD: &str = "sbx-checkpoint.json";
@@ -200,6 +204,67 @@ fn mountpoints(pid: u32) -> Result<Vec<String>, CriuError> {
         .lines()
         .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
         .collect())
+}
+
+/// A path as mountinfo writes it, unescaped (`\040` and the like).
+fn unescape(p: &str) -> String {
+    let b = p.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = (b[i] == b'\\' && i + 3 < b.len())
+            .then(|| &b[i + 1..i + 4])
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0')))
+            .and_then(|n| u8::try_from(n).ok());
+        if let Some(n) = octal {
+            out.push(n);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The volumes bound into the process `pid`'s mount namespace ([`crate::volume`]): mounts
+/// of a subvolume under `/volumes/` of a btrfs, with the directory each is on the host (the
+/// host's mount of that filesystem's root, from the node's own mountinfo).
+fn volume_mounts(pid: u32) -> Result<Vec<(String, PathBuf)>, CriuError> {
+    let inside = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .map_err(io(format!("read /proc/{pid}/mountinfo")))?;
+    let host =
+        std::fs::read_to_string("/proc/self/mountinfo").map_err(io("read /proc/self/mountinfo"))?;
+    // (major:minor, root, mount point, fstype)
+    let parse = |l: &str| -> Option<(String, String, String, String)> {
+        let f: Vec<&str> = l.split(' ').collect();
+        let dash = f.iter().position(|x| *x == "-")?;
+        Some((
+            f.get(2)?.to_string(),
+            unescape(f.get(3)?),
+            unescape(f.get(4)?),
+            f.get(dash + 1)?.to_string(),
+        ))
+    };
+    let mut out = Vec::new();
+    for (dev, root, point, fstype) in inside.lines().filter_map(parse) {
+        if fstype != "btrfs" || !root.starts_with("/volumes/") {
+            continue;
+        }
+        let base = host
+            .lines()
+            .filter_map(parse)
+            .find(|(d, r, _, _)| *d == dev && r == "/")
+            .map(|(_, _, p, _)| p)
+            .ok_or_else(|| {
+                CriuError::Other(format!(
+                    "the volume at {point} is on a filesystem the node has not mounted"
+                ))
+            })?;
+        out.push((point, Path::new(&base).join(root.trim_start_matches('/'))));
+    }
+    Ok(out)
 }
 
 /// The last lines of a criu log (for an error).
@@ -246,9 +311,11 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
         .map(|(m, _)| m.to_string())
         .filter(|m| present.iter().any(|p| p == m))
         .collect();
+    let volumes = volume_mounts(spec.pid)?;
     let record = Recorded {
         external: external.clone(),
         network: spec.network,
+        volumes: volumes.clone(),
     };
     let record = serde_json::to_vec(&record).map_err(|e| CriuError::Other(e.to_string()))?;
     std::fs::write(spec.images.join(RECORD), record).map_err(io("write the checkpoint record"))?;
@@ -281,7 +348,7 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
     if spec.leave_running {
         args.push("--leave-running".into());
     }
-    for m in &external {
+    for m in external.iter().chain(volumes.iter().map(|(m, _)| m)) {
         args.push("--external".into());
         args.push(format!("mnt[{m}]:{}", key(m)));
     }
@@ -386,6 +453,14 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
         args.push("--external".into());
         args.push(format!("mnt[{}]:{}", key(m), host.display()));
     }
+    // The volumes: CRIU opens each from inside the sandbox's user namespace, which cannot
+    // pass the data directory (root's 0700): each is bound for the restore's time under a
+    // directory of /run/sbx that the sandbox's root owns.
+    let staged = VolumeStage::new(&record.volumes)?;
+    for (m, host) in &staged.binds {
+        args.push("--external".into());
+        args.push(format!("mnt[{}]:{}", key(m), host.display()));
+    }
     let mut env: Vec<(String, String)> = Vec::new();
     match (&spec.network, record.network) {
         (Some((ns, addr, gw)), true) => {
@@ -417,6 +492,67 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
     pid.trim()
         .parse::<u32>()
         .map_err(|_| CriuError::Other(format!("criu's pidfile says {pid:?}")))
+}
+
+/// The volumes of a restore, each bound at `/run/sbx/criu-vol-<pid>-<n>/<key>` (the folder
+/// owned by the volume's owner, a uid of the sandbox's user namespace, mode 0700: no other
+/// host user goes in); unbound and removed when dropped (the restored mounts are CRIU's own
+/// clones by then).
+struct VolumeStage {
+    dir: Option<PathBuf>,
+    binds: Vec<(String, PathBuf)>,
+}
+
+impl VolumeStage {
+    fn new(volumes: &[(String, PathBuf)]) -> Result<VolumeStage, CriuError> {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let mut stage = VolumeStage {
+            dir: None,
+            binds: Vec::new(),
+        };
+        let Some((_, first)) = volumes.first() else {
+            return Ok(stage);
+        };
+        let owner = std::fs::metadata(first).map_err(io(format!("stat {}", first.display())))?;
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = PathBuf::from(format!("/run/sbx/criu-vol-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(io(format!("mkdir {}", dir.display())))?;
+        stage.dir = Some(dir.clone());
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("chmod the volumes' stage"))?;
+        std::os::unix::fs::chown(&dir, Some(owner.uid()), Some(owner.gid()))
+            .map_err(io("chown the volumes' stage"))?;
+        for (m, host) in volumes {
+            let at = dir.join(key(m));
+            std::fs::create_dir(&at).map_err(io(format!("mkdir {}", at.display())))?;
+            nix::mount::mount(
+                Some(host.as_path()),
+                &at,
+                None::<&str>,
+                nix::mount::MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(|e| {
+                CriuError::Other(format!("bind {} for the restore: {e}", host.display()))
+            })?;
+            stage.binds.push((m.clone(), at));
+        }
+        Ok(stage)
+    }
+}
+
+impl Drop for VolumeStage {
+    fn drop(&mut self) {
+        // Empty directories only: never a recursive remove where a volume may still be bound.
+        for (_, at) in &self.binds {
+            let _ = nix::mount::umount2(at, nix::mount::MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_dir(at);
+        }
+        if let Some(d) = &self.dir {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
 }
 
 fn overlay_options(lowers: &[PathBuf], dir: &Path) -> Result<String, CriuError> {

@@ -38,6 +38,8 @@ pub struct SandboxSpec {
     pub ca_bundle: Option<PathBuf>,
     /// Runtime settings (limits, sysctls, tmpfs, /dev/shm's size): [`crate::rtset`].
     pub runtime: crate::rtset::RuntimeSettings,
+    /// Volumes bound into the sandbox at its paths ([`crate::volume`]).
+    pub volumes: Vec<crate::volume::VolumeBind>,
 }
 
 /// The most a freeze or a thaw may take before it counts as failed.
@@ -185,9 +187,33 @@ pub struct NamespaceDriver {
     _lock: crate::hostfs::FileLock,
     uid_base: u32,
     uid_count: u32,
+    /// The size of each sandbox's disk (its directory a subvolume of the node's disk,
+    /// [`crate::diskfs`]); `None`: a plain directory.
+    disk_bytes: Option<u64>,
 }
 
 impl NamespaceDriver {
+    /// Gives every sandbox made from now on a disk of `bytes`: its directory (upper and work
+    /// layers) a subvolume of that size where the sandboxes' directory is on a btrfs.
+    pub fn with_disk_bytes(mut self, bytes: u64) -> Self {
+        self.disk_bytes = Some(bytes);
+        self
+    }
+
+    /// Makes a sandbox's directory: a subvolume of the node's disk, or a plain directory.
+    /// One that exists (a restart's, a wake's) is left as it is.
+    fn make_dir(&self, dir: &Path) -> std::io::Result<()> {
+        if dir.exists() {
+            return Ok(());
+        }
+        match (self.disk_bytes, dir.parent()) {
+            (Some(bytes), Some(parent)) if crate::diskfs::is_btrfs(parent) => {
+                crate::diskfs::make_subvolume(dir, bytes, None)
+            }
+            _ => std::fs::create_dir_all(dir),
+        }
+    }
+
     /// `agent` is the `sbx-agent` binary; sandbox root is host uid `uid_base`; sandboxes'
     /// cgroups go in a folder `cgroup_name` at the stable place ([`crate::cgroup::Parent::Auto`]:
     /// `sbx.slice/<cgroup_name>` at each hierarchy's root where it can be written). The folder
@@ -251,6 +277,7 @@ impl NamespaceDriver {
             _lock: lock,
             uid_base,
             uid_count,
+            disk_bytes: None,
         })
     }
 
@@ -275,6 +302,7 @@ impl NamespaceDriver {
             resolv_conf: spec.resolv_conf.clone(),
             ca_bundle: spec.ca_bundle.clone(),
             runtime: spec.runtime.clone(),
+            volumes: spec.volumes.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         let io = |what: &str| {
@@ -499,7 +527,8 @@ impl NamespaceDriver {
             let what = what.to_string();
             move |e| RuntimeError::Io { what, source: e }
         };
-        std::fs::create_dir_all(&spec.dir).map_err(io("mkdir the sandbox's directory"))?;
+        self.make_dir(&spec.dir)
+            .map_err(io("make the sandbox's directory"))?;
         crate::tree::copy_tree(&snapshot.join(SNAPSHOT_UPPER), &spec.dir.join("upper"))
             .map_err(io("copy the snapshot's files"))?;
         for d in ["work", "rootfs"] {
@@ -539,10 +568,13 @@ impl Driver for NamespaceDriver {
 
     fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
         let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
-        std::fs::create_dir_all(&spec.dir).map_err(|e| RuntimeError::Io {
-            what: format!("mkdir {}", spec.dir.display()),
-            source: e,
-        })?;
+        if let Err(e) = self.make_dir(&spec.dir) {
+            let _ = group.destroy(Duration::from_secs(5));
+            return Err(RuntimeError::Io {
+                what: format!("make {}", spec.dir.display()),
+                source: e,
+            });
+        }
         let pid = match self.launch(spec, &group) {
             Ok(pid) => pid,
             Err(e) => {
@@ -625,8 +657,12 @@ impl Driver for NamespaceDriver {
     }
 }
 
-/// Removes a sandbox's directory (its upper layer can be large: call off the request path).
+/// Removes a sandbox's directory (its upper layer can be large: call off the request path; a
+/// subvolume of the node's disk goes at once, its tree dropped by the kernel).
 pub fn remove_dir(dir: &Path) -> std::io::Result<()> {
+    if crate::diskfs::is_subvolume(dir) {
+        return crate::diskfs::remove_subvolume(dir);
+    }
     match std::fs::remove_dir_all(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         r => r,
@@ -716,6 +752,7 @@ mod bench {
                 resolv_conf: None,
                 ca_bundle: None,
                 runtime: Default::default(),
+                volumes: Vec::new(),
             };
             let t = std::time::Instant::now();
             let sb = driver.create(&spec).expect("create");

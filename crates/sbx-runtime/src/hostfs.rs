@@ -134,6 +134,12 @@ impl NosuidBind {
     /// point already (one a node killed earlier left, or the machine's own: then nothing is
     /// made, and nothing is undone on drop).
     pub fn new(dir: &Path) -> Result<NosuidBind, HostFsError> {
+        NosuidBind::of(dir, dir)
+    }
+
+    /// Binds `src` onto `dir` (both canonical) with `nosuid,nodev`, unless `dir` is a `nosuid`
+    /// mount point already (as [`NosuidBind::new`]).
+    pub fn of(src: &Path, dir: &Path) -> Result<NosuidBind, HostFsError> {
         use nix::mount::{mount, MsFlags};
         let info = fs::read_to_string("/proc/self/mountinfo")
             .map_err(io_err(Path::new("/proc/self/mountinfo")))?;
@@ -147,7 +153,7 @@ impl NosuidBind {
             path: dir.to_path_buf(),
             source: std::io::Error::from(e),
         };
-        mount(Some(dir), dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(nix_err)?;
+        mount(Some(src), dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(nix_err)?;
         let flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
         if let Err(e) = mount(None::<&str>, dir, None::<&str>, flags, None::<&str>) {
             let _ = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH);

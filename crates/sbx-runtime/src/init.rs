@@ -72,6 +72,9 @@ pub struct InitConfig {
     /// ([`crate::rtset`]).
     #[serde(default)]
     pub runtime: crate::rtset::RuntimeSettings,
+    /// Volumes bound into the sandbox ([`crate::volume`]).
+    #[serde(default)]
+    pub volumes: Vec<crate::volume::VolumeBind>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -627,6 +630,7 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
             }
         }
     }
+    crate::volume::mount_volumes(&root, cfg.uid_base, &cfg.volumes).ctx(|| "volumes".into())?;
     Ok(())
 }
 

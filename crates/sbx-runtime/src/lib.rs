@@ -18,6 +18,7 @@
 
 pub mod cgroup;
 pub mod criu;
+pub mod diskfs;
 pub mod driver;
 pub mod fsutil;
 pub mod hostfs;
@@ -30,6 +31,7 @@ pub mod rtset;
 pub mod seccomp;
 pub mod sock;
 pub mod tree;
+pub mod volume;
 
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};

@@ -1,13 +1,18 @@
 //! Copies of a sandbox's upper directory (a snapshot's files, a fork's own copy of them), as
 //! the overlay reads them: owners, modes, times, symlinks, device nodes (an overlay's
 //! whiteouts are character devices 0:0) and extended attributes (`trusted.overlay.opaque`),
-//! nothing followed out of the tree. The source is not changing meanwhile (its sandbox is
-//! frozen, or it is a snapshot's).
+//! hard links (one file linked again, not copied twice), nothing followed out of the tree.
+//! The source is not changing meanwhile (its sandbox is frozen, or it is a snapshot's). A
+//! volume's first contents (`copy`) are a copy of the image's directory into it.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Files of more than one link seen so far: (device, inode) -> where the first was copied.
+type Links = HashMap<(u64, u64), PathBuf>;
 
 /// Copies the tree at `src` to `dst` (which must not exist). Returns the bytes of the
 /// regular files copied.
@@ -19,19 +24,50 @@ pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<u64> {
             src.display()
         )));
     }
-    copy_entry(src, dst, &meta)
+    copy_entry(src, dst, &meta, &mut Links::new())
 }
 
-fn copy_entry(src: &Path, dst: &Path, meta: &fs::Metadata) -> io::Result<u64> {
+/// Copies what the directory `src` holds into the directory `dst` (which exists), and `src`'s
+/// owner, mode, times and extended attributes onto `dst`. Returns the bytes of the regular
+/// files copied.
+pub fn copy_into(src: &Path, dst: &Path) -> io::Result<u64> {
+    let meta = fs::symlink_metadata(src)?;
+    if !meta.is_dir() {
+        return Err(io::Error::other(format!(
+            "{} is not a directory",
+            src.display()
+        )));
+    }
+    let mut links = Links::new();
+    let bytes = copy_children(src, dst, &mut links)?;
+    copy_attrs(src, dst, &meta)?;
+    Ok(bytes)
+}
+
+fn copy_children(src: &Path, dst: &Path, links: &mut Links) -> io::Result<u64> {
+    let mut bytes = 0;
+    for e in fs::read_dir(src)? {
+        let e = e?;
+        let m = fs::symlink_metadata(e.path())?;
+        bytes += copy_entry(&e.path(), &dst.join(e.file_name()), &m, links)?;
+    }
+    Ok(bytes)
+}
+
+fn copy_entry(src: &Path, dst: &Path, meta: &fs::Metadata, links: &mut Links) -> io::Result<u64> {
     let ft = meta.file_type();
     let mut bytes = 0;
+    if !ft.is_dir() && meta.nlink() > 1 {
+        if let Some(first) = links.get(&(meta.dev(), meta.ino())) {
+            // A hard link to a file copied already: the same file again, attributes and all.
+            fs::hard_link(first, dst)?;
+            return Ok(0);
+        }
+        links.insert((meta.dev(), meta.ino()), dst.to_path_buf());
+    }
     if ft.is_dir() {
         fs::create_dir(dst)?;
-        for e in fs::read_dir(src)? {
-            let e = e?;
-            let m = fs::symlink_metadata(e.path())?;
-            bytes += copy_entry(&e.path(), &dst.join(e.file_name()), &m)?;
-        }
+        bytes += copy_children(src, dst, links)?;
     } else if ft.is_file() {
         let mut from = fs::OpenOptions::new()
             .read(true)
@@ -165,6 +201,34 @@ mod tests {
             assert_eq!(&v[..n], b"y");
         }
         assert!(disk_usage(&dst) > 0);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// `copy_into` fills a directory that exists: a hard link stays one file (copied once),
+    /// the root takes the source's mode and times.
+    #[test]
+    fn copy_into_keeps_hard_links_and_the_roots_attributes() {
+        let root = std::env::temp_dir().join(format!("sbx-tree-into-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let src = root.join("src");
+        fs::create_dir_all(src.join("sub")).unwrap();
+        fs::write(src.join("a"), b"shared").unwrap();
+        fs::hard_link(src.join("a"), src.join("sub/b")).unwrap();
+        fs::set_permissions(&src, fs::Permissions::from_mode(0o2750)).unwrap();
+        let dst = root.join("dst");
+        fs::create_dir(&dst).unwrap();
+        assert_eq!(
+            copy_into(&src, &dst).unwrap(),
+            6,
+            "the linked file is copied once"
+        );
+        let a = fs::metadata(dst.join("a")).unwrap();
+        let b = fs::metadata(dst.join("sub/b")).unwrap();
+        assert_eq!((a.ino(), a.nlink()), (b.ino(), 2));
+        let d = fs::metadata(&dst).unwrap();
+        let s = fs::metadata(&src).unwrap();
+        assert_eq!(d.mode() & 0o7777, 0o2750);
+        assert_eq!(d.mtime(), s.mtime());
         fs::remove_dir_all(&root).unwrap();
     }
 }

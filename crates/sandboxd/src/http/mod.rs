@@ -14,6 +14,7 @@ mod sandboxes;
 mod secrets;
 mod sse;
 mod terminal;
+mod volumes;
 
 use std::collections::HashSet;
 use std::sync::Arc;

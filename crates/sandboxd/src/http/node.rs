@@ -42,6 +42,7 @@ pub(super) async fn healthz(
 /// What the node is and holds: its driver, its shape limits, the warm pool.
 pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
     let n = &st.node;
+    let disk = n.disk_info();
     axum::Json(serde_json::json!({
         "object": "node",
         "driver": n.driver_name(),
@@ -62,6 +63,9 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "templates": n.template_objects(),
         "network": n.net.get().map(|net| net.info()),
         "checkpoints": n.checkpoints_info(),
+        "disk_bytes": disk["disk_bytes"],
+        "disk": disk["disk"],
+        "volumes": disk["volumes"],
         "preview": n.preview().map(|p| serde_json::json!({
             "listen": p.listen.to_string(),
             "domain": p.domain,

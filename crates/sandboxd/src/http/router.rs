@@ -8,7 +8,8 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use super::{
-    checkpoints, edge, files, functions, images, node, run, sandboxes, secrets, terminal, AppState,
+    checkpoints, edge, files, functions, images, node, run, sandboxes, secrets, terminal, volumes,
+    AppState,
 };
 
 /// The router of the node's API.
@@ -44,6 +45,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(
             "/v1/snapshots/{id}",
             get(checkpoints::get_one).delete(checkpoints::delete),
+        )
+        // Volumes.
+        .route("/v1/volumes", post(volumes::create).get(volumes::list))
+        .route(
+            "/v1/volumes/{id}",
+            get(volumes::get_one).delete(volumes::delete),
         )
         .route(
             "/v1/sandboxes/{id}/exec",

@@ -21,6 +21,8 @@ pub struct Machine {
     pub limits: Limits,
     /// Milliseconds until `expires_at`.
     pub expires_in_ms: Option<u64>,
+    /// Its volumes, checked (attached by the caller, under the admission lock).
+    pub volumes: Vec<crate::node::volume::StoredVolume>,
 }
 
 impl Node {
@@ -38,13 +40,7 @@ impl Node {
             }
         }
         self.check_capacity()?;
-        if let Some(v) = req.volumes.first() {
-            return Err(ApiError::new(
-                ErrorCode::VolumeNotFound,
-                format!("no volume {} on this node", v.volume),
-            )
-            .with_param("volumes[0].volume"));
-        }
+        let volumes = self.check_volumes(&req.volumes)?;
         // A kept sandbox made from a snapshot takes another path (`create_from_snapshot`); a
         // run is not made from one.
         if let Some(snap) = &req.snapshot {
@@ -171,6 +167,7 @@ impl Node {
             creds,
             limits,
             expires_in_ms,
+            volumes,
         })
     }
 
@@ -300,6 +297,7 @@ impl Node {
                     resolv_conf: plan.resolv_conf.clone(),
                     ca_bundle: None,
                     runtime: plan.runtime.clone(),
+                    volumes: plan.volumes.clone(),
                 },
                 plan.network,
             )

@@ -19,6 +19,7 @@ pub mod sandbox;
 pub mod templates;
 #[cfg(test)]
 mod tests;
+pub mod volume;
 mod warm;
 
 use std::collections::HashMap;
@@ -112,6 +113,8 @@ pub struct Node {
     health: health::HealthCache,
     /// Where `max_sandboxes` comes from (`capacity.rs`); set once at start.
     pub(crate) capacity: std::sync::OnceLock<capacity::Capacity>,
+    /// The node's disk and the runs' volumes (none: no volumes).
+    pub(crate) volumes: volume::Volumes,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -215,6 +218,7 @@ impl Node {
             checkpoints: std::sync::OnceLock::new(),
             health: health::HealthCache::default(),
             capacity: std::sync::OnceLock::new(),
+            volumes: volume::Volumes::default(),
         })
     }
 
@@ -367,6 +371,7 @@ impl Node {
         // Kept sandboxes run on (the next node adopts them): their groups keep the folder,
         // and the network's table keeps them fenced in. With none, nothing of the node stays.
         self.driver.release();
+        self.release_disk();
         if let Some(net) = self.net.get() {
             let kept_running = self
                 .managed

@@ -43,6 +43,8 @@ pub struct RunPlan {
     pub(super) runtime: sbx_runtime::rtset::RuntimeSettings,
     /// Its egress rules (put in force before the command starts).
     pub(super) egress: Option<std::sync::Arc<sbx_api::egress::Egress>>,
+    /// Its volumes, bound by init.
+    pub(super) volumes: Vec<sbx_runtime::volume::VolumeBind>,
 }
 
 impl RunPlan {
@@ -95,6 +97,7 @@ impl Node {
             creds,
             limits,
             expires_in_ms,
+            volumes,
         } = self.check_machine(&req, false)?;
         let mut deadline_ms = sbx_api::run::ms_of(req.timeout);
         if let Some(left) = expires_in_ms {
@@ -128,7 +131,8 @@ impl Node {
             && runtime.is_empty()
             && image.is_base()
             && req.hostname.is_none()
-            && req.tmp == Tmp::Disk;
+            && req.tmp == Tmp::Disk
+            && volumes.is_empty();
         let (sandbox_id, warm) = {
             let mut t = self.table.locked();
             if let Some(n) = &req.name {
@@ -158,6 +162,7 @@ impl Node {
                     name: req.name.clone(),
                 },
             );
+            self.attach_run_volumes(&sandbox_id, &volumes);
             (sandbox_id, warm)
         };
         Ok(RunPlan {
@@ -177,6 +182,7 @@ impl Node {
             egress,
             resolv_conf,
             runtime,
+            volumes: self.volume_binds(&volumes),
         })
     }
 
@@ -185,8 +191,9 @@ impl Node {
     pub async fn run(self: Arc<Self>, plan: RunPlan, tx: mpsc::Sender<RunEvent>) {
         let id = plan.sandbox_id.clone();
         let result = self.run_inner(plan, &tx).await;
-        // The name is free before the caller hears the end.
+        // The name is free before the caller hears the end; so are its volumes.
         self.release(&id);
+        self.detach_run_volumes(&id);
         let sandbox = self.live.locked().remove(&id);
         match result {
             Ok(Some((exit, output))) => {

@@ -90,6 +90,7 @@ impl Node {
                     resolv_conf: None,
                     ca_bundle: None,
                     runtime: Default::default(),
+                    volumes: Vec::new(),
                 };
                 match node.create(spec, node.has_net()).await {
                     Ok((sandbox, conn)) => {

@@ -65,7 +65,7 @@ fn read_base(path: &str) -> Vec<u8> {
 }
 
 /// /bin/sh (dash) with its loader and libc, a few directories, /etc/hidden.
-fn layer_one() -> Vec<u8> {
+pub(crate) fn layer_one() -> Vec<u8> {
     let mut t = Tar::new();
     for d in [
         "bin",

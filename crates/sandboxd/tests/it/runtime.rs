@@ -148,6 +148,17 @@ impl Drop for OtherNode {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A node killed keeps its disk mounted (the next one over the same data directory
+        // finds it): taken away here, with the sandboxes' bind on it.
+        for m in ["data/sandboxes", "data/disk"] {
+            if let Ok(c) = std::ffi::CString::new(self.root.join(m).as_os_str().as_encoded_bytes())
+            {
+                // SAFETY: umount2 reads the NUL-terminated path, which lives for the call.
+                unsafe {
+                    libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+                }
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.root);
     }
 }

@@ -161,6 +161,7 @@ fn spec(rootfs: &Path, dir: &Path, netns: Option<PathBuf>) -> SandboxSpec {
         resolv_conf: None,
         ca_bundle: None,
         runtime: Default::default(),
+        volumes: Vec::new(),
     }
 }
 

@@ -873,6 +873,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
         resolv_conf: None,
         ca_bundle: None,
         runtime: Default::default(),
+        volumes: Vec::new(),
     };
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("ns");
     let joined = Running {

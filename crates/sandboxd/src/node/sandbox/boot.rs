@@ -80,6 +80,7 @@ impl Node {
             resolv_conf: self.resolv_for(m.spec.runtime.as_ref(), m.spec.network),
             ca_bundle: None,
             runtime: crate::node::runtime_settings::settings(m.spec.runtime.as_ref()),
+            volumes: self.volume_binds(&m.spec.volumes),
         };
         Ok((spec, resolved))
     }

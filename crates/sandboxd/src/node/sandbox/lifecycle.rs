@@ -41,10 +41,12 @@ impl Node {
             creds: _,
             limits,
             expires_in_ms,
+            volumes,
         } = self.check_machine(&req, true)?;
         self.check_egress(req.egress.as_ref(), network)?;
         let mut spec = self.stored_spec(&req, &limits)?;
         spec.network = network;
+        spec.volumes = volumes;
         spec.token = Some(SandboxToken::new()?);
         let settings = spec.template_settings();
         let key = spec.template.clone().unwrap_or_else(|| BASE.into());
@@ -66,7 +68,8 @@ impl Node {
             && spec.runtime.is_none()
             && spec.memory_bytes == self.cfg.default_memory_bytes
             && spec.vcpus == self.cfg.default_vcpus
-            && spec.network == self.has_net();
+            && spec.network == self.has_net()
+            && spec.volumes.is_empty();
         let warm = if warm_ok { self.pop_warm() } else { None };
         let id = match &warm {
             Some(sb) => sb.id.clone(),
@@ -247,6 +250,7 @@ impl Node {
             suspend_after_ms: req.suspend_after_ms,
             sleep_notice_ms: req.sleep_notice_ms,
             sleep_hold_max_ms: req.sleep_hold_max_ms,
+            volumes: Vec::new(),
             on_expiry: req.on_expiry,
             held_asleep: req.held_asleep,
         };

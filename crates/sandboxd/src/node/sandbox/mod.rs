@@ -94,6 +94,9 @@ pub struct StoredSpec {
     /// `sleep_after_seconds` as the create gave it (absent: the node's default).
     #[serde(default)]
     pub sleep_after: sleep::SleepAfter,
+    /// The volumes it mounts (ids), attached from its create to its delete.
+    #[serde(default)]
+    pub volumes: Vec<crate::node::volume::StoredVolume>,
     /// `suspend_after_ms` as the create gave it (none: the node's).
     #[serde(default)]
     pub suspend_after_ms: Option<u32>,
@@ -291,6 +294,13 @@ impl Cancel {
 }
 
 /// A sandbox the node keeps.
+impl Managed {
+    /// The volumes it has attached.
+    pub(crate) fn volumes(&self) -> &[crate::node::volume::StoredVolume] {
+        &self.spec.volumes
+    }
+}
+
 pub struct Managed {
     pub id: String,
     row: Mutex<SandboxRow>,
@@ -449,6 +459,7 @@ impl Node {
             sleep_notice_ms: m.spec.sleep_notice_ms.filter(|ms| *ms > 0),
             sleep_hold_max_ms: sleep::hold_max(&m.spec).as_millis() as u32,
             runtime: crate::node::runtime_settings::shown(m.spec.runtime.as_ref()),
+            volumes: crate::node::volume::sandbox_volumes(&m.spec.volumes),
         }
     }
 
@@ -592,6 +603,7 @@ mod tests {
             suspend_after_ms: None,
             sleep_notice_ms: None,
             sleep_hold_max_ms: None,
+            volumes: Vec::new(),
             on_expiry: sbx_api::OnExpiry::Delete,
             held_asleep: false,
         }

@@ -129,6 +129,13 @@ impl Node {
             }
         }
         let m = self.managed(id)?;
+        // A copy would mount the same volumes (an exclusive one twice): not made.
+        if !m.volumes().is_empty() {
+            return Err(crate::node::not_served(
+                "volumes",
+                "snapshots or forks of a sandbox with volumes",
+            ));
+        }
         let _op = m.op.lock().await;
         let status = m.status();
         if status != SandboxStatus::Running {

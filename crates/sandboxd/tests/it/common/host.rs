@@ -196,10 +196,12 @@ impl TestNode {
         let data = self.data_dir.to_string_lossy().into_owned();
         // The node's own nosuid view of its sandboxes' directory is not a sandbox's.
         let own = format!(" {}/sandboxes ", data);
+        // Nor is its disk (volumes and sandboxes' layers, DATA_DIR/disk).
+        let disk = format!(" {}/disk ", data);
         if let Ok(mounts) = fs::read_to_string("/proc/mounts") {
             for l in mounts
                 .lines()
-                .filter(|l| l.contains(&data) && !l.contains(&own))
+                .filter(|l| l.contains(&data) && !l.contains(&own) && !l.contains(&disk))
             {
                 out.push(format!("mount {l}"));
             }
