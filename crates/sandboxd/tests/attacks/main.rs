@@ -97,6 +97,15 @@ impl Arena {
         assert_eq!(stdout(&v), "precious\nrunning\n", "the neighbour: {v}");
     }
 
+    /// Runs attack `script` (at least `at_least` attempts), checks it was contained and that
+    /// nothing was harmed, and ends the arena.
+    fn contained(self, script: &str, at_least: usize) {
+        let lines = self.attack(script);
+        self.assert_contained(&lines, at_least);
+        self.assert_unharmed();
+        self.finish();
+    }
+
     fn finish(self) {
         for id in [&self.attacker, &self.neighbour] {
             self.node.delete_sandbox(id);
@@ -210,11 +219,7 @@ print("devices listed: refused (only the usual ones)")
 
 #[test]
 fn device_nodes_cannot_be_made_or_opened() {
-    let a = Arena::new();
-    let lines = a.attack(DEVICES);
-    a.assert_contained(&lines, 7);
-    a.assert_unharmed();
-    a.finish();
+    Arena::new().contained(DEVICES, 7);
 }
 
 const MOUNTS: &str = r#"
@@ -246,11 +251,7 @@ for name, call in tries:
 
 #[test]
 fn mounts_are_refused_by_the_old_and_the_new_api() {
-    let a = Arena::new();
-    let lines = a.attack(MOUNTS);
-    a.assert_contained(&lines, 14);
-    a.assert_unharmed();
-    a.finish();
+    Arena::new().contained(MOUNTS, 14);
 }
 
 const CGROUPS: &str = r#"
