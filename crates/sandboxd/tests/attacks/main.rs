@@ -536,3 +536,36 @@ fn exec_latencies(a: &Arena, n: usize) -> Vec<f64> {
         })
         .collect()
 }
+
+/// An inode bomb: empty files made until the sandbox's disk refuses more (btrfs counts inodes
+/// in its bytes); the node, the host and the neighbour are unharmed.
+#[test]
+fn an_inode_bomb_stops_at_the_sandboxs_disk() {
+    let a = Arena::with(&["--disk-bytes", "67108864"]);
+    let lines = a.attack(
+        r#"
+import os, errno
+os.makedirs("/tmp/bomb", exist_ok=True)
+n = 0
+try:
+    while n < 3000000:
+        d = f"/tmp/bomb/{n // 10000}"
+        if n % 10000 == 0:
+            os.makedirs(d, exist_ok=True)
+        os.close(os.open(f"{d}/{n}", os.O_CREAT | os.O_WRONLY, 0o644))
+        n += 1
+    print(f"inodes: ALLOWED ({n} files and no end)")
+except OSError as e:
+    print(f"inodes: refused {errno.errorcode.get(e.errno)} after {n} files")
+"#,
+    );
+    a.assert_contained(&lines, 1);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("EDQUOT") || l.contains("ENOSPC")),
+        "the bomb did not stop at the disk's limit: {lines:?}"
+    );
+    a.assert_unharmed();
+    a.finish();
+}
