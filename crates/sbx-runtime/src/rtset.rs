@@ -17,7 +17,8 @@
 //!   `tmp: memory` ([`mount_tmpfs`]), each path resolved inside the sandbox's root
 //!   (`openat2` with `RESOLVE_IN_ROOT`: a symlink of the image cannot lead outside), nosuid
 //!   and nodev, owned by sandbox root.
-//! - **/dev/shm** is the tmpfs stage 0 makes anyway, of the given size ([`shm_size`]).
+//! - **/dev/shm** is a tmpfs of the given size ([`shm_size`]); without a size, a directory of
+//!   /dev's tmpfs (as large as Docker's /dev/shm).
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
