@@ -20,14 +20,6 @@ mod watch;
 use std::io::Read;
 
 fn main() {
-    // Started by criu as the restore's action script (see sbx_runtime::criu::hook).
-    if sbx_runtime::criu::is_hook() {
-        if let Err(e) = sbx_runtime::criu::hook() {
-            eprintln!("sbx-agent criu hook: {e}");
-            std::process::exit(1);
-        }
-        return;
-    }
     let mut args = std::env::args().skip(1);
     match args.next().as_deref() {
         Some("init") => {

@@ -1,26 +1,29 @@
 //! Checkpoint and restore of a sandbox with CRIU (issue #15): sleep (freeze, dump, the tree
 //! gone) and wake (restore into the same directory and cgroups, the same address).
 //!
-//! The `criu` binary (≥ 4.2) is driven by its command line, never through a shell. What the
-//! node does around these calls is in [`crate::driver::NamespaceDriver::sleep`] and
+//! The `criu` binary (≥ 4.2) is driven through its RPC (`criu swrk`, [`rpc`]): one request
+//! per dump or restore, its notifications answered in this process (no action script, no
+//! shell); `criu --version` and `criu check` at [`detect`]. What the node does around these
+//! calls is in [`crate::driver::NamespaceDriver::sleep`] and
 //! [`crate::driver::NamespaceDriver::wake`].
 //!
 //! - Sleep: the sandbox's freezer cgroup is frozen first (CRIU then skips its own polling),
-//!   then `criu dump` of the agent's tree with `--network-lock nftables --file-locks
-//!   --tcp-established`, `--freeze-cgroup`, and `--external mnt[...]` for every bind of a host
-//!   file (the device nodes, the masked /proc files, the CA bundle, the agent's binary). The
-//!   group is thawed after, on success (it is empty then) as on failure (the tree runs on).
-//! - Wake: `criu restore -d` with `--root` on the sandbox's overlay, mounted in a private
-//!   mount namespace of the criu process only (nothing is mounted in the host's), the external
-//!   mounts mapped back to host paths, and for a sandbox with a network `--empty-ns net` and an
-//!   action script that is the agent's binary (`sbx-agent`, which acts on
-//!   `setup-namespaces`: [`hook`]): it moves the sandbox's `eth0` from the namespace its lease
-//!   still holds into the restored tree's new one and configures it by netlink, so the
-//!   sandbox keeps its address, its nft element and its established TCP connections.
+//!   then a dump of the agent's tree with the network lock skipped (the node holds the
+//!   sandbox's traffic at the host instead: [`crate::net::Lease::hold_traffic`]), file locks,
+//!   established TCP connections, the freezer cgroup named, an external mount for every bind
+//!   of a host file (the device nodes, the masked /proc files, the CA bundle, the agent's
+//!   binary), and for a sandbox on the network its namespace's links, addresses and routes
+//!   not dumped (`empty_ns`: they are the node's to give again). The group is thawed after,
+//!   on success (it is empty then) as on failure (the tree runs on).
+//! - Wake: a restore with its root on the sandbox's overlay, mounted in a private mount
+//!   namespace of the criu process only (nothing is mounted in the host's), the external
+//!   mounts mapped back to host paths, and for a sandbox with a network an empty network
+//!   namespace which, at CRIU's `setup-namespaces` notification, gets a new veth whose `eth0`
+//!   is born in it, its host side under the old one's name (which is retired), configured by
+//!   netlink ([`crate::net::Relink::apply`]): the sandbox keeps its address, its nft
+//!   element and its established TCP connections. The restored tree is the node's child.
 
-use std::io::Read;
-use std::net::Ipv4Addr;
-use std::os::unix::process::CommandExt;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -62,6 +65,38 @@ pub struct Criu {
     /// A tmpfs shown to criu as its /run, where the host's /run is not one: criu keeps what it
     /// learns of the kernel (`/run/criu.kdat`, tens of milliseconds a run) only on a tmpfs.
     pub run: Option<PathBuf>,
+    /// The host's cgroup hierarchies as criu's cgroup yard, where each is mounted where criu
+    /// would mount it in a yard of its own ([`host_cgroup_yard`]): no ~25 ms of mounts for
+    /// every dump and restore.
+    pub cgroup_yard: Option<PathBuf>,
+}
+
+/// `/sys/fs/cgroup` if every cgroup hierarchy this process is in is mounted there under the
+/// name criu gives it in a yard (the controllers as /proc/self/cgroup lists them, `name=`
+/// dropped, `unified` for cgroup v2), as systemd's hybrid and legacy layouts have them; else
+/// `None` (criu mounts its own yard).
+fn host_cgroup_yard() -> Option<PathBuf> {
+    use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
+    let yard = Path::new("/sys/fs/cgroup");
+    let listed = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut any = false;
+    for line in listed.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, names) = (f.next()?, f.next()?);
+        let (dir, magic) = match names {
+            "" => ("unified", CGROUP2_SUPER_MAGIC),
+            n => (n.strip_prefix("name=").unwrap_or(n), CGROUP_SUPER_MAGIC),
+        };
+        if dir.is_empty() || dir.contains('/') {
+            return None;
+        }
+        let st = statfs(&yard.join(dir)).ok()?;
+        if st.filesystem_type() != magic {
+            return None;
+        }
+        any = true;
+    }
+    any.then(|| yard.to_path_buf())
 }
 
 /// Where the tmpfs criu is given as /run is mounted (once, kept across the node's restarts).
@@ -147,6 +182,7 @@ pub fn detect(bin: &Path) -> Result<Criu, CriuError> {
         bin: bin.to_path_buf(),
         version,
         run: kdat_run(),
+        cgroup_yard: host_cgroup_yard(),
     })
 }
 
@@ -326,42 +362,56 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
     if !spec.group.freeze(Duration::from_secs(5)) {
         return Err(CriuError::Freeze);
     }
-    let mut args: Vec<String> = vec![
-        "dump".into(),
-        "-t".into(),
-        spec.pid.to_string(),
-        "-D".into(),
-        spec.images.display().to_string(),
-        "-o".into(),
-        "dump.log".into(),
-        "--freeze-cgroup".into(),
-        freezer.display().to_string(),
-        "--network-lock".into(),
-        "nftables".into(),
-        "--file-locks".into(),
-        "--tcp-established".into(),
+    let mut external: Vec<String> = external
+        .iter()
+        .chain(volumes.iter().map(|(m, _)| m))
+        .map(|m| format!("mnt[{m}]:{}", key(m)))
+        .collect();
+    external.dedup();
+    let dir =
+        std::fs::File::open(spec.images).map_err(io(format!("open {}", spec.images.display())))?;
+    let opts = rpc::Opts {
+        images_dir_fd: dir.as_raw_fd(),
+        pid: Some(spec.pid as i32),
+        log_file: Some("dump.log".into()),
+        log_level: log_level(),
+        freeze_cgroup: Some(freezer.display().to_string()),
+        // The node holds a sandbox's traffic at the host meanwhile (its `live` element out
+        // of the table: [`crate::net::Lease::hold_traffic`]); CRIU's own lock, an nftables
+        // table in the sandbox's namespace, costs ~20 ms at each restore. A sandbox without a
+        // network has only `lo`, whose peers are all in the frozen tree.
+        network_lock: Some(rpc::NETWORK_LOCK_SKIP),
+        file_locks: Some(true),
+        tcp_established: Some(true),
         // An inotify watch (the agent's, of a caller's watch ending as the sleep begins) is
         // dumped by the path of what it watches, found under the sandbox's root.
-        "--irmap-scan-path".into(),
-        "/".into(),
-    ];
-    if spec.leave_running {
-        args.push("--leave-running".into());
-    }
-    for m in external.iter().chain(volumes.iter().map(|(m, _)| m)) {
-        args.push("--external".into());
-        args.push(format!("mnt[{m}]:{}", key(m)));
-    }
-    let result = criu_run(
+        irmap_scan_paths: vec!["/".into()],
+        leave_running: Some(spec.leave_running),
+        // Its interfaces, addresses, routes and sysctls are not dumped (about 50 ms of `ip`
+        // and sysctl reads): a restore makes the namespace empty and gives it its eth0 and
+        // settings itself ([`crate::net::Relink::apply`]). Its sockets are dumped as ever.
+        empty_ns: spec.network.then_some(CLONE_NEWNET),
+        external,
+        cgroup_yard: criu.cgroup_yard.as_ref().map(|y| y.display().to_string()),
+        ..Default::default()
+    };
+    let mount = criu
+        .run
+        .as_deref()
+        .map(|run| crate::process::PrivateMount::new(None, Some(run)))
+        .transpose()
+        .map_err(io("prepare criu's mounts"))?;
+    let result = rpc::call(
         criu,
         "dump",
-        &args,
-        &[],
-        None,
+        rpc::DUMP,
+        opts,
+        mount,
+        &mut |_, _| Ok(()),
         &spec.images.join("dump.log"),
     );
     spec.group.thaw();
-    result
+    result.map(|_| ())
 }
 
 /// What a wake needs.
@@ -377,12 +427,12 @@ pub struct RestoreSpec<'a> {
     pub agent: &'a Path,
     /// The CA bundle bound over the image's, if the sandbox had one.
     pub ca_bundle: Option<&'a Path>,
-    /// For a sandbox with a network: the namespace its lease holds (with `eth0` in it; a path
-    /// to open, [`crate::net::Lease::ns_path`]), its address and gateway.
-    pub network: Option<(PathBuf, Ipv4Addr, Ipv4Addr)>,
+    /// For a sandbox with a network: how its lease gives it its network again
+    /// ([`crate::net::Lease::relinker`]).
+    pub network: Option<crate::net::Relink>,
     /// A copy (a fork, a sandbox made from a snapshot) rather than the same sandbox woken:
-    /// where criu's log and pidfile go (the images are shared, read only), the copy's cgroup
-    /// of each controller (`criu --cgroup-root CTRL:PATH`), and its established TCP
+    /// where criu's log goes (the images are shared, read only), the copy's cgroup of each
+    /// controller (`cgroup_root`), and its established TCP
     /// connections dropped (it is a new machine on the network).
     pub copy: Option<CopyOf<'a>>,
 }
@@ -404,38 +454,35 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
     .map_err(|e| CriuError::Other(format!("the checkpoint record: {e}")))?;
     let work = spec.copy.as_ref().map_or(spec.images, |c| c.work);
     std::fs::create_dir_all(work).map_err(io(format!("mkdir {}", work.display())))?;
-    let pidfile = work.join("restored.pid");
-    let _ = std::fs::remove_file(&pidfile);
     let root = spec.dir.join("rootfs");
-    let mut args: Vec<String> = vec![
-        "restore".into(),
-        "-D".into(),
-        spec.images.display().to_string(),
-        "-W".into(),
-        work.display().to_string(),
-        "-o".into(),
-        "restore.log".into(),
-        "-d".into(),
-        "--pidfile".into(),
-        pidfile.display().to_string(),
-        "--root".into(),
-        root.display().to_string(),
-        "--network-lock".into(),
-        "nftables".into(),
-        "--file-locks".into(),
-    ];
+    let images =
+        std::fs::File::open(spec.images).map_err(io(format!("open {}", spec.images.display())))?;
+    let work_dir = std::fs::File::open(work).map_err(io(format!("open {}", work.display())))?;
+    let mut opts = rpc::Opts {
+        images_dir_fd: images.as_raw_fd(),
+        work_dir_fd: Some(work_dir.as_raw_fd()),
+        log_file: Some("restore.log".into()),
+        log_level: log_level(),
+        root: Some(root.display().to_string()),
+        // (The network lock is the dump's, which CRIU keeps in the images.)
+        file_locks: Some(true),
+        // The restored tree is the node's child, as the sandbox's first tree was.
+        rst_sibling: Some(true),
+        ..Default::default()
+    };
     match &spec.copy {
         Some(c) => {
-            args.push("--tcp-close".into());
-            for (ctrl, path) in &c.cgroup_roots {
-                args.push("--cgroup-root".into());
-                args.push(match ctrl {
-                    Some(ctrl) => format!("{ctrl}:{}", path.display()),
-                    None => path.display().to_string(),
-                });
-            }
+            opts.tcp_close = Some(true);
+            opts.cg_root = c
+                .cgroup_roots
+                .iter()
+                .map(|(ctrl, path)| rpc::CgroupRoot {
+                    ctrl: ctrl.clone(),
+                    path: path.display().to_string(),
+                })
+                .collect();
         }
-        None => args.push("--tcp-established".into()),
+        None => opts.tcp_established = Some(true),
     }
     for m in &record.external {
         let host: PathBuf = match EXTERNAL.iter().find(|(p, _)| p == m) {
@@ -450,48 +497,71 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
                 }
             },
         };
-        args.push("--external".into());
-        args.push(format!("mnt[{}]:{}", key(m), host.display()));
+        opts.external
+            .push(format!("mnt[{}]:{}", key(m), host.display()));
     }
     // The volumes: CRIU opens each from inside the sandbox's user namespace, which cannot
     // pass the data directory (root's 0700): each is bound for the restore's time under a
     // directory of /run/sbx that the sandbox's root owns.
     let staged = VolumeStage::new(&record.volumes)?;
     for (m, host) in &staged.binds {
-        args.push("--external".into());
-        args.push(format!("mnt[{}]:{}", key(m), host.display()));
+        opts.external
+            .push(format!("mnt[{}]:{}", key(m), host.display()));
     }
-    let mut env: Vec<(String, String)> = Vec::new();
-    match (&spec.network, record.network) {
-        (Some((ns, addr, gw)), true) => {
-            args.push("--empty-ns".into());
-            args.push("net".into());
-            args.push("--action-script".into());
-            args.push(spec.agent.display().to_string());
-            env.push((HOOK_NETNS.into(), ns.display().to_string()));
-            env.push((HOOK_ADDR.into(), addr.to_string()));
-            env.push((HOOK_GW.into(), gw.to_string()));
+    let network = match (&spec.network, record.network) {
+        (Some(place), true) => {
+            // An empty namespace, given its eth0 when CRIU has made it (setup-namespaces),
+            // before any socket of the sandbox is restored.
+            opts.empty_ns = Some(CLONE_NEWNET);
+            opts.notify_scripts = Some(true);
+            Some(place.clone())
         }
-        (None, false) => {}
+        (None, false) => None,
         _ => {
             return Err(CriuError::Other(
                 "the checkpoint's network and the wake's differ".into(),
             ))
         }
-    }
+    };
+    let mut on_notify = |step: &str, pid: Option<u32>| -> Result<(), String> {
+        let (Some(relink), "setup-namespaces") = (&network, step) else {
+            return Ok(());
+        };
+        let pid = pid.ok_or("criu named no process for setup-namespaces")?;
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .map_err(|e| format!("open the network namespace of {pid}: {e}"))?;
+        relink.apply(ns.into()).map_err(|e| e.to_string())
+    };
     let overlay = overlay_options(spec.lowers, spec.dir)?;
-    criu_run(
+    // criu mounts the cgroup hierarchies it restores into in a yard of its own, which in RPC
+    // mode would be made in its work directory: a directory of the node's mount namespace
+    // (criu reaches it by /proc/<node>/fd/N), where criu's mounts fail. The yard is a tmpfs
+    // of criu's own namespace instead, or the host's own hierarchies where they are laid out
+    // as criu's yard would be.
+    // The host's hierarchies where they are laid out as criu's yard would be.
+    let mut mount = crate::process::PrivateMount::new(Some((root, overlay)), criu.run.as_deref())
+        .map_err(io("prepare criu's mounts"))?;
+    match &criu.cgroup_yard {
+        Some(y) => opts.cgroup_yard = Some(y.display().to_string()),
+        None => {
+            std::fs::create_dir_all(CGROUP_YARD).map_err(io(format!("mkdir {CGROUP_YARD}")))?;
+            opts.cgroup_yard = Some(CGROUP_YARD.into());
+            mount = mount
+                .with_scratch(Path::new(CGROUP_YARD))
+                .map_err(io("prepare criu's mounts"))?;
+        }
+    }
+    let pid = rpc::call(
         criu,
         "restore",
-        &args,
-        &env,
-        Some((root.clone(), overlay)),
+        rpc::RESTORE,
+        opts,
+        Some(mount),
+        &mut on_notify,
         &work.join("restore.log"),
     )?;
-    let pid = std::fs::read_to_string(&pidfile).map_err(io("read criu's pidfile"))?;
-    pid.trim()
-        .parse::<u32>()
-        .map_err(|_| CriuError::Other(format!("criu's pidfile says {pid:?}")))
+    drop(staged);
+    pid.ok_or_else(|| CriuError::Other("criu named no restored process".into()))
 }
 
 /// The volumes of a restore, each bound at `/run/sbx/criu-vol-<pid>-<n>/<key>` (the folder
@@ -574,105 +644,37 @@ fn overlay_options(lowers: &[PathBuf], dir: &Path) -> Result<String, CriuError> 
     Ok(data)
 }
 
-/// Runs criu with `args`, its environment cleared but for `env` (and PATH), in a mount
-/// namespace of its own when `overlay` is given (the sandbox's root mounted there, at the
-/// path given, for `--root`: it is gone from the host with the criu process).
-fn criu_run(
-    criu: &Criu,
-    action: &'static str,
-    args: &[String],
-    env: &[(String, String)],
-    overlay: Option<(PathBuf, String)>,
-    log: &Path,
-) -> Result<(), CriuError> {
-    let mut cmd = Command::new(&criu.bin);
-    cmd.args(args);
-    // A log with timestamps of every step, for finding where a checkpoint's time goes.
-    if let Some(level) = std::env::var("SBX_CRIU_LOG_LEVEL")
+/// `SBX_CRIU_LOG_LEVEL` (0 to 4) of the node's environment: a log with timestamps of every
+/// step at 4, for finding where a checkpoint's time goes. CRIU's own default (2) otherwise.
+fn log_level() -> Option<i32> {
+    std::env::var("SBX_CRIU_LOG_LEVEL")
         .ok()
-        .filter(|l| matches!(l.as_str(), "0" | "1" | "2" | "3" | "4"))
-    {
-        cmd.arg(format!("-v{level}"));
-    }
-    cmd.env_clear()
-        .env(
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        )
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    if overlay.is_some() || criu.run.is_some() {
-        let mount = crate::process::PrivateMount::new(overlay, criu.run.as_deref())
-            .map_err(io("prepare criu's mounts"))?;
-        // SAFETY: the closure runs in the forked child before exec and only makes raw
-        // syscalls (unshare, mount) on memory prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || mount.apply());
-        }
-    }
-    let mut child = cmd
-        .spawn()
-        .map_err(io(format!("run {}", criu.bin.display())))?;
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.read_to_string(&mut err);
-    }
-    let status = child.wait().map_err(io("wait for criu"))?;
-    if status.success() {
-        return Ok(());
-    }
-    let mut text = log_tail(log);
-    if text.is_empty() {
-        text = err.trim().to_string();
-    }
-    Err(CriuError::Failed {
-        action,
-        status: status.to_string(),
-        log: text,
-    })
+        .and_then(|l| l.parse::<i32>().ok())
+        .filter(|l| (0..=4).contains(l))
 }
 
-/// The restore hook's environment: the leased namespace holding `eth0`, the sandbox's address
-/// and its gateway.
-pub const HOOK_NETNS: &str = "SBX_CRIU_NETNS";
-pub const HOOK_ADDR: &str = "SBX_CRIU_ADDR";
-pub const HOOK_GW: &str = "SBX_CRIU_GW";
+/// An empty folder on the host that a restoring criu's mount namespace covers with a tmpfs
+/// of its own, for its cgroup yard.
+const CGROUP_YARD: &str = "/run/sbx/criu-yard";
 
-/// Whether this process was started by criu as an action script (`CRTOOLS_SCRIPT_ACTION` is
-/// set).
-pub fn is_hook() -> bool {
-    std::env::var_os("CRTOOLS_SCRIPT_ACTION").is_some()
-}
+/// `CLONE_NEWNET` for `criu_opts.empty_ns`.
+const CLONE_NEWNET: u32 = 0x4000_0000;
 
-/// The action script's work, run by the agent's binary when criu starts it: on
-/// `setup-namespaces`, moves `eth0` from the namespace named by [`HOOK_NETNS`] into the
-/// restored tree's network namespace and configures it ([`crate::net::move_sandbox_link`]).
-/// Every other action is nothing to do.
-pub fn hook() -> Result<(), CriuError> {
-    let action = std::env::var("CRTOOLS_SCRIPT_ACTION").unwrap_or_default();
-    if action != "setup-namespaces" {
-        return Ok(());
-    }
-    let var = |k: &str| std::env::var(k).map_err(|_| CriuError::Other(format!("{k} is not set")));
-    let (Ok(ns), Ok(addr), Ok(gw)) = (var(HOOK_NETNS), var(HOOK_ADDR), var(HOOK_GW)) else {
-        // No network to set up (a sandbox without one is restored without this hook).
-        return Ok(());
+/// With `SBX_CRIU_LOG_DIR` set in the node's environment, a copy of every criu log goes there
+/// (`<action>-<time>.log`): a wake's and a copy's logs are removed with their images.
+fn keep_log(action: &str, log: &Path) {
+    let Some(dir) = std::env::var_os("SBX_CRIU_LOG_DIR") else {
+        return;
     };
-    let pid = var("CRTOOLS_INIT_PID")?;
-    let addr: Ipv4Addr = addr
-        .parse()
-        .map_err(|_| CriuError::Other(format!("bad address {addr}")))?;
-    let gw: Ipv4Addr = gw
-        .parse()
-        .map_err(|_| CriuError::Other(format!("bad gateway {gw}")))?;
-    let from = std::fs::File::open(&ns).map_err(io(format!("open {ns}")))?;
-    let to = std::fs::File::open(format!("/proc/{pid}/ns/net"))
-        .map_err(io(format!("open the network namespace of {pid}")))?;
-    crate::net::move_sandbox_link(from.into(), to.into(), addr, gw)
-        .map_err(|e| CriuError::Other(e.to_string()))
+    let dir = PathBuf::from(dir);
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
+    if std::fs::create_dir_all(&dir).is_ok() {
+        let _ = std::fs::copy(log, dir.join(format!("{action}-{stamp}.log")));
+    }
 }
 
+mod rpc;
 #[cfg(test)]
 mod tests;

@@ -369,15 +369,21 @@ impl NamespaceDriver {
                 leave_running: false,
             },
         )?;
+        let dumped = std::time::Instant::now();
         if let Some(p) = &sandbox.pidfd {
             p.wait_exit(Duration::from_secs(10));
         }
+        tracing::debug!(
+            sandbox = %sandbox.id,
+            reaped_us = dumped.elapsed().as_micros() as u64,
+            "asleep: its agent ended"
+        );
         Ok(())
     }
 
     /// Wakes a sandbox put to sleep by [`NamespaceDriver::sleep`]: restores it from `images`
     /// into its directory and cgroups (`spec` is the one it was made with; for a network,
-    /// `lease` is the lease it kept: its `eth0` moves into the restored namespace). Returns the
+    /// `lease` is the lease it kept: the restored namespace gets a new `eth0` of it). Returns the
     /// sandbox with its agent's new pid and pidfd; the node then makes the agent not dumpable
     /// again (`SetDumpable`), and records the new pid and start time.
     pub fn wake(
@@ -387,18 +393,17 @@ impl NamespaceDriver {
         images: &Path,
         lease: Option<&crate::net::Lease>,
     ) -> Result<Sandbox, RuntimeError> {
-        let network = lease.map(|l| (l.ns_path(), l.address(), l.gateway()));
+        let network = lease.map(|l| l.relinker());
         self.wake_at(spec, criu, images, network)
     }
 
-    /// [`NamespaceDriver::wake`] with the lease's namespace (a path to open), address and
-    /// gateway given as values (the caller keeps the lease alive meanwhile).
+    /// [`NamespaceDriver::wake`] with what the lease gives for it ([`crate::net::Lease::relinker`]).
     pub fn wake_at(
         &self,
         spec: &SandboxSpec,
         criu: &crate::criu::Criu,
         images: &Path,
-        network: Option<(PathBuf, std::net::Ipv4Addr, std::net::Ipv4Addr)>,
+        network: Option<crate::net::Relink>,
     ) -> Result<Sandbox, RuntimeError> {
         // Its cgroups with its limits (kept while it slept; made again if a node's restart
         // removed them): CRIU puts the tasks back into them and leaves their settings.
@@ -514,14 +519,14 @@ impl NamespaceDriver {
 
     /// Makes a new sandbox (`spec`: its own id, directory, limits, hostname) that goes on from
     /// the snapshot at `snapshot`: its files a copy of the snapshot's, its processes restored
-    /// into cgroups of its own and, for a network, the namespace `network` names (a new lease:
-    /// its established connections are dropped).
+    /// into cgroups of its own and, for a network, the place `network` names (a new lease: its
+    /// established connections are dropped).
     pub fn restore_copy(
         &self,
         spec: &SandboxSpec,
         criu: &crate::criu::Criu,
         snapshot: &Path,
-        network: Option<(PathBuf, std::net::Ipv4Addr, std::net::Ipv4Addr)>,
+        network: Option<crate::net::Relink>,
     ) -> Result<Sandbox, RuntimeError> {
         let io = |what: &str| {
             let what = what.to_string();

@@ -966,6 +966,8 @@ pub struct PrivateMount {
     overlay: Option<(CString, CString)>,
     /// A tmpfs shown as /run, and its `sbx` folder, where the host's /run/sbx is bound.
     run: Option<(CString, CString)>,
+    /// A folder (which exists on the host) given a tmpfs of its own, last.
+    scratch: Option<CString>,
 }
 
 impl PrivateMount {
@@ -987,7 +989,18 @@ impl PrivateMount {
             )),
             None => None,
         };
-        Ok(PrivateMount { overlay, run })
+        Ok(PrivateMount {
+            overlay,
+            run,
+            scratch: None,
+        })
+    }
+
+    /// Also a small tmpfs at `dir` (a folder that exists on the host), mounted last: a place
+    /// of the namespace's own for what criu mounts (its cgroup yard), gone with it.
+    pub fn with_scratch(mut self, dir: &Path) -> io::Result<PrivateMount> {
+        self.scratch = Some(CString::new(dir.as_os_str().as_bytes())?);
+        Ok(self)
     }
 
     /// In the child (between fork and exec): a mount namespace of its own, private, with the
@@ -1049,6 +1062,21 @@ impl PrivateMount {
                         std::ptr::null(),
                     )
                 };
+            }
+        }
+        if let Some(dir) = &self.scratch {
+            // SAFETY: as above; the options string is a literal.
+            let r = unsafe {
+                libc::mount(
+                    c"sbx-criu-scratch".as_ptr(),
+                    dir.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                    c"size=1m,mode=0700".as_ptr() as *const libc::c_void,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
             }
         }
         Ok(())

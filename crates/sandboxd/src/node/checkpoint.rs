@@ -41,9 +41,8 @@ pub trait Checkpointer: Send + Sync {
     ) -> Result<Sandbox, String>;
 }
 
-/// Where a sandbox's network is: the namespace its lease holds (a path to open while the lease
-/// lives), its address and its gateway.
-pub type NetPlace = (PathBuf, std::net::Ipv4Addr, std::net::Ipv4Addr);
+/// How a restored sandbox gets its network again: from its lease.
+pub type NetPlace = sbx_runtime::net::Relink;
 
 /// This node's checkpoints: a checkpointer, or why there is none.
 pub enum Checkpoints {
@@ -72,9 +71,17 @@ impl Checkpoints {
     }
 }
 
-/// Where a sleeping sandbox's processes are kept: in its own directory.
-pub fn images_dir(sandbox_dir: &Path) -> PathBuf {
-    sandbox_dir.join("sleep")
+/// Where a sleeping sandbox's processes are kept: `DATA_DIR/sleep/<id>`, beside its disk and
+/// not on it: not counted in its disk's size, and not flushed with it (when a sleep ends the
+/// sandbox's overlay, the kernel syncs the filesystem under it: with the images there, all
+/// of its memory just written, ~200 ms). A sandbox put to sleep by an older node has them in
+/// its own directory (`<sandbox dir>/sleep`): that place is used while they are there.
+pub fn images_dir(data_dir: &Path, id: &str) -> PathBuf {
+    let old = data_dir.join("sandboxes").join(id).join("sleep");
+    if old.is_dir() {
+        return old;
+    }
+    data_dir.join("sleep").join(id)
 }
 
 /// Before a checkpoint of `sb`: its agent is told (it lets itself be dumped), and no

@@ -62,6 +62,30 @@ pub(crate) fn set_up(conn: &mut Conn, index: u32) -> Result<(), NetError> {
     )
 }
 
+/// Sets link `index` down.
+pub(crate) fn set_down(conn: &mut Conn, index: u32) -> Result<(), NetError> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.header.change_mask = LinkFlags::Up;
+    conn.request(
+        &format!("set link {index} down"),
+        RouteNetlinkMessage::SetLink(msg),
+        0,
+    )
+}
+
+/// Renames link `index` (it must be down).
+pub(crate) fn rename(conn: &mut Conn, index: u32, name: &str) -> Result<(), NetError> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.attributes = vec![LinkAttribute::IfName(name.to_string())];
+    conn.request(
+        &format!("rename link {index} to {name}"),
+        RouteNetlinkMessage::SetLink(msg),
+        0,
+    )
+}
+
 /// Turns off IPv6 address generation on link `index` (no link-local address, so no DAD,
 /// router solicitation or MLD from it). Before the link has a carrier: the kernel generates
 /// the link-local address when it gets one.
@@ -222,17 +246,5 @@ pub(crate) fn add_route(
         &format!("add route {dest}/{prefix_len} via {gateway}"),
         RouteNetlinkMessage::NewRoute(msg),
         NLM_F_CREATE | NLM_F_EXCL,
-    )
-}
-
-/// Moves link `index` (of the namespace of `conn`) into the network namespace `ns`.
-pub(crate) fn move_to_ns(conn: &mut Conn, index: u32, ns: BorrowedFd<'_>) -> Result<(), NetError> {
-    let mut msg = LinkMessage::default();
-    msg.header.index = index;
-    msg.attributes = vec![LinkAttribute::NetNsFd(ns.as_raw_fd())];
-    conn.request(
-        &format!("move link {index} to another namespace"),
-        RouteNetlinkMessage::SetLink(msg),
-        0,
     )
 }

@@ -21,7 +21,8 @@
 //!     iifname "P*" meta nfproto ipv4 iifname . ip saddr != @live drop   # not leased, spoofed
 //!     iifname "P*" meta nfproto ipv4 ct mark set ip saddr }             # conntrack: whose
 //!   chain output { type filter hook output priority mangle;
-//!     oifname "P*" meta nfproto ipv4 ct mark set ip daddr }
+//!     oifname "P*" meta nfproto ipv4 ct mark set ip daddr
+//!     oifname "P*" meta nfproto ipv4 oifname . ip daddr != @live drop }  # not live: held
 //!   chain input { type filter hook input priority filter;
 //!     iifname "P*" jump sandbox_in }
 //!   chain sandbox_in {
@@ -41,6 +42,7 @@
 //!     meta nfproto ipv6 drop                            # IPv6 is not routed
 //!     accept }
 //!   chain sandbox_back {                                # into a sandbox from elsewhere
+//!     oifname "P*" meta nfproto ipv4 oifname . ip daddr != @live drop
 //!     ct state established,related accept
 //!     drop }
 //!   chain postrouting { type nat hook postrouting priority srcnat;
@@ -637,6 +639,9 @@ pub(crate) fn load(
             "output",
             vec![oif(), nfproto(NFPROTO_IPV4), ct_mark_from(16)],
         ),
+        // Nothing from the host reaches a sandbox that is not live (held while CRIU saves or
+        // restores its sockets: the node's network lock), nor from elsewhere (sandbox_back).
+        ("output", not_live_to(oif())),
         ("input", vec![iif(), vec![jump("sandbox_in")]]),
         ("sandbox_in", vec![ct_established(), vec![accept()]]),
         (
@@ -707,6 +712,7 @@ pub(crate) fn load(
             vec![nfproto(NFPROTO_IPV4), saddr_vmap(MAP_FWD)],
         ),
         ("sandbox_out", vec![vec![accept()]]),
+        ("sandbox_back", not_live_to(oif())),
         ("sandbox_back", vec![ct_established(), vec![accept()]]),
         ("sandbox_back", vec![vec![drop_()]]),
         ("postrouting", vec![iif(), vec![other("masq", vec![])]]),
@@ -715,6 +721,23 @@ pub(crate) fn load(
         m.push((rule(t, ch, exprs), c | NLM_F_APPEND));
     }
     commit(conn, &format!("load nftables table inet {t}"), m)
+}
+
+/// `oifname "P*" meta nfproto ipv4 oifname . ip daddr != @live drop`: to a sandbox whose
+/// element is not in `live`.
+fn not_live_to(
+    oif: Vec<ListAttribute<ExpressionAttribute>>,
+) -> Vec<Vec<ListAttribute<ExpressionAttribute>>> {
+    vec![
+        oif,
+        nfproto(NFPROTO_IPV4),
+        vec![
+            meta(MetaKey::Oifname, Register::Reg1),
+            payload(NFT_PAYLOAD_NETWORK_HEADER, 16, 4, Register::Reg32_04),
+            lookup(SET_LIVE, Register::Reg1, true),
+        ],
+        vec![drop_()],
+    ]
 }
 
 /// Deletes table `table` (for tests and a node's uninstall). A missing table is not an error.

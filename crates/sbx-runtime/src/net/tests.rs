@@ -1022,3 +1022,17 @@ fn leases_are_taken_and_released_from_many_threads() {
     assert_eq!(audit.leased, 0);
     assert!(audit.elements.is_empty(), "{audit:?}");
 }
+
+#[test]
+fn a_retired_host_side_never_takes_the_node_s_prefix() {
+    assert_eq!(retired_name("sbt12", 40), "old40");
+    // A prefix that "old…" would begin with: the next tag.
+    assert_eq!(retired_name("o3", 7), "was7");
+    assert_eq!(retired_name("w3", 7), "old7");
+    for (name, index) in [("sbt0", 1), ("old5", 9), ("ol1", 2), ("x9", 3)] {
+        let r = retired_name(name, index);
+        let prefix = name.trim_end_matches(|c: char| c.is_ascii_digit());
+        assert!(!r.starts_with(prefix), "{name} -> {r}");
+        assert!(r.len() < 16, "{r}");
+    }
+}

@@ -391,14 +391,14 @@ impl Node {
         let Some(sb) = m.machine() else {
             if m.status() == SandboxStatus::Sleeping
                 || m.asleep.send_replace(false)
-                || self.sandboxes_dir().join(&m.id).join("sleep").exists()
+                || crate::node::checkpoint::images_dir(&self.cfg.data_dir, &m.id).exists()
             {
                 // Asleep: no process of it runs; its saved processes, cgroups and network go.
                 self.release_net(&m.id);
                 let driver = self.driver.clone();
                 let (id, images) = (
                     m.id.clone(),
-                    crate::node::checkpoint::images_dir(&self.sandboxes_dir().join(&m.id)),
+                    crate::node::checkpoint::images_dir(&self.cfg.data_dir, &m.id),
                 );
                 let _ = tokio::task::spawn_blocking(move || {
                     let _ = std::fs::remove_dir_all(images);

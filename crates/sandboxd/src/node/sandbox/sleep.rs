@@ -443,9 +443,14 @@ impl Node {
         ck: Arc<dyn Checkpointer>,
     ) -> Result<(), ApiError> {
         let started = Instant::now();
-        let images = images_dir(&self.sandboxes_dir().join(&m.id));
+        let images = images_dir(&self.cfg.data_dir, &m.id);
         let sb2 = sb.clone();
         let network = m.spec.network && self.net.get().is_some();
+        // Held from now until it is awake again.
+        if let Err(e) = self.hold_traffic(m, true) {
+            self.unquiesce(m, sb).await;
+            return Err(e);
+        }
         let done = tokio::task::spawn_blocking(move || {
             let _ = std::fs::remove_dir_all(&images);
             std::fs::create_dir_all(&images).map_err(|e| e.to_string())?;
@@ -454,6 +459,7 @@ impl Node {
         .await
         .map_err(crate::node::internal("a sleep's thread"))?;
         if let Err(why) = done {
+            let _ = self.hold_traffic(m, false);
             self.unquiesce(m, sb).await;
             tracing::error!(sandbox = %m.id, error = %why, "sleep");
             return Err(ApiError::new(
@@ -509,12 +515,20 @@ impl Node {
                 fresh_network = fresh;
             }
         }
-        let images = images_dir(&spec.dir);
+        let images = images_dir(&self.cfg.data_dir, &m.id);
+        let used = images.clone();
         let woke = tokio::task::spawn_blocking(move || ck.wake(&spec, &images, place))
             .await
             .map_err(crate::node::internal("a wake's thread"))?;
         let sb = match woke {
-            Ok(sb) => Arc::new(sb),
+            Ok(sb) => {
+                // Its saved processes are spent: removed off the wake's path (a node that
+                // stops meanwhile leaves them to the next sleep or the delete).
+                tokio::task::spawn_blocking(move || {
+                    let _ = std::fs::remove_dir_all(used);
+                });
+                Arc::new(sb)
+            }
             Err(why) => {
                 tracing::error!(sandbox = %m.id, error = %why, "wake");
                 return Err(ApiError::new(
@@ -530,6 +544,8 @@ impl Node {
                 tracing::error!(sandbox = %m.id, error = %e, "the network of a woken sandbox");
             }
         }
+        // Its traffic passes again (held since its sleep; a fresh lease was never held).
+        let _ = self.hold_traffic(m, false);
         if fresh_network {
             if let Err(e) = self.apply_egress_of(m) {
                 tracing::error!(sandbox = %m.id, error = %e.message, "egress rules after a wake");
@@ -559,6 +575,22 @@ impl Node {
         }
         tracing::info!(sandbox = %m.id, ms = started.elapsed().as_millis() as u64, "awake");
         Ok(())
+    }
+
+    /// The network lock of a checkpoint of `m`: its traffic held at the host (`true`) or let
+    /// through again (CRIU skips its own lock). Nothing for a sandbox off the network. A
+    /// failure is logged and, for a hold, answered 503: no checkpoint is taken unlocked.
+    pub(crate) fn hold_traffic(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
+        let Some(net) = self.net.get().filter(|_| m.spec.network) else {
+            return Ok(());
+        };
+        net.hold(&m.id, held).map_err(|e| {
+            tracing::error!(sandbox = %m.id, held, error = %e, "holding a sandbox's traffic");
+            ApiError::new(
+                ErrorCode::Unavailable,
+                format!("the sandbox's network could not be held for a checkpoint: {e}"),
+            )
+        })
     }
 
     /// Sets `held_asleep` of `m`, kept across restarts.

@@ -175,6 +175,10 @@ impl Node {
             .collect();
         let (sb2, dir2) = (sb.clone(), dir.clone());
         let network = m.spec.network && self.net.get().is_some();
+        if let Err(e) = self.hold_traffic(&m, true) {
+            self.unquiesce(&m, &sb).await;
+            return Err(e);
+        }
         let took = tokio::task::spawn_blocking(move || -> Result<u64, String> {
             std::fs::create_dir_all(&dir2).map_err(|e| e.to_string())?;
             let json = serde_json::to_vec(&kept).map_err(|e| e.to_string())?;
@@ -182,6 +186,7 @@ impl Node {
             ck.snapshot(&sb2, &dir2, network)
         })
         .await;
+        let _ = self.hold_traffic(&m, false);
         self.unquiesce(&m, &sb).await;
         let size = match took {
             Ok(Ok(size)) => size,
