@@ -636,3 +636,69 @@ fn a_sleep_asked_for_cuts_the_streams_still_open_and_the_command_goes_on_after()
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// An echo server on port 7100, a line at a time, one connection after another.
+const ECHO: &str = r#"import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', 7100))
+s.listen(4)
+while True:
+    c, _ = s.accept()
+    for line in c.makefile('rb'):
+        c.sendall(line)
+    c.close()
+"#;
+
+#[test]
+fn a_connection_from_the_host_survives_sleep_and_wake_and_what_it_sent_meanwhile_arrives() {
+    use std::io::{BufRead, BufReader, Write};
+    let node = TestNode::start_with(&["--egress-default", "allow"]);
+    let r = node.post_json(
+        "/v1/sandboxes",
+        &json!({
+            "start_command": ["python3", "-c", ECHO],
+            "ready": { "command": "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7100), timeout=1)\"" },
+            "sleep_after_seconds": null,
+        }),
+    );
+    let v = r.json();
+    assert_eq!(r.status, 201, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let end = Instant::now() + Duration::from_secs(120);
+    while status(&node, &id) != "running" {
+        assert!(Instant::now() < end, "not running: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let v2 = node.exec(
+        &id,
+        &json!({ "command": ["python3", "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('203.0.113.1', 9)); print(s.getsockname()[0])"], "wait_seconds": 10 }),
+    );
+    let addr: std::net::Ipv4Addr = stdout(&v2).trim().parse().expect("its address");
+    let to = std::net::SocketAddr::from((addr, 7100));
+    let conn = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut w = conn.try_clone().expect("clone");
+    let mut lines = BufReader::new(conn);
+    let mut echo = |sent: &str| {
+        let mut got = String::new();
+        lines.read_line(&mut got).expect("an echo");
+        assert_eq!(got, sent);
+    };
+    w.write_all(b"before\n").expect("write");
+    echo("before\n");
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(status(&node, &id), "sleeping");
+    // Held at the host while it sleeps: dropped (retransmitted later), not reset.
+    w.write_all(b"asleep\n").expect("write while it sleeps");
+    std::thread::sleep(Duration::from_millis(300));
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    echo("asleep\n");
+    w.write_all(b"after\n").expect("write");
+    echo("after\n");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -608,19 +608,7 @@ pub(crate) fn load(
     let gw = rs.gateway.octets().to_vec();
     let rules = vec![
         // prerouting: only leased sandboxes, each with its own address.
-        (
-            "prerouting",
-            vec![
-                iif(),
-                nfproto(NFPROTO_IPV4),
-                vec![
-                    meta(MetaKey::Iifname, Register::Reg1),
-                    payload(NFT_PAYLOAD_NETWORK_HEADER, 12, 4, Register::Reg32_04),
-                    lookup(SET_LIVE, Register::Reg1, true),
-                ],
-                vec![drop_()],
-            ],
-        ),
+        ("prerouting", not_live(MetaKey::Iifname, p)),
         (
             "prerouting",
             vec![iif(), nfproto(NFPROTO_IPV4), ct_mark_from(12)],
@@ -641,7 +629,7 @@ pub(crate) fn load(
         ),
         // Nothing from the host reaches a sandbox that is not live (held while CRIU saves or
         // restores its sockets: the node's network lock), nor from elsewhere (sandbox_back).
-        ("output", not_live_to(oif())),
+        ("output", not_live(MetaKey::Oifname, p)),
         ("input", vec![iif(), vec![jump("sandbox_in")]]),
         ("sandbox_in", vec![ct_established(), vec![accept()]]),
         (
@@ -712,7 +700,7 @@ pub(crate) fn load(
             vec![nfproto(NFPROTO_IPV4), saddr_vmap(MAP_FWD)],
         ),
         ("sandbox_out", vec![vec![accept()]]),
-        ("sandbox_back", not_live_to(oif())),
+        ("sandbox_back", not_live(MetaKey::Oifname, p)),
         ("sandbox_back", vec![ct_established(), vec![accept()]]),
         ("sandbox_back", vec![vec![drop_()]]),
         ("postrouting", vec![iif(), vec![other("masq", vec![])]]),
@@ -723,17 +711,22 @@ pub(crate) fn load(
     commit(conn, &format!("load nftables table inet {t}"), m)
 }
 
-/// `oifname "P*" meta nfproto ipv4 oifname . ip daddr != @live drop`: to a sandbox whose
-/// element is not in `live`.
-fn not_live_to(
-    oif: Vec<ListAttribute<ExpressionAttribute>>,
-) -> Vec<Vec<ListAttribute<ExpressionAttribute>>> {
+/// `iifname "P*" meta nfproto ipv4 iifname . ip saddr != @live drop` (from a sandbox not
+/// leased, or of an address not its own), or with `oifname` and `ip daddr` (to a sandbox
+/// whose element is not in `live`: one held).
+fn not_live(key: MetaKey, prefix: &str) -> Vec<Vec<ListAttribute<ExpressionAttribute>>> {
+    // The sandbox's address: the source going out, the destination coming in.
+    let addr_at = if matches!(key, MetaKey::Iifname) {
+        12
+    } else {
+        16
+    };
     vec![
-        oif,
+        ifname_prefix(key, prefix),
         nfproto(NFPROTO_IPV4),
         vec![
-            meta(MetaKey::Oifname, Register::Reg1),
-            payload(NFT_PAYLOAD_NETWORK_HEADER, 16, 4, Register::Reg32_04),
+            meta(key, Register::Reg1),
+            payload(NFT_PAYLOAD_NETWORK_HEADER, addr_at, 4, Register::Reg32_04),
             lookup(SET_LIVE, Register::Reg1, true),
         ],
         vec![drop_()],

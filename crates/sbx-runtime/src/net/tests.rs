@@ -1036,3 +1036,60 @@ fn a_retired_host_side_never_takes_the_node_s_prefix() {
         assert!(r.len() < 16, "{r}");
     }
 }
+
+/// Whether a TCP connection from namespace `ns` to `to` is made within `timeout` (a listener's
+/// backlog takes it: nobody needs to accept).
+fn connects(ns: &OwnedFd, to: SocketAddr, timeout: Duration) -> bool {
+    ns::within(dup(ns), move || {
+        Ok(TcpStream::connect_timeout(&to, timeout).is_ok())
+    })
+    .expect("connect from a namespace")
+}
+
+#[test]
+fn held_traffic_passes_neither_way_and_flows_again_when_let_go() {
+    if !root() {
+        return;
+    }
+    let lab = lab(config());
+    let net = lab.net();
+    net.fill(1).expect("fill");
+    let a = net.take().expect("take");
+    let ans = a.ns_handle().expect("handle");
+    let gw = net.gateway();
+    // The host's service on the gateway, and the sandbox's on its address.
+    let _host = listen(&lab.node, sa(gw, OPEN_TCP));
+    let _inside = listen(&ans, sa(Ipv4Addr::UNSPECIFIED, 9000));
+    let to_host = sa(gw, OPEN_TCP);
+    let to_sandbox = sa(a.address(), 9000);
+    assert!(connects(&ans, to_host, LONG), "out, before");
+    assert!(connects(&lab.node, to_sandbox, LONG), "in, before");
+    // A datagram into the sandbox needs no answer: only the node's hold can stop it.
+    let u = within(&ans, || {
+        io(UdpSocket::bind(sa(Ipv4Addr::UNSPECIFIED, 9001)))
+    });
+    io(u.set_read_timeout(Some(SHORT))).expect("timeout");
+    // Whether the host's kernel let it go out (a local packet its rules drop is EPERM).
+    let send = |what: &'static [u8]| -> bool {
+        let to = sa(a.address(), 9001);
+        within(&lab.node, move || {
+            let s = io(UdpSocket::bind(sa(Ipv4Addr::UNSPECIFIED, 0)))?;
+            Ok(s.send_to(what, to).is_ok())
+        })
+    };
+    let mut buf = [0u8; 8];
+    a.hold_traffic(true).expect("hold");
+    assert!(!connects(&ans, to_host, SHORT), "out, held");
+    assert!(!connects(&lab.node, to_sandbox, SHORT), "in, held");
+    assert!(
+        !send(b"held"),
+        "the host's rules let a datagram go to a held sandbox"
+    );
+    assert!(u.recv_from(&mut buf).is_err(), "a datagram in while held");
+    a.hold_traffic(false).expect("let go");
+    assert!(connects(&ans, to_host, LONG), "out, after");
+    assert!(connects(&lab.node, to_sandbox, LONG), "in, after");
+    assert!(send(b"free"));
+    let (n, _) = u.recv_from(&mut buf).expect("a datagram in after");
+    assert_eq!(&buf[..n], b"free");
+}
