@@ -255,8 +255,13 @@ fn build_dev(root: &Path, base: u32, shm_bytes: Option<u64>) -> Result<(), InitE
         // Else a directory of /dev's tmpfs, whose 64 MiB are Docker's /dev/shm's (/dev holds
         // nothing else of size): one tmpfs less for every checkpoint to archive and restore
         // (CRIU runs tar for each, ~8 ms).
-        None => fs::set_permissions(&shm, fs::Permissions::from_mode(0o1777))
-            .ctx(|| "chmod /dev/shm".into())?,
+        None => {
+            fs::set_permissions(&shm, fs::Permissions::from_mode(0o1777))
+                .ctx(|| "chmod /dev/shm".into())?;
+            // Sandbox root's, as the tmpfs of its own would be.
+            std::os::unix::fs::chown(&shm, Some(base), Some(base))
+                .ctx(|| "chown /dev/shm".into())?;
+        }
     }
     for (name, to) in [
         ("fd", "/proc/self/fd"),

@@ -245,6 +245,11 @@ fn runtime_makes_a_template_of_its_own_and_a_sandbox_of_the_template_has_it() {
     // The default one's machine is unchanged.
     let pid = plain["id"].as_str().unwrap();
     assert_eq!(statvfs(&node, pid, "/dev/shm"), "67108864 True True");
+    // Sandbox root's, writable by all, sticky, as a tmpfs of its own would be.
+    assert_eq!(
+        sh(&node, pid, "stat -c '%U %G %a' /dev/shm"),
+        "root root 1777\n"
+    );
     for v in [&plain, &a, &b, &c, &d] {
         node.delete_sandbox(v["id"].as_str().unwrap());
     }
