@@ -84,6 +84,32 @@ pub fn images_dir(data_dir: &Path, id: &str) -> PathBuf {
     data_dir.join("sleep").join(id)
 }
 
+/// Renames the images of a finished wake out of the way (`<images>.spent-<nanos>`, beside
+/// them), to be removed later: a sleep that comes at once writes `images` again while the
+/// removal may still run. `None` when the rename failed (then they are removed in place at
+/// the next sleep or the delete).
+pub fn set_aside(images: &Path) -> Option<PathBuf> {
+    let name = images.file_name()?.to_string_lossy().into_owned();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let spent = images.with_file_name(format!("{name}.spent-{nanos}"));
+    std::fs::rename(images, &spent).ok().map(|()| spent)
+}
+
+/// Removes what [`set_aside`] left beside `images` (a node that stopped before removing it).
+pub fn remove_spent(images: &Path) {
+    let (Some(dir), Some(name)) = (images.parent(), images.file_name()) else {
+        return;
+    };
+    let prefix = format!("{}.spent-", name.to_string_lossy());
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// Before a checkpoint of `sb`: its agent is told (it lets itself be dumped), and no
 /// connection of the node's to it stays open (an open one is a peer outside the sandbox, which
 /// a checkpoint cannot take).
@@ -153,5 +179,36 @@ impl Checkpointer for Criu {
         self.driver
             .restore_copy(spec, &self.criu, dir, net)
             .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spent_images_are_set_aside_and_a_new_sleep_s_are_not_touched() {
+        let dir = std::env::temp_dir().join(format!("sbx-spent-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let images = dir.join("sbx-a");
+        std::fs::create_dir_all(&images).expect("mkdir");
+        std::fs::write(images.join("pages-1.img"), b"old").expect("write");
+        let spent = set_aside(&images).expect("set aside");
+        assert!(!images.exists() && spent.join("pages-1.img").is_file());
+        // The next sleep writes its images where they were; the spent ones go, not these.
+        std::fs::create_dir_all(&images).expect("mkdir");
+        std::fs::write(images.join("pages-1.img"), b"new").expect("write");
+        std::fs::create_dir_all(dir.join("sbx-ab.spent-1")).expect("another sandbox's");
+        remove_spent(&images);
+        assert!(!spent.exists(), "the spent images are gone");
+        assert_eq!(
+            std::fs::read(images.join("pages-1.img")).expect("read"),
+            b"new"
+        );
+        assert!(
+            dir.join("sbx-ab.spent-1").exists(),
+            "another sandbox's are not"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

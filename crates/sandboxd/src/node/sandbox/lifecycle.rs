@@ -401,6 +401,7 @@ impl Node {
                     crate::node::checkpoint::images_dir(&self.cfg.data_dir, &m.id),
                 );
                 let _ = tokio::task::spawn_blocking(move || {
+                    crate::node::checkpoint::remove_spent(&images);
                     let _ = std::fs::remove_dir_all(images);
                     driver.remove_leftovers(&id)
                 })

@@ -452,6 +452,7 @@ impl Node {
             return Err(e);
         }
         let done = tokio::task::spawn_blocking(move || {
+            crate::node::checkpoint::remove_spent(&images);
             let _ = std::fs::remove_dir_all(&images);
             std::fs::create_dir_all(&images).map_err(|e| e.to_string())?;
             ck.sleep(&sb2, &images, network)
@@ -516,17 +517,21 @@ impl Node {
             }
         }
         let images = images_dir(&self.cfg.data_dir, &m.id);
-        let used = images.clone();
-        let woke = tokio::task::spawn_blocking(move || ck.wake(&spec, &images, place))
-            .await
-            .map_err(crate::node::internal("a wake's thread"))?;
+        let woke = tokio::task::spawn_blocking(move || {
+            let sb = ck.wake(&spec, &images, place)?;
+            // Its saved processes are spent: moved out of the way at once (a sleep that comes
+            // next writes the same place), removed off the wake's path.
+            Ok::<_, String>((sb, crate::node::checkpoint::set_aside(&images)))
+        })
+        .await
+        .map_err(crate::node::internal("a wake's thread"))?;
         let sb = match woke {
-            Ok(sb) => {
-                // Its saved processes are spent: removed off the wake's path (a node that
-                // stops meanwhile leaves them to the next sleep or the delete).
-                tokio::task::spawn_blocking(move || {
-                    let _ = std::fs::remove_dir_all(used);
-                });
+            Ok((sb, spent)) => {
+                if let Some(spent) = spent {
+                    tokio::task::spawn_blocking(move || {
+                        let _ = std::fs::remove_dir_all(spent);
+                    });
+                }
                 Arc::new(sb)
             }
             Err(why) => {
