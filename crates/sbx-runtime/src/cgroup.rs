@@ -154,6 +154,26 @@ struct Hierarchy {
     own: PathBuf,
 }
 
+/// How often [`Cgroups::keep_warm`] migrates: well within the shortest grace period.
+pub const WARM_EVERY: Duration = Duration::from_millis(4);
+
+/// What [`Cgroups::keep_warm`] returns: the migrations stop when it is dropped.
+#[derive(Debug)]
+pub struct WarmGuard {
+    _stop: std::sync::mpsc::Sender<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl WarmGuard {
+    /// Waits for the thread to end (it ends at once once the guard's sender is gone); for
+    /// tests.
+    pub fn finish(mut self) -> bool {
+        let t = self.thread.take();
+        drop(self);
+        t.is_some_and(|t| t.join().is_ok())
+    }
+}
+
 /// The node's cgroup layout, found from `/proc/self/mountinfo` and `/proc/self/cgroup`.
 #[derive(Debug)]
 pub struct Cgroups {
@@ -165,6 +185,8 @@ pub struct Cgroups {
     legacy: std::sync::Mutex<Option<Legacy>>,
     /// Serializes making the folders again (two creates that find them gone at once).
     remake: std::sync::Mutex<()>,
+    /// The `cgroup.procs` of the node's own cgroup in one hierarchy ([`Cgroups::warm_migration`]).
+    own_procs: Option<PathBuf>,
 }
 
 /// The hierarchies the node uses: the v1 ones of [`V1_CONTROLLERS`] when memory and pids are
@@ -342,7 +364,44 @@ impl Cgroups {
             placement,
             legacy: std::sync::Mutex::new(legacy),
             remake: std::sync::Mutex::new(()),
+            own_procs: hs
+                .first()
+                .map(|h| h.mount.join(&h.own).join("cgroup.procs")),
         })
+    }
+
+    /// Keeps cgroup migrations from waiting, for as long as the guard lives (a restore: criu
+    /// moves each restored task into its groups, at moments tens of milliseconds apart).
+    ///
+    /// The kernel makes the first cgroup migration after a quiet moment wait for an RCU grace
+    /// period (the global threadgroup lock's `rcu_sync`: 8 to 25 ms on this project's
+    /// machines); migrations that come within a grace period of the last one do not wait. A
+    /// thread of the node's moves the node into the cgroup it is already in (nothing changes)
+    /// at once and then every [`WARM_EVERY`]: the first wait runs alongside what the caller
+    /// does first (criu's start) instead of inside it, and none comes after. Where the kernel
+    /// skips the wait (`favordynmods`), these are cheap writes. A write that fails changes
+    /// nothing (the kernel takes the lock before it checks the write).
+    pub fn keep_warm(&self) -> WarmGuard {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = self.own_procs.clone().and_then(|file| {
+            let pid = std::process::id().to_string();
+            std::thread::Builder::new()
+                .name("cgroup-warm".into())
+                .spawn(move || loop {
+                    if let Ok(mut f) = fs::OpenOptions::new().write(true).open(&file) {
+                        let _ = std::io::Write::write_all(&mut f, pid.as_bytes());
+                    }
+                    match stopped.recv_timeout(WARM_EVERY) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                        _ => return,
+                    }
+                })
+                .ok()
+        });
+        WarmGuard {
+            _stop: stop,
+            thread,
+        }
     }
 
     pub fn layout(&self) -> &Layout {
@@ -1090,6 +1149,32 @@ mod tests {
         g.destroy(Duration::from_secs(5)).unwrap();
         cg.remove_if_empty();
         assert!(!cg.folder().exists());
+    }
+
+    #[test]
+    fn keeping_migrations_warm_leaves_the_node_where_it_is_and_stops_with_its_guard() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: not root");
+            return;
+        }
+        let before = fs::read_to_string("/proc/self/cgroup").unwrap();
+        let cg = Cgroups::discover("sbx-test-warm").unwrap();
+        let guard = cg.keep_warm();
+        // Several rounds of its migrations.
+        std::thread::sleep(WARM_EVERY * 5);
+        assert_eq!(fs::read_to_string("/proc/self/cgroup").unwrap(), before);
+        assert!(guard.finish(), "its thread ran and ended with the guard");
+        let threads = || {
+            fs::read_dir("/proc/self/task")
+                .unwrap()
+                .flatten()
+                .filter(|t| {
+                    fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim() == "cgroup-warm")
+                })
+                .count()
+        };
+        assert_eq!(threads(), 0, "no warm thread is left");
     }
 
     #[test]

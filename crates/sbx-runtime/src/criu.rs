@@ -69,6 +69,8 @@ pub struct Criu {
     /// would mount it in a yard of its own ([`host_cgroup_yard`]): no ~25 ms of mounts for
     /// every dump and restore.
     pub cgroup_yard: Option<PathBuf>,
+    /// `criu swrk` processes started ahead of their requests.
+    workers: std::sync::Arc<worker::Workers>,
 }
 
 /// `/sys/fs/cgroup` if every cgroup hierarchy this process is in is mounted there under the
@@ -183,6 +185,7 @@ pub fn detect(bin: &Path) -> Result<Criu, CriuError> {
         version,
         run: kdat_run(),
         cgroup_yard: host_cgroup_yard(),
+        workers: Default::default(),
     })
 }
 
@@ -395,21 +398,17 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
         cgroup_yard: criu.cgroup_yard.as_ref().map(|y| y.display().to_string()),
         ..Default::default()
     };
-    let mount = criu
-        .run
-        .as_deref()
-        .map(|run| crate::process::PrivateMount::new(None, Some(run)))
-        .transpose()
-        .map_err(io("prepare criu's mounts"))?;
-    let result = rpc::call(
-        criu,
-        "dump",
-        rpc::DUMP,
-        opts,
-        mount,
-        &mut |_, _| Ok(()),
-        &spec.images.join("dump.log"),
-    );
+    let result = criu.workers.take(criu).and_then(|worker| {
+        rpc::call(
+            "dump",
+            rpc::DUMP,
+            opts,
+            worker,
+            &mut |_, _| Ok(()),
+            &spec.images.join("dump.log"),
+        )
+    });
+    criu.workers.refill(criu);
     spec.group.thaw();
     result.map(|_| ())
 }
@@ -535,31 +534,32 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
     let overlay = overlay_options(spec.lowers, spec.dir)?;
     // criu mounts the cgroup hierarchies it restores into in a yard of its own, which in RPC
     // mode would be made in its work directory: a directory of the node's mount namespace
-    // (criu reaches it by /proc/<node>/fd/N), where criu's mounts fail. The yard is a tmpfs
-    // of criu's own namespace instead, or the host's own hierarchies where they are laid out
-    // as criu's yard would be.
-    // The host's hierarchies where they are laid out as criu's yard would be.
-    let mut mount = crate::process::PrivateMount::new(Some((root, overlay)), criu.run.as_deref())
-        .map_err(io("prepare criu's mounts"))?;
-    match &criu.cgroup_yard {
-        Some(y) => opts.cgroup_yard = Some(y.display().to_string()),
-        None => {
-            std::fs::create_dir_all(CGROUP_YARD).map_err(io(format!("mkdir {CGROUP_YARD}")))?;
-            opts.cgroup_yard = Some(CGROUP_YARD.into());
-            mount = mount
-                .with_scratch(Path::new(CGROUP_YARD))
-                .map_err(io("prepare criu's mounts"))?;
-        }
-    }
+    // (criu reaches it by /proc/<node>/fd/N), where criu's mounts fail. The yard is the
+    // host's own hierarchies where they are laid out as criu's yard would be, else a tmpfs of
+    // the worker's own namespace ([`worker`]).
+    opts.cgroup_yard = Some(
+        criu.cgroup_yard
+            .as_ref()
+            .map_or(CGROUP_YARD.into(), |y| y.display().to_string()),
+    );
+    // Binds made on the host for this restore (its volumes) are seen only by a worker started
+    // after them.
+    let worker = if staged.binds.is_empty() {
+        criu.workers.take(criu)?
+    } else {
+        worker::Workers::fresh(criu)?
+    };
+    worker.mount_root(&root, &overlay)?;
     let pid = rpc::call(
-        criu,
         "restore",
         rpc::RESTORE,
         opts,
-        Some(mount),
+        worker,
         &mut on_notify,
         &work.join("restore.log"),
-    )?;
+    );
+    criu.workers.refill(criu);
+    let pid = pid?;
     drop(staged);
     pid.ok_or_else(|| CriuError::Other("criu named no restored process".into()))
 }
@@ -678,3 +678,4 @@ fn keep_log(action: &str, log: &Path) {
 mod rpc;
 #[cfg(test)]
 mod tests;
+mod worker;

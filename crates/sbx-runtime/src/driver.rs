@@ -405,6 +405,7 @@ impl NamespaceDriver {
         images: &Path,
         network: Option<crate::net::Relink>,
     ) -> Result<Sandbox, RuntimeError> {
+        let _warm = self.cgroups.keep_warm();
         // Its cgroups with its limits (kept while it slept; made again if a node's restart
         // removed them): CRIU puts the tasks back into them and leaves their settings.
         let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
@@ -532,6 +533,7 @@ impl NamespaceDriver {
             let what = what.to_string();
             move |e| RuntimeError::Io { what, source: e }
         };
+        let _warm = self.cgroups.keep_warm();
         self.make_dir(&spec.dir)
             .map_err(io("make the sandbox's directory"))?;
         crate::tree::copy_tree(&snapshot.join(SNAPSHOT_UPPER), &spec.dir.join("upper"))

@@ -1083,6 +1083,32 @@ impl PrivateMount {
     }
 }
 
+/// Mounts an overlay with options `data` at `target` in the mount namespace of process `pid`
+/// (a criu worker of the node's, waiting in a [`PrivateMount`] of its own), from a thread that
+/// joins that namespace for the call. `pid` must be a child of this process not yet waited
+/// for (its pid cannot be reused meanwhile).
+pub fn mount_overlay_in(pid: u32, target: &Path, data: &str) -> io::Result<()> {
+    use nix::sched::CloneFlags;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))?;
+    let (target, data) = (target.to_path_buf(), data.to_string());
+    std::thread::spawn(move || -> io::Result<()> {
+        // A thread shares its filesystem context (root, cwd) with the process until it
+        // unshares it; setns into a mount namespace needs it its own.
+        nix::sched::unshare(CloneFlags::CLONE_FS).map_err(io::Error::from)?;
+        nix::sched::setns(&ns, CloneFlags::CLONE_NEWNS).map_err(io::Error::from)?;
+        nix::mount::mount(
+            Some("overlay"),
+            &target,
+            Some("overlay"),
+            nix::mount::MsFlags::empty(),
+            Some(data.as_str()),
+        )
+        .map_err(io::Error::from)
+    })
+    .join()
+    .map_err(|_| io::Error::other("the mount's thread panicked"))?
+}
+
 /// Sets the hostname of the UTS namespace of process `pid` (a restored copy of a sandbox
 /// takes a name of its own), from a thread that joins it for the call.
 pub fn set_hostname_of(pid: u32, name: &str) -> io::Result<()> {

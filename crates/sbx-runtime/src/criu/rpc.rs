@@ -4,16 +4,13 @@
 //! own process, instead of a program started for every step of a restore (six of them, ~3 ms
 //! each).
 
-use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
 
-use nix::sys::socket::{recv, send, socketpair, AddressFamily, MsgFlags, SockFlag, SockType};
+use nix::sys::socket::{recv, send, MsgFlags};
 use prost::Message;
 
-use super::{io, keep_log, log_tail, Criu, CriuError};
+use super::{io, keep_log, log_tail, CriuError};
 
 /// `criu_opts`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -125,76 +122,52 @@ struct Notify {
 /// gives it. An error makes CRIU give up the request.
 pub(super) type OnNotify<'a> = &'a mut dyn FnMut(&str, Option<u32>) -> Result<(), String>;
 
-/// Runs one request of `kind` with `opts` through `criu swrk` (in the private mount
-/// namespace `mount` when given), answering its notifications with `on_notify`. Returns the
-/// restored tree's root pid for a restore. `log` is the log CRIU writes (for errors, and for
-/// `SBX_CRIU_LOG_DIR`).
+/// Runs one request of `kind` with `opts` through the `criu swrk` `worker` (started ahead,
+/// or now: [`super::worker::Workers`]), answering its notifications with `on_notify`. Returns
+/// the restored tree's root pid for a restore. `log` is the log CRIU writes (for errors, and
+/// for `SBX_CRIU_LOG_DIR`). The worker ends with the request.
 pub(super) fn call(
-    criu: &Criu,
     action: &'static str,
     kind: i32,
     opts: Opts,
-    mount: Option<crate::process::PrivateMount>,
+    worker: super::worker::Worker,
     on_notify: OnNotify<'_>,
     log: &Path,
 ) -> Result<Option<u32>, CriuError> {
-    let (ours, theirs) = socketpair(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        None,
-        SockFlag::SOCK_CLOEXEC,
-    )
-    .map_err(|e| CriuError::Other(format!("a socket pair for criu: {e}")))?;
-    let fd = theirs.as_raw_fd();
-    let mut cmd = Command::new(&criu.bin);
-    cmd.arg("swrk")
-        .arg(fd.to_string())
-        .env_clear()
-        .env(
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    // SAFETY: the closure runs in the forked child before exec and only makes raw syscalls
-    // (fcntl on a descriptor of its own copy of the table; unshare and mount on memory
-    // prepared before the fork).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            match &mount {
-                Some(m) => m.apply(),
-                None => Ok(()),
-            }
-        });
-    }
     let started = std::time::Instant::now();
-    let mut child = cmd
-        .spawn()
-        .map_err(io(format!("run {} swrk", criu.bin.display())))?;
-    drop(theirs);
-    let stderr = child.stderr.take().map(|mut e| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = e.read_to_string(&mut s);
-            s
-        })
-    });
-    let result = converse(&ours, kind, opts, on_notify);
-    drop(ours);
+    let super::worker::Worker {
+        sock,
+        mut child,
+        stderr,
+    } = worker;
+    let result = converse(&sock, kind, opts, on_notify);
+    let answered_us = started.elapsed().as_micros() as u64;
+    drop(sock);
+    if let Ok(pid) = result {
+        keep_log(action, log);
+        tracing::debug!(action, answered_us, "criu");
+        // It answered once all was done; what it does after (its namespace torn down: up to
+        // ~15 ms after a dump) is not waited for. Reaped off the request's path.
+        let _ = std::thread::Builder::new()
+            .name("criu-reap".into())
+            .spawn(move || {
+                let _ = child.wait();
+                if let Some(t) = stderr {
+                    let _ = t.join();
+                }
+            });
+        return Ok(pid);
+    }
     let status = child.wait().map_err(io("wait for criu"))?;
     let err = stderr.and_then(|t| t.join().ok()).unwrap_or_default();
     keep_log(action, log);
     tracing::debug!(
         action,
+        answered_us,
         total_us = started.elapsed().as_micros() as u64,
-        "criu"
+        "criu failed"
     );
     match result {
-        Ok(pid) if status.success() => Ok(pid),
         Ok(_) => Err(failed(action, status.to_string(), log, &err, None)),
         Err(Talk::Refused(why)) => Err(failed(action, status.to_string(), log, &err, Some(why))),
         Err(Talk::Broken(why)) => Err(failed(action, status.to_string(), log, &err, Some(why))),

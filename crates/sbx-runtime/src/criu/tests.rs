@@ -290,3 +290,89 @@ fn versions_are_read() {
     assert_eq!(parse_version("nothing"), None);
     assert_eq!(key("/dev/.sbx-agent"), "m_dev__sbx-agent");
 }
+
+/// The mount points `pid` sees (its mountinfo's fifth fields).
+fn mount_points_of(pid: &str) -> Vec<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .expect("mountinfo")
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn workers_wait_in_a_mount_namespace_of_their_own_and_are_made_again_off_the_path() {
+    let Some(criu) = criu_or_skip() else {
+        return;
+    };
+    // None waits yet: the first is started for the request.
+    assert_eq!(criu.workers.ready(), 0);
+    let w = criu.workers.take(&criu).expect("a worker");
+    let pid = w.child.id().to_string();
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).expect("ns link");
+    assert_ne!(ns(&pid), ns("self"), "a worker's mounts are its own");
+    // A restore's root mounted in its namespace is seen there, not on the host.
+    struct Gone(PathBuf);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let tmp = std::env::temp_dir().join(format!("sbx-criu-worker-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _gone = Gone(tmp.clone());
+    for d in ["lower", "upper", "work", "root"] {
+        std::fs::create_dir_all(tmp.join(d)).expect("mkdir");
+    }
+    std::fs::write(tmp.join("lower/seen"), "lower").expect("write");
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        tmp.join("lower").display(),
+        tmp.join("upper").display(),
+        tmp.join("work").display()
+    );
+    w.mount_root(&tmp.join("root"), &data)
+        .expect("mount in the worker");
+    let root = tmp.join("root").display().to_string();
+    assert!(
+        mount_points_of(&pid).contains(&root),
+        "mounted in the worker"
+    );
+    assert!(!mount_points_of("self").contains(&root), "not on the host");
+    assert!(!tmp.join("root/seen").exists());
+    // Given no request, it ends when its socket closes (and takes its mount with it).
+    let super::worker::Worker {
+        sock, mut child, ..
+    } = w;
+    drop(sock);
+    let end = Instant::now() + Duration::from_secs(5);
+    let ended = loop {
+        if let Ok(Some(_)) = child.try_wait() {
+            break true;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        ended,
+        "a worker given no request ends when its socket closes"
+    );
+    // Workers are made ahead, off the request's path, up to READY.
+    criu.workers.refill(&criu);
+    let end = Instant::now() + Duration::from_secs(20);
+    while criu.workers.ready() < super::worker::READY && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ready = criu.workers.ready_pids();
+    assert_eq!(ready.len(), super::worker::READY);
+    // One that ended while it waited is not given out.
+    crate::process::kill_pid(ready[ready.len() - 1], libc::SIGKILL);
+    std::thread::sleep(Duration::from_millis(100));
+    let w = criu.workers.take(&criu).expect("a worker");
+    assert_ne!(w.child.id(), ready[ready.len() - 1]);
+    assert!(ready.contains(&w.child.id()));
+}

@@ -1,0 +1,194 @@
+//! `criu swrk` processes started ahead of their request ([`Workers`]): starting one costs the
+//! node 10 to 15 ms on this project's machines (the fork of the node, then criu and its twenty
+//! libraries loaded and relocated, each page a fault), which no dump or restore then waits
+//! for. A worker waits in a mount namespace of its own ([`crate::process::PrivateMount`]: the
+//! kernel cache tmpfs as its /run, the scratch folder of its cgroup yard where the host's
+//! hierarchies are not one), made when it started; a restore mounts the sandbox's overlay in it
+//! before it sends the request ([`crate::process::mount_overlay_in`]).
+//!
+//! A worker's namespace is a copy of the node's mounts as they were when it started: what is
+//! mounted on the host for one request only (the binds of a restore's volumes) is not in it,
+//! so such a request starts a worker of its own ([`Workers::fresh`]).
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+
+use super::{io, Criu, CriuError, CGROUP_YARD};
+
+/// How many workers wait ready (a fork is a dump and a restore back to back).
+pub(super) const READY: usize = 2;
+
+/// A `criu swrk` waiting for its request on `sock`.
+pub(super) struct Worker {
+    pub sock: OwnedFd,
+    pub child: Child,
+    /// What it writes to its stderr (read to its end by a thread of its own).
+    pub stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+impl Worker {
+    /// Starts one: `criu swrk FD` in a private mount namespace with criu's /run and, where
+    /// the host's cgroup hierarchies are not criu's yard, the yard's scratch tmpfs.
+    fn start(criu: &Criu) -> Result<Worker, CriuError> {
+        let mut mount = crate::process::PrivateMount::new(None, criu.run.as_deref())
+            .map_err(io("prepare criu's mounts"))?;
+        if criu.cgroup_yard.is_none() {
+            std::fs::create_dir_all(CGROUP_YARD).map_err(io(format!("mkdir {CGROUP_YARD}")))?;
+            mount = mount
+                .with_scratch(Path::new(CGROUP_YARD))
+                .map_err(io("prepare criu's mounts"))?;
+        }
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| CriuError::Other(format!("a socket pair for criu: {e}")))?;
+        let fd = theirs.as_raw_fd();
+        let mut cmd = Command::new(&criu.bin);
+        cmd.arg("swrk")
+            .arg(fd.to_string())
+            .env_clear()
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        // SAFETY: the closure runs in the forked child before exec and only makes raw syscalls
+        // (fcntl on a descriptor of its own copy of the table; unshare and mount on memory
+        // prepared before the fork).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                mount.apply()
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(io(format!("run {} swrk", criu.bin.display())))?;
+        drop(theirs);
+        let stderr = child.stderr.take().map(|mut e| {
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = e.read_to_string(&mut s);
+                s
+            })
+        });
+        Ok(Worker {
+            sock: ours,
+            child,
+            stderr,
+        })
+    }
+
+    /// Whether it still waits (it has not ended since it started).
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Mounts a restore's root (an overlay with options `data` at `target`) in its namespace.
+    pub fn mount_root(&self, target: &Path, data: &str) -> Result<(), CriuError> {
+        crate::process::mount_overlay_in(self.child.id(), target, data)
+            .map_err(io(format!("mount the overlay at {}", target.display())))
+    }
+}
+
+/// The workers of one [`Criu`]: taken one per request, made again off the request's path.
+#[derive(Default)]
+pub struct Workers {
+    ready: Mutex<Vec<Worker>>,
+    /// A thread is making workers.
+    filling: AtomicBool,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.ready.lock().map(|r| r.len()).unwrap_or(0);
+        f.debug_struct("Workers").field("ready", &n).finish()
+    }
+}
+
+impl Workers {
+    /// A worker for a request: one that waits ready, else one started now.
+    pub(super) fn take(&self, criu: &Criu) -> Result<Worker, CriuError> {
+        loop {
+            let next = self.ready.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let Some(mut w) = next else {
+                return Worker::start(criu);
+            };
+            if w.alive() {
+                return Ok(w);
+            }
+            // Ended while it waited (killed from outside): reaped, and the next one.
+            let _ = w.child.wait();
+        }
+    }
+
+    /// How many wait ready.
+    pub(super) fn ready(&self) -> usize {
+        self.ready.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The pids of those that wait ready.
+    #[cfg(test)]
+    pub(super) fn ready_pids(&self) -> Vec<u32> {
+        let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        ready.iter().map(|w| w.child.id()).collect()
+    }
+
+    /// A worker started now, for a request that needs the host's mounts as they are.
+    pub(super) fn fresh(criu: &Criu) -> Result<Worker, CriuError> {
+        Worker::start(criu)
+    }
+
+    /// Starts workers until [`READY`] wait, on a thread of its own (one at a time).
+    pub(super) fn refill(self: &Arc<Self>, criu: &Criu) {
+        if self.filling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (me, criu) = (self.clone(), criu.clone());
+        let started = std::thread::Builder::new()
+            .name("criu-workers".into())
+            .spawn(move || {
+                loop {
+                    if me.ready() >= READY {
+                        break;
+                    }
+                    match Worker::start(&criu) {
+                        Ok(w) => me.ready.lock().unwrap_or_else(|e| e.into_inner()).push(w),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "a criu worker could not be started ahead");
+                            break;
+                        }
+                    }
+                }
+                me.filling.store(false, Ordering::SeqCst);
+            });
+        if started.is_err() {
+            self.filling.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        // Their sockets close with them: each criu reads the end and exits; reaped here.
+        let ready = std::mem::take(self.ready.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for mut w in ready {
+            drop(w.sock);
+            let _ = w.child.wait();
+        }
+    }
+}
