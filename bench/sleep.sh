@@ -2,7 +2,8 @@
 # Sleep, wake, snapshots and forks of a sandbox holding 50 MB resident (a Python process):
 # p50 and p95 of N rounds (default 10) of freeze and thaw (the cgroup freezer, as the node
 # pauses an idle sandbox), POST …/sleep, POST …/wake, POST …/snapshots, a sandbox made from a
-# snapshot (a fork's restore), POST …/fork {count: 1}; and the disk a snapshot takes. Starts a
+# snapshot (a fork's restore), POST …/fork {count: 1} and {count: 4} (its copies restored as
+# many at once as there are cores); and the disk a snapshot takes. Starts a
 # release node of its own. As root, with CRIU (scripts/criu.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +68,7 @@ def cgroup_file(ctrl, name):
     return found[0]
 freezer = cgroup_file("freezer", "freezer.state")
 mem = cgroup_file("memory", "memory.usage_in_bytes")
-rows = {k: [] for k in ["freeze", "thaw", "sleep", "wake", "snapshot", "sandbox from a snapshot", "fork (count 1)"]}
+rows = {k: [] for k in ["freeze", "thaw", "sleep", "wake", "snapshot", "sandbox from a snapshot", "fork (count 1)", "fork (count 4)"]}
 def state():
     with open(freezer) as f:
         return f.read().strip()
@@ -96,11 +97,13 @@ for _ in range(n):
     ask(made["id"])
     call("DELETE", f"/v1/sandboxes/{made['id']}")
     call("DELETE", f"/v1/snapshots/{snap['id']}")
-for _ in range(n):
-    t = time.perf_counter(); f = call("POST", f"/v1/sandboxes/{sid}/fork", {"count": 1}); rows["fork (count 1)"].append(time.perf_counter() - t)
-    for s in f["sandboxes"]:
-        call("DELETE", f"/v1/sandboxes/{s['id']}")
-    call("DELETE", f"/v1/snapshots/{f['snapshot']['id']}")
+for count in (1, 4):
+    for _ in range(n):
+        t = time.perf_counter(); f = call("POST", f"/v1/sandboxes/{sid}/fork", {"count": count}); rows[f"fork (count {count})"].append(time.perf_counter() - t)
+        assert len(f["sandboxes"]) == count, f
+        for s in f["sandboxes"]:
+            call("DELETE", f"/v1/sandboxes/{s['id']}")
+        call("DELETE", f"/v1/snapshots/{f['snapshot']['id']}")
 call("DELETE", f"/v1/sandboxes/{sid}")
 print("sleep, wake, snapshots and forks of a sandbox holding 50 MB resident (2 cores)")
 print(f"{'what':28} {'runs':>5} {'p50 ms':>9} {'p95 ms':>9}")

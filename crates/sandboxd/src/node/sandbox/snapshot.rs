@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use sbx_api::{ApiError, ErrorCode, SandboxCreate, SandboxObject, SandboxStatus, SnapshotObject};
 use sbx_runtime::Sandbox;
 
@@ -228,16 +229,39 @@ impl Node {
             ));
         }
         let snap = self.snapshot_sandbox(id, None).await?;
-        let mut made = Vec::new();
-        for _ in 0..count {
-            let c = SandboxCreate {
-                network: None,
-                spec: sbx_api::RunRequest {
-                    snapshot: Some(snap.id.clone()),
-                    ..sbx_api::RunRequest::new(sbx_api::Command::Argv(Vec::new()))
-                },
-            };
-            made.push(self.create_from_snapshot(c).await?);
+        // Made side by side, as many at once as the node has cores (each is a restore by a
+        // criu of its own), answered in order.
+        let at_once = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let results: Vec<Result<SandboxObject, ApiError>> =
+            futures_util::stream::iter((0..count).map(|_| {
+                self.create_from_snapshot(SandboxCreate {
+                    network: None,
+                    spec: sbx_api::RunRequest {
+                        snapshot: Some(snap.id.clone()),
+                        ..sbx_api::RunRequest::new(sbx_api::Command::Argv(Vec::new()))
+                    },
+                })
+            }))
+            .buffered(at_once)
+            .collect()
+            .await;
+        let mut made = Vec::with_capacity(results.len());
+        let mut failed = None;
+        for r in results {
+            match r {
+                Ok(o) => made.push(o),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            // All or nothing: what this call made goes (the caller is told none of its ids).
+            for o in &made {
+                let _ = self.delete_sandbox(&o.id).await;
+            }
+            let _ = self.delete_snapshot(&snap.id).await;
+            return Err(e);
         }
         Ok((snap, made))
     }
