@@ -73,6 +73,14 @@ pub struct Criu {
     workers: std::sync::Arc<worker::Workers>,
 }
 
+impl Criu {
+    /// Ends the workers waiting ready, and starts no more ahead (the node is stopping: each
+    /// holds a copy of the node's mounts, its disk among them).
+    pub fn stop_workers(&self) {
+        self.workers.stop();
+    }
+}
+
 /// `/sys/fs/cgroup` if every cgroup hierarchy this process is in is mounted there under the
 /// name criu gives it in a yard (the controllers as /proc/self/cgroup lists them, `name=`
 /// dropped, `unified` for cgroup v2), as systemd's hybrid and legacy layouts have them; else

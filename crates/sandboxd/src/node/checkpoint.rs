@@ -39,6 +39,8 @@ pub trait Checkpointer: Send + Sync {
         dir: &Path,
         net: Option<NetPlace>,
     ) -> Result<Sandbox, String>;
+    /// The node is stopping: what the checkpointer keeps ready ends (nothing by default).
+    fn stop(&self) {}
 }
 
 /// How a restored sandbox gets its network again: from its lease.
@@ -59,6 +61,13 @@ impl Checkpoints {
                 ErrorCode::NotServedHere,
                 format!("this node does not checkpoint sandboxes (sleep, snapshots, forks): {why}"),
             )),
+        }
+    }
+
+    /// The node is stopping ([`Checkpointer::stop`]).
+    pub fn stop(&self) {
+        if let Checkpoints::Ready(c) = self {
+            c.stop();
         }
     }
 
@@ -142,6 +151,10 @@ pub fn detect(bin: &Path, driver: Arc<NamespaceDriver>) -> Checkpoints {
 }
 
 impl Checkpointer for Criu {
+    fn stop(&self) {
+        self.criu.stop_workers();
+    }
+
     fn describe(&self) -> String {
         let (a, b, c) = self.criu.version;
         format!("criu {a}.{b}.{c} ({})", self.criu.bin.display())

@@ -371,6 +371,10 @@ impl Node {
         // Kept sandboxes run on (the next node adopts them): their groups keep the folder,
         // and the network's table keeps them fenced in. With none, nothing of the node stays.
         self.driver.release();
+        // criu's workers hold copies of the node's mounts (its disk among them).
+        if let Some(c) = self.checkpoints.get() {
+            c.stop();
+        }
         self.release_disk();
         if let Some(net) = self.net.get() {
             let kept_running = self

@@ -301,7 +301,7 @@ fn mount_points_of(pid: &str) -> Vec<String> {
 }
 
 #[test]
-fn workers_wait_in_a_mount_namespace_of_their_own_and_are_made_again_off_the_path() {
+fn workers_wait_in_namespaces_of_their_own_are_made_again_off_the_path_and_end_with_the_node() {
     let Some(criu) = criu_or_skip() else {
         return;
     };
@@ -375,4 +375,28 @@ fn workers_wait_in_a_mount_namespace_of_their_own_and_are_made_again_off_the_pat
     let w = criu.workers.take(&criu).expect("a worker");
     assert_ne!(w.child.id(), ready[ready.len() - 1]);
     assert!(ready.contains(&w.child.id()));
+    // Stopped (the node ends): those waiting end, none is made again.
+    criu.workers.refill(&criu);
+    let end = Instant::now() + Duration::from_secs(20);
+    while criu.workers.ready() < super::worker::READY && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let waiting = criu.workers.ready_pids();
+    assert!(!waiting.is_empty());
+    criu.stop_workers();
+    assert_eq!(criu.workers.ready(), 0);
+    for pid in waiting {
+        assert!(
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_err(),
+            "worker {pid} ended and was reaped"
+        );
+    }
+    criu.workers.refill(&criu);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(criu.workers.ready(), 0);
+    let super::worker::Worker {
+        sock, mut child, ..
+    } = w;
+    drop(sock);
+    let _ = child.wait();
 }

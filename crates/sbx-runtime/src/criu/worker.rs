@@ -93,6 +93,15 @@ impl Worker {
         })
     }
 
+    /// Ends it unused: its socket closes, criu reads the end and exits; reaped here.
+    fn end(self) {
+        let Worker {
+            sock, mut child, ..
+        } = self;
+        drop(sock);
+        let _ = child.wait();
+    }
+
     /// Whether it still waits (it has not ended since it started).
     fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -111,6 +120,8 @@ pub struct Workers {
     ready: Mutex<Vec<Worker>>,
     /// A thread is making workers.
     filling: AtomicBool,
+    /// No more are made ahead ([`Workers::stop`]).
+    stopped: AtomicBool,
 }
 
 impl std::fmt::Debug for Workers {
@@ -155,7 +166,7 @@ impl Workers {
 
     /// Starts workers until [`READY`] wait, on a thread of its own (one at a time).
     pub(super) fn refill(self: &Arc<Self>, criu: &Criu) {
-        if self.filling.swap(true, Ordering::SeqCst) {
+        if self.stopped.load(Ordering::SeqCst) || self.filling.swap(true, Ordering::SeqCst) {
             return;
         }
         let (me, criu) = (self.clone(), criu.clone());
@@ -163,11 +174,19 @@ impl Workers {
             .name("criu-workers".into())
             .spawn(move || {
                 loop {
-                    if me.ready() >= READY {
+                    if me.ready() >= READY || me.stopped.load(Ordering::SeqCst) {
                         break;
                     }
                     match Worker::start(&criu) {
-                        Ok(w) => me.ready.lock().unwrap_or_else(|e| e.into_inner()).push(w),
+                        Ok(w) => {
+                            let mut ready = me.ready.lock().unwrap_or_else(|e| e.into_inner());
+                            if me.stopped.load(Ordering::SeqCst) {
+                                drop(ready);
+                                w.end();
+                                break;
+                            }
+                            ready.push(w);
+                        }
                         Err(e) => {
                             tracing::warn!(error = %e, "a criu worker could not be started ahead");
                             break;
@@ -182,13 +201,19 @@ impl Workers {
     }
 }
 
+impl Workers {
+    /// Ends those waiting ready and makes no more ahead.
+    pub(super) fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+        let ready = std::mem::take(&mut *self.ready.lock().unwrap_or_else(|e| e.into_inner()));
+        for w in ready {
+            w.end();
+        }
+    }
+}
+
 impl Drop for Workers {
     fn drop(&mut self) {
-        // Their sockets close with them: each criu reads the end and exits; reaped here.
-        let ready = std::mem::take(self.ready.get_mut().unwrap_or_else(|e| e.into_inner()));
-        for mut w in ready {
-            drop(w.sock);
-            let _ = w.child.wait();
-        }
+        self.stop();
     }
 }
