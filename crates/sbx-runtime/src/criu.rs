@@ -557,7 +557,11 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
     } else {
         worker::Workers::fresh(criu)?
     };
-    worker.mount_root(&root, &overlay)?;
+    if let Err(e) = worker.mount_root(&root, &overlay) {
+        worker.end();
+        criu.workers.refill(criu);
+        return Err(e);
+    }
     let pid = rpc::call(
         "restore",
         rpc::RESTORE,

@@ -5,7 +5,7 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
@@ -957,13 +957,11 @@ pub fn userns_with_netns((base, count): (u32, u32)) -> io::Result<OwnedFd> {
     result
 }
 
-/// Mounts made in a new mount namespace of a child before it execs (for criu: its `--root`,
-/// and a tmpfs as its /run): prepared before the fork, applied in the child with raw syscalls
-/// only.
+/// Mounts made in a new mount namespace of a child before it execs (for a criu worker: a
+/// tmpfs as its /run, its cgroup yard's scratch): prepared before the fork, applied in the
+/// child with raw syscalls only. A restore's root is mounted later ([`mount_overlay_in`]).
 #[derive(Debug)]
 pub struct PrivateMount {
-    /// An overlay's mount point and options.
-    overlay: Option<(CString, CString)>,
     /// A tmpfs shown as /run, and its `sbx` folder, where the host's /run/sbx is bound.
     run: Option<(CString, CString)>,
     /// A folder (which exists on the host) given a tmpfs of its own, last.
@@ -971,17 +969,9 @@ pub struct PrivateMount {
 }
 
 impl PrivateMount {
-    /// An overlay with mount options `data` at `target` (given as `(target, data)`), and the
-    /// folder `run` (a tmpfs with a `sbx` folder) bound over /run with the host's /run/sbx in
-    /// it.
-    pub fn new(overlay: Option<(PathBuf, String)>, run: Option<&Path>) -> io::Result<PrivateMount> {
-        let overlay = match overlay {
-            Some((target, data)) => Some((
-                CString::new(target.as_os_str().as_bytes())?,
-                CString::new(data)?,
-            )),
-            None => None,
-        };
+    /// The folder `run` (a tmpfs with a `sbx` folder) bound over /run with the host's /run/sbx
+    /// in it.
+    pub fn new(run: Option<&Path>) -> io::Result<PrivateMount> {
         let run = match run {
             Some(dir) => Some((
                 CString::new(dir.as_os_str().as_bytes())?,
@@ -989,11 +979,7 @@ impl PrivateMount {
             )),
             None => None,
         };
-        Ok(PrivateMount {
-            overlay,
-            run,
-            scratch: None,
-        })
+        Ok(PrivateMount { run, scratch: None })
     }
 
     /// Also a small tmpfs at `dir` (a folder that exists on the host), mounted last: a place
@@ -1022,21 +1008,6 @@ impl PrivateMount {
         };
         if r != 0 {
             return Err(io::Error::last_os_error());
-        }
-        if let Some((target, data)) = &self.overlay {
-            // SAFETY: as above; `data` is the overlay's option string.
-            let r = unsafe {
-                libc::mount(
-                    c"overlay".as_ptr(),
-                    target.as_ptr(),
-                    c"overlay".as_ptr(),
-                    0,
-                    data.as_ptr() as *const libc::c_void,
-                )
-            };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
-            }
         }
         if let Some((run, sbx)) = &self.run {
             // The host's /run/sbx into the tmpfs, then the tmpfs over /run. Best effort: where

@@ -37,7 +37,7 @@ impl Worker {
     /// Starts one: `criu swrk FD` in a private mount namespace with criu's /run and, where
     /// the host's cgroup hierarchies are not criu's yard, the yard's scratch tmpfs.
     fn start(criu: &Criu) -> Result<Worker, CriuError> {
-        let mut mount = crate::process::PrivateMount::new(None, criu.run.as_deref())
+        let mut mount = crate::process::PrivateMount::new(criu.run.as_deref())
             .map_err(io("prepare criu's mounts"))?;
         if criu.cgroup_yard.is_none() {
             std::fs::create_dir_all(CGROUP_YARD).map_err(io(format!("mkdir {CGROUP_YARD}")))?;
@@ -94,7 +94,7 @@ impl Worker {
     }
 
     /// Ends it unused: its socket closes, criu reads the end and exits; reaped here.
-    fn end(self) {
+    pub(super) fn end(self) {
         let Worker {
             sock, mut child, ..
         } = self;
