@@ -417,4 +417,26 @@ mod tests {
             json!(["python3", "-c", "print(2+2)"])
         );
     }
+
+    #[test]
+    fn a_volume_s_name_is_given_as_docker_s_or_by_flag_not_both() {
+        let name = |v: &[&str]| {
+            let mut a = vec!["sbx", "volume", "create"];
+            a.extend_from_slice(v);
+            match Cli::try_parse_from(a).map(|c| c.command) {
+                Ok(Cmd::Volume {
+                    command: volumes::VolumeCmd::Create { given, name, .. },
+                }) => Ok(given.or(name)),
+                Ok(_) => unreachable!(),
+                Err(e) => Err(e.kind()),
+            }
+        };
+        assert_eq!(name(&["data"]), Ok(Some("data".to_string())));
+        assert_eq!(name(&["--name", "data"]), Ok(Some("data".to_string())));
+        assert_eq!(name(&[]), Ok(None));
+        assert_eq!(
+            name(&["a", "--name", "b"]),
+            Err(clap::error::ErrorKind::ArgumentConflict)
+        );
+    }
 }

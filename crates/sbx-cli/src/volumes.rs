@@ -11,7 +11,10 @@ pub enum VolumeCmd {
     /// Make a volume (its id is printed): a directory of the node's disk of its own size that
     /// outlives sandboxes.
     Create {
-        /// Its name (mount it by name or id).
+        /// Its name (mount it by name or id), as in `docker volume create NAME`.
+        #[arg(value_name = "NAME", conflicts_with = "name")]
+        given: Option<String>,
+        /// Its name, the same as NAME.
         #[arg(long)]
         name: Option<String>,
         /// Its size: bytes, or with a unit (512m, 10g); default: the node's.
@@ -40,13 +43,14 @@ pub enum VolumeCmd {
 pub fn volume(cli: &Cli, cmd: &VolumeCmd) -> anyhow::Result<u8> {
     match cmd {
         VolumeCmd::Create {
+            given,
             name,
             size,
             shared,
             json,
         } => {
             let mut body = Map::new();
-            if let Some(n) = name {
+            if let Some(n) = given.as_ref().or(name.as_ref()) {
                 body.insert("name".into(), json!(n));
             }
             if let Some(s) = size {
