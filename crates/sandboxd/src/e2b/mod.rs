@@ -5,6 +5,13 @@
 //! port to that port in the sandbox (the code interpreter's 49999 among them). Any other
 //! request is E2B's control plane (`api.rs`). Both call the node's core (`crate::node`), as
 //! the node's own API does.
+//!
+//! Where a request comes from is checked as the API checks it (`crate::guard`), on every
+//! route: a node without keys serves a loopback `Host` only (a DNS-rebinding page sends its
+//! own name), and a page (`Origin`) only of the listener's own origin or `--cors-origin`
+//! (whose preflights it answers, and whose answers get CORS headers).
+//! What goes on to a sandbox (envd's port or any other) has the node's credentials taken out
+//! first (`crate::guard::take_credentials`, as the preview listener does).
 
 pub(crate) mod api;
 pub(crate) mod connect;
@@ -20,6 +27,7 @@ use anyhow::Context;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use hyper::body::Incoming;
+use hyper::header::HeaderValue;
 use hyper::{header, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde_json::json;
@@ -45,6 +53,8 @@ pub(crate) struct Shared {
     pub node: Arc<Node>,
     /// `--api-keys`: `X-API-KEY` must be one; none: loopback callers only.
     pub api_keys: Option<HashSet<String>>,
+    /// `--cors-origin`: origins besides the listener's own whose pages it serves.
+    cors_origins: Vec<String>,
     /// The control plane's routes.
     api: axum::Router,
     /// envd's state of the node (processes by pid, watchers).
@@ -63,6 +73,7 @@ pub async fn start(
     listen: Option<SocketAddr>,
     node: Arc<Node>,
     api_keys: Option<HashSet<String>>,
+    cors_origins: Vec<String>,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let Some(listen) = listen else {
         return Ok(None);
@@ -75,6 +86,7 @@ pub async fn start(
         api: api::router(node.clone()),
         node,
         api_keys,
+        cors_origins,
         envd: envd::State::default(),
     });
     let _ = SHARED.set(shared.clone());
@@ -155,7 +167,7 @@ pub(crate) fn url_pairs(q: &str) -> Vec<(String, String)> {
 
 /// Whether the caller holds one of the node's keys (`X-API-KEY`, or `Authorization: Bearer`),
 /// or, on a node without keys, calls from loopback.
-pub(crate) fn caller_may(shared: &Shared, headers: &hyper::HeaderMap, peer: SocketAddr) -> bool {
+fn caller_may(shared: &Shared, headers: &hyper::HeaderMap, peer: SocketAddr) -> bool {
     match &shared.api_keys {
         None => peer.ip().is_loopback(),
         Some(keys) => {
@@ -174,7 +186,106 @@ pub(crate) fn caller_may(shared: &Shared, headers: &hyper::HeaderMap, peer: Sock
     }
 }
 
+/// What the listener makes of where a request comes from.
+enum From {
+    /// Refused: the answer.
+    Refused(Response),
+    /// A page of an origin `--cors-origin` allows: its answer gets CORS headers.
+    Cors(String),
+    /// Anything else it serves.
+    Served,
+}
+
+/// Where the request comes from, as the API decides it: on a node without keys a loopback
+/// `Host` only; an `Origin` only the listener's own (`http://{host}`) or one of
+/// `--cors-origin`.
+fn where_from(req: &Request<Incoming>, shared: &Shared) -> From {
+    let host = header_str(req, "host").or_else(|| req.uri().authority().map(|a| a.as_str()));
+    let decided = crate::guard::check_origin(
+        shared.api_keys.is_none(),
+        host,
+        req.headers().get(header::ORIGIN),
+        "http",
+        &shared.cors_origins,
+    );
+    match decided {
+        Ok(Some(o)) => From::Cors(o),
+        Ok(None) => From::Served,
+        Err(crate::guard::Refusal::Host(h)) => From::Refused(e2b_error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "this node has no API keys and serves requests to a loopback name or address \
+                 only, not to Host {h:?}"
+            ),
+        )),
+        Err(crate::guard::Refusal::Origin(o)) => From::Refused(e2b_error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "requests from pages of {o:?} are refused (sandboxd --cors-origin ORIGIN allows \
+                 one)"
+            ),
+        )),
+    }
+}
+
+/// The answer to a CORS preflight of an origin `--cors-origin` allows: the methods E2B's
+/// SDKs use, the headers the page asks for (E2B's SDKs send headers of their own).
+fn preflight(req: &Request<Incoming>) -> Response {
+    let mut resp = StatusCode::NO_CONTENT.into_response();
+    let asked = req
+        .headers()
+        .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+        .cloned();
+    let h = resp.headers_mut();
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_METHODS,
+        HeaderValue::from_static("GET, POST, PUT, PATCH, DELETE"),
+    );
+    if let Some(asked) = asked {
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
+    }
+    h.insert(
+        header::ACCESS_CONTROL_MAX_AGE,
+        HeaderValue::from_static("600"),
+    );
+    resp
+}
+
+/// `resp` with the CORS headers of `origin` (one `--cors-origin` allows).
+fn with_cors(mut resp: Response, origin: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(origin) {
+        let h = resp.headers_mut();
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+        h.insert(
+            header::ACCESS_CONTROL_EXPOSE_HEADERS,
+            HeaderValue::from_static("x-next-token"),
+        );
+        h.append(header::VARY, HeaderValue::from_static("origin"));
+    }
+    resp
+}
+
 async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
+    match where_from(&req, &shared) {
+        From::Refused(r) => r,
+        From::Served => route(req, peer, shared).await,
+        From::Cors(o) => {
+            let resp = if req.method() == hyper::Method::OPTIONS
+                && req
+                    .headers()
+                    .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
+            {
+                preflight(&req)
+            } else {
+                route(req, peer, shared).await
+            };
+            with_cors(resp, &o)
+        }
+    }
+}
+
+/// A request the listener serves: a sandbox's side when it names one, else the control plane.
+async fn route(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
     if let Some(id) = header_str(&req, "e2b-sandbox-id").map(str::to_string) {
         let port = match header_str(&req, "e2b-sandbox-port") {
             None => ENVD_PORT,
@@ -205,7 +316,18 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -
     }
 }
 
-/// A request for a port of sandbox `id`: envd's is the node's, any other the sandbox's.
+/// Who sent a request for a sandbox's port, its credentials taken out of it.
+pub(crate) struct Access {
+    /// The node's credentials it carried.
+    pub creds: crate::guard::Credentials,
+    /// A caller the control plane takes: a key of the node (loopback on a node without keys).
+    pub caller: bool,
+    /// Any web page could have sent it (`crate::guard::browser_simple`).
+    pub browser_simple: bool,
+}
+
+/// A request for a port of sandbox `id`: envd's is the node's, any other the sandbox's. The
+/// node's credentials are taken out of it first, whichever.
 pub(crate) async fn sandbox_side(
     req: Request<Incoming>,
     peer: SocketAddr,
@@ -213,6 +335,19 @@ pub(crate) async fn sandbox_side(
     id: &str,
     port: u16,
 ) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let browser_simple = crate::guard::browser_simple(&parts.method, &parts.headers);
+    let creds = crate::guard::take_credentials(&mut parts, shared.api_keys.as_ref());
+    let caller = match &shared.api_keys {
+        None => peer.ip().is_loopback(),
+        Some(_) => creds.api_key,
+    };
+    let access = Access {
+        creds,
+        caller,
+        browser_simple,
+    };
+    let req = Request::from_parts(parts, body);
     // A request for the sandbox thaws it if it is paused, and holds it awake until answered.
     let held = match shared.node.use_sandbox(id).await {
         Some(Ok(h)) => Some(h),
@@ -220,9 +355,9 @@ pub(crate) async fn sandbox_side(
         None => None,
     };
     let resp = if port == ENVD_PORT {
-        envd::handle(shared, req.map(Body::new), peer, id).await
+        envd::handle(shared, req.map(Body::new), &access, id).await
     } else {
-        proxy(req, peer, shared, id, port).await
+        proxy(req, peer, shared, &access, id, port).await
     };
     match held {
         Some(h) => crate::http::hold_while_sent(resp, h),
@@ -232,11 +367,13 @@ pub(crate) async fn sandbox_side(
 
 /// A request for port `port` of the sandbox, forwarded to it: a public port to anybody,
 /// another one with the sandbox's token (`X-Access-Token`, `E2B-Traffic-Access-Token`) or
-/// a caller the control plane takes.
+/// a caller the control plane takes. It goes without the node's credentials
+/// ([`sandbox_side`] took them out).
 async fn proxy(
     req: Request<Incoming>,
     peer: SocketAddr,
     shared: &Arc<Shared>,
+    access: &Access,
     id: &str,
     port: u16,
 ) -> Response {
@@ -249,11 +386,11 @@ async fn proxy(
             )
         }
     };
-    let token_ok = ["x-access-token", "e2b-traffic-access-token"]
-        .iter()
-        .filter_map(|h| header_str(&req, h))
+    let token_ok = access
+        .creds
+        .token_in(&["x-access-token", "e2b-traffic-access-token"])
         .any(|t| target.token_matches(t));
-    if !(target.public || token_ok || caller_may(shared, req.headers(), peer)) {
+    if !(target.public || token_ok || access.caller) {
         return e2b_error(
             StatusCode::UNAUTHORIZED,
             format!("port {port} of sandbox {id} is not public: send its access token"),

@@ -6,11 +6,17 @@
 //!   decisions, and refusals as the API's one error body.
 //! - auth.rs: who may open a port: public ports (`public_ports`, `public_ports_except`) for
 //!   anybody, the others with the sandbox's token (`X-Sbx-Token`, `?sbx_token=` answered with
-//!   a 307 and a cookie, that cookie) or one of the node's API keys; every one of these taken
-//!   out of the request before it goes on.
+//!   a 307 and a cookie, that cookie) or one of the node's API keys; every credential of the
+//!   node taken out of the request before it goes on (`crate::guard`, shared with E2B's
+//!   listener).
 //! - upstream.rs: the connection to 127.0.0.1:{port} inside the sandbox's network namespace
 //!   (a socket made there through sbx-runtime's `netns`, as the ready probes make theirs), the
 //!   request over HTTP/1.1, bodies streamed both ways, `Upgrade:` (WebSocket) passed through.
+//!
+//! A request from a page (its `Origin`) is served only to the preview host's own origin
+//! (`http(s)://{host}`), a page of another port of the same sandbox, or one of
+//! `--cors-origin`: a page of another site (or of another sandbox) cannot drive a sandbox's
+//! service, nor envd's port, through a user's browser.
 //!
 //! What it needs of a sandbox it asks `node/` with typed calls (`Node::preview_target`,
 //! `Node::sandbox_netns`): no HTTP type goes into the core.
@@ -77,6 +83,8 @@ struct Shared {
     https: bool,
     api_keys: Option<HashSet<String>>,
     docs_url: Option<String>,
+    /// `--cors-origin`: origins besides a preview host's own whose pages it serves.
+    cors_origins: Vec<String>,
 }
 
 /// Binds the listener (when it is on), tells the node its settings and serves in the
@@ -86,6 +94,7 @@ pub async fn start(
     node: Arc<Node>,
     api_keys: Option<HashSet<String>>,
     docs_url: Option<String>,
+    cors_origins: Vec<String>,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let Some(listen) = cfg.listen else {
         tracing::info!("preview listener off");
@@ -119,6 +128,7 @@ pub async fn start(
         https: tls.is_some(),
         api_keys,
         docs_url,
+        cors_origins,
     });
     tokio::spawn(accept_loop(listener, tls, shared));
     Ok(Some(bound))
@@ -220,6 +230,30 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
     let Some((port, sandbox)) = parse_host(&host, &shared.domain) else {
         return fail(not_a_preview_host(&host));
     };
+    // A page of another site is refused, whatever the port: a request a page sends without
+    // a preflight (a form's POST, say) would otherwise reach the service with the user's
+    // cookies, or envd of a node without keys with no token at all.
+    let scheme = if shared.https { "https" } else { "http" };
+    let origin = req.headers().get(header::ORIGIN);
+    if let Err(crate::guard::Refusal::Origin(o) | crate::guard::Refusal::Host(o)) =
+        crate::guard::check_origin(false, Some(&host), origin, scheme, &shared.cors_origins)
+    {
+        // (A page of another port of the same sandbox is served: its code could call it.)
+        if !same_sandbox_origin(shared, &o, scheme, &sandbox) {
+            return fail(
+                ApiError::new(
+                    ErrorCode::OriginNotAllowed,
+                    format!(
+                        "requests from pages of {o:?} are refused: a preview host serves its \
+                         own sandbox's pages ({scheme}://{{port}}-{sandbox}.{}) and those of \
+                         --cors-origin",
+                        shared.domain
+                    ),
+                )
+                .with_param("Origin"),
+            );
+        }
+    }
     // envd's port is the E2B front end's (when it is on): E2B's SDK, given E2B_DOMAIN,
     // calls `49983-{id}.{domain}`.
     if port == crate::e2b::ENVD_PORT {
@@ -288,6 +322,23 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
             ))
         }
     }
+}
+
+/// Whether `origin` (`{scheme}://{port}-{sandbox}.{domain}[:port]`) is a page of another port
+/// of `sandbox` (an id or a name): a sandbox's front end may call its own API on another port,
+/// which its code could reach from inside all the same; a page of another sandbox may not.
+fn same_sandbox_origin(shared: &Shared, origin: &str, scheme: &str, sandbox: &str) -> bool {
+    let Some(host) = origin
+        .strip_prefix(scheme)
+        .and_then(|r| r.strip_prefix("://"))
+    else {
+        return false;
+    };
+    let Some((port, other)) = parse_host(host, &shared.domain) else {
+        return false;
+    };
+    let id = |s: &str| shared.node.preview_target(s, port).ok().map(|t| t.id);
+    other == sandbox || matches!((id(&other), id(sandbox)), (Some(a), Some(b)) if a == b)
 }
 
 /// Forwards `req` to port `port` in the network namespace `ns` names (for the E2B front

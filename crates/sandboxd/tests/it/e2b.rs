@@ -272,3 +272,412 @@ fn keys_tokens_and_errors_are_e2b_s() {
     node.assert_clean(Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `call` with a body of bytes and no Content-Type but those of `headers` (ureq's
+/// `send_string` would add text/plain): (status, body).
+fn call_bytes(method: &str, url: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, String) {
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(60))
+        .build();
+    let mut req = agent.request(method, url);
+    for (k, v) in headers {
+        req = req.set(k, v);
+    }
+    match req.send_bytes(body) {
+        Ok(resp) => (resp.status(), resp.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(code, resp)) => (code, resp.into_string().unwrap_or_default()),
+        Err(e) => panic!("{method} {url}: {e}"),
+    }
+}
+
+/// A server of the stdlib alone, on the port of its first argument: every GET answered with
+/// its path and headers, as JSON.
+const ECHO: &str = r#"
+import sys, json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        h = {k.lower(): v for k, v in self.headers.items()}
+        body = json.dumps({"path": self.path, "headers": h}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+"#;
+
+/// Creates a sandbox through the E2B listener at `base` (with `key`, if any): (id, token).
+fn e2b_sandbox(base: &str, key: Option<&str>) -> (String, String) {
+    let mut h = vec![("Content-Type", "application/json")];
+    if let Some(k) = key {
+        h.push(("X-API-KEY", k));
+    }
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/sandboxes"),
+        &h,
+        Some(r#"{"templateID":"base","timeout":120}"#),
+    );
+    assert_eq!(status, 201, "{body}");
+    let sb: Value = serde_json::from_str(&body).unwrap();
+    (
+        sb["sandboxID"].as_str().unwrap().to_string(),
+        sb["envdAccessToken"].as_str().unwrap().to_string(),
+    )
+}
+
+#[test]
+fn the_node_s_credentials_never_reach_a_sandbox_s_service() {
+    let (node, e2b, dir) = node();
+    let base = format!("http://{e2b}");
+    let (id, token) = e2b_sandbox(&base, Some(KEY));
+    let bearer = format!("Bearer {KEY}");
+    let r = node.post(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &[("Authorization", bearer.as_str())],
+        serde_json::json!({ "command": ["python3", "-c", ECHO, "8000"] })
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 201, "start the server: {}", r.text());
+    let port = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("E2b-Sandbox-Port", "8000"),
+    ];
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut h = port.to_vec();
+        h.push(("X-Access-Token", &token));
+        let (status, body) = call("GET", &format!("{base}/up"), &h, None);
+        if status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "port 8000 did not open: {status} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cookie = format!("theirs=1; sbx_token={token}");
+    let seen = |url: &str, headers: &[(&str, &str)]| {
+        let (status, body) = call("GET", url, headers, None);
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            !body.contains(KEY) && !body.contains(&token),
+            "the service saw a credential of the node: {body}"
+        );
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v
+    };
+    // Every credential of the node at once, through the E2B listener: none reaches the
+    // service; what is the service's own does.
+    let mut all = port.to_vec();
+    all.extend([
+        ("X-API-KEY", KEY),
+        ("Authorization", bearer.as_str()),
+        ("X-Access-Token", token.as_str()),
+        ("E2B-Traffic-Access-Token", token.as_str()),
+        ("X-Sbx-Token", token.as_str()),
+        ("Cookie", cookie.as_str()),
+        ("X-Mine", "kept"),
+    ]);
+    let v = seen(&format!("{base}/headers?a=1&sbx_token={token}"), &all);
+    let h = &v["headers"];
+    for name in [
+        "x-api-key",
+        "authorization",
+        "x-access-token",
+        "e2b-traffic-access-token",
+        "x-sbx-token",
+    ] {
+        assert!(h.get(name).is_none(), "{name} reached the service: {v}");
+    }
+    assert_eq!(h["cookie"], "theirs=1", "{v}");
+    assert_eq!(h["x-mine"], "kept", "{v}");
+    assert_eq!(v["path"], "/headers?a=1", "{v}");
+    // Each key form alone lets the caller in, and stays behind.
+    for k in [("X-API-KEY", KEY), ("Authorization", bearer.as_str())] {
+        let mut h = port.to_vec();
+        h.push(k);
+        let v = seen(&format!("{base}/headers"), &h);
+        assert!(v["headers"].get(k.0.to_ascii_lowercase()).is_none(), "{v}");
+    }
+    // The preview listener takes them out too.
+    let preview = node.preview_addr().expect("a preview listener");
+    let pport = preview.rsplit(':').next().unwrap();
+    let host = format!("8000-{id}.localhost:{pport}");
+    let v = seen(
+        &format!("http://{preview}/headers"),
+        &[
+            ("Host", host.as_str()),
+            ("X-API-KEY", KEY),
+            ("Authorization", bearer.as_str()),
+            ("X-Access-Token", token.as_str()),
+        ],
+    );
+    for name in ["x-api-key", "authorization", "x-access-token"] {
+        assert!(
+            v["headers"].get(name).is_none(),
+            "{name} reached the service: {v}"
+        );
+    }
+    let (status, body) = call(
+        "DELETE",
+        &format!("{base}/sandboxes/{id}"),
+        &[("X-API-KEY", KEY)],
+        None,
+    );
+    assert_eq!(status, 204, "{body}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_keyless_node_s_e2b_listener_serves_loopback_hosts_and_its_own_pages_only() {
+    let e2b = format!("127.0.0.1:{}", free_port());
+    let node = TestNode::start_with(&["--e2b-listen", &e2b, "--cors-origin", "http://app.example"]);
+    let base = format!("http://{e2b}");
+    let port = e2b.rsplit(':').next().unwrap();
+    let evil_host = format!("evil.example:{port}");
+    let json = ("Content-Type", "application/json");
+    // A page whose name was rebound to 127.0.0.1 sends its own name: refused on every route.
+    let (status, body) = call(
+        "GET",
+        &format!("{base}/v2/sandboxes"),
+        &[("Host", &evil_host)],
+        None,
+    );
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("loopback"), "{body}");
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/sandboxes"),
+        &[("Host", &evil_host), json],
+        Some(r#"{"templateID":"base"}"#),
+    );
+    assert_eq!(status, 403, "{body}");
+    assert!(!body.contains("envdAccessToken"), "{body}");
+    // A page of another origin: refused; the listener's own: served.
+    let (status, body) = call(
+        "GET",
+        &format!("{base}/v2/sandboxes"),
+        &[("Origin", "http://evil.example")],
+        None,
+    );
+    assert_eq!(status, 403, "{body}");
+    let own = format!("http://{e2b}");
+    let (status, body) = call(
+        "GET",
+        &format!("{base}/v2/sandboxes"),
+        &[("Origin", &own)],
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    // One of --cors-origin: its preflight answered, its answers with CORS headers.
+    let agent = ureq::AgentBuilder::new().build();
+    let r = agent
+        .request("OPTIONS", &format!("{base}/sandboxes"))
+        .set("Origin", "http://app.example")
+        .set("Access-Control-Request-Method", "POST")
+        .set("Access-Control-Request-Headers", "x-api-key, content-type")
+        .call()
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("x-api-key, content-type")
+    );
+    let r = agent
+        .get(&format!("{base}/v2/sandboxes"))
+        .set("Origin", "http://app.example")
+        .call()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
+    let (id, token) = e2b_sandbox(&base, None);
+    let envd = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("E2b-Sandbox-Port", "49983"),
+    ];
+    let r = node.post(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &[],
+        br#"{"command": "echo keep > /tmp/victim", "wait_seconds": 10}"#,
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let victim = || {
+        let mut h = envd.to_vec();
+        h.push(("X-Access-Token", &token));
+        call("GET", &format!("{base}/files?path=/tmp/victim"), &h, None)
+    };
+    assert_eq!(victim(), (200, "keep\n".to_string()));
+    // The sandbox side: the same Host rule (here even with the token).
+    let start = r#"{"process":{"cmd":"/bin/sh","args":["-c","rm /tmp/victim"]}}"#;
+    let mut h = envd.to_vec();
+    h.extend([
+        ("Host", evil_host.as_str()),
+        json,
+        ("Connect-Protocol-Version", "1"),
+        ("X-Access-Token", token.as_str()),
+    ]);
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/process.Process/Start"),
+        &h,
+        Some(start),
+    );
+    assert_eq!(status, 403, "{body}");
+    let mut h = envd.to_vec();
+    h.extend([("Origin", "http://evil.example"), json]);
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/filesystem.Filesystem/Remove"),
+        &h,
+        Some(r#"{"path":"/tmp/victim"}"#),
+    );
+    assert_eq!(status, 403, "{body}");
+    // A request any page could send (no Content-Type, no header of its own) from loopback
+    // changes nothing without the token.
+    let remove = br#"{"path":"/tmp/victim"}"#;
+    let (status, body) = call_bytes(
+        "POST",
+        &format!("{base}/filesystem.Filesystem/Remove"),
+        &envd,
+        remove,
+    );
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(victim(), (200, "keep\n".to_string()));
+    // A client's request (Connect's headers) from loopback does, as before.
+    let mut h = envd.to_vec();
+    h.extend([json, ("Connect-Protocol-Version", "1")]);
+    let (status, body) = call_bytes(
+        "POST",
+        &format!("{base}/filesystem.Filesystem/Remove"),
+        &h,
+        remove,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(victim().0, 404);
+    let (status, body) = call("DELETE", &format!("{base}/sandboxes/{id}"), &[], None);
+    assert_eq!(status, 204, "{body}");
+    node.assert_clean(Duration::from_secs(20));
+}
+
+/// The gzip of `data`.
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    enc.write_all(data).unwrap();
+    enc.finish().unwrap()
+}
+
+#[test]
+fn e2b_uploads_that_fail_leave_the_target_and_unknown_users_are_refused() {
+    let (node, e2b, dir) = node();
+    let base = format!("http://{e2b}");
+    let (id, token) = e2b_sandbox(&base, Some(KEY));
+    let envd = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("E2b-Sandbox-Port", "49983"),
+        ("X-Access-Token", token.as_str()),
+    ];
+    let octets = ("Content-Type", "application/octet-stream");
+    let upload = |path: &str, extra: &[(&str, &str)], body: &[u8]| {
+        let mut h = envd.to_vec();
+        h.push(octets);
+        h.extend_from_slice(extra);
+        call_bytes("POST", &format!("{base}/files?path={path}"), &h, body)
+    };
+    let read = |path: &str| call("GET", &format!("{base}/files?path={path}"), &envd, None);
+    let holds = |path: &str, want: &str| {
+        let (status, body) = read(path);
+        assert!(
+            status == 200 && body == want,
+            "{path}: {status}, {} bytes, not {want:?}: {:?}",
+            body.len(),
+            body.chars().take(100).collect::<String>()
+        );
+    };
+    let (status, body) = upload("/tmp/keep.txt", &[], b"original");
+    assert_eq!(status, 200, "{body}");
+    holds("/tmp/keep.txt", "original");
+    // A gzip body cut off, and one that is not gzip: refused, the file as it was.
+    let big: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();
+    let mut cut = gzip(&big);
+    cut.truncate(cut.len() / 2);
+    let gz = ("Content-Encoding", "gzip");
+    for bad in [cut.as_slice(), b"not gzip at all".as_slice()] {
+        let (status, body) = upload("/tmp/keep.txt", &[gz], bad);
+        assert!(
+            status >= 400,
+            "a broken gzip body was taken: {status} {body}"
+        );
+        holds("/tmp/keep.txt", "original");
+        // A new file: not left behind.
+        let (status, body) = upload("/tmp/new.txt", &[gz], bad);
+        assert!(
+            status >= 400,
+            "a broken gzip body was taken: {status} {body}"
+        );
+        assert_eq!(read("/tmp/new.txt").0, 404);
+    }
+    // A whole one is written.
+    let (status, body) = upload("/tmp/keep.txt", &[gz], &gzip(b"replaced"));
+    assert_eq!(status, 200, "{body}");
+    holds("/tmp/keep.txt", "replaced");
+    // A user the sandbox does not have is refused, not served as root; `user` (the SDK's
+    // default) and root are served in their homes.
+    let (status, body) = call(
+        "GET",
+        &format!("{base}/files?path=keep.txt&username=alice"),
+        &envd,
+        None,
+    );
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("invalid username"), "{body}");
+    let (status, body) = upload("x.txt&username=alice", &[], b"x");
+    assert_eq!(status, 401, "{body}");
+    let (status, body) = upload("home.txt", &[], b"mine");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("/home/user/home.txt"), "{body}");
+    let (status, body) = upload("root.txt&username=root", &[], b"mine");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("/root/root.txt"), "{body}");
+    let alice = format!("Basic {}", {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode("alice:")
+    });
+    let mut h = envd.to_vec();
+    h.extend([
+        ("Content-Type", "application/json"),
+        ("Authorization", alice.as_str()),
+    ]);
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/filesystem.Filesystem/Stat"),
+        &h,
+        Some(r#"{"path":"/tmp/keep.txt"}"#),
+    );
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("invalid username"), "{body}");
+    let (status, body) = call(
+        "DELETE",
+        &format!("{base}/sandboxes/{id}"),
+        &[("X-API-KEY", KEY)],
+        None,
+    );
+    assert_eq!(status, 204, "{body}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}

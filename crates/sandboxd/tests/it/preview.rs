@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::common::{assert_error, sbx, unique, TestNode};
+use crate::common::{assert_error, free_port, sbx, unique, TestNode};
 
 /// A server of the stdlib alone: `/headers` (what it was sent, as JSON), `/sse` (3 events,
 /// 0.7 s apart), `/ws` (a WebSocket that echoes), POST (the body back), anything else a hello.
@@ -830,6 +830,143 @@ fn tokens_and_previews_outlive_a_node_restart() {
     // Every port but 8000 is public.
     let a = pv.get(&pv.host(8001, &id), "/open", &[]);
     assert_eq!((a.status, a.text()), (200, "hello from /open".into()));
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+/// A page of any site can send a request without a CORS preflight (a form's POST, a fetch
+/// with no Content-Type) to a preview host of a node without keys: it reaches neither envd's
+/// port (E2B's, `49983-…`) to change anything, nor any port from a foreign origin; and the
+/// `?sbx_token=` redirect stays on the preview host.
+#[test]
+fn pages_of_other_sites_change_nothing_through_preview_hosts() {
+    let e2b = format!("127.0.0.1:{}", free_port());
+    let node = TestNode::start_with(&["--e2b-listen", &e2b]);
+    let pv = Preview::of(&node);
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    let token = token_of(&sb);
+    let cat = || {
+        let r = node.post(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &[],
+            json!({ "command": "cat /tmp/victim || echo gone", "wait_seconds": 10 })
+                .to_string()
+                .as_bytes(),
+        );
+        assert_eq!(r.status, 201, "{}", r.text());
+        r.json()["stdout"].as_str().expect("stdout").to_string()
+    };
+    let r = node.post(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &[],
+        br#"{"command": "echo keep > /tmp/victim", "wait_seconds": 10}"#,
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(cat(), "keep\n");
+    let envd = pv.host(49983, &id);
+    // A Connect call with no Content-Type, a multipart upload: refused without the token.
+    let a = pv.send(
+        "POST",
+        &envd,
+        "/filesystem.Filesystem/Remove",
+        &[],
+        br#"{"path":"/tmp/victim"}"#,
+    );
+    assert_eq!(a.status, 403, "{}", a.text());
+    let form = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"victim\"\r\n\r\nowned\r\n--XyZ--\r\n";
+    let multipart = ("Content-Type", "multipart/form-data; boundary=XyZ");
+    let a = pv.send("POST", &envd, "/files?path=/tmp/victim", &[multipart], form);
+    assert_eq!(a.status, 403, "{}", a.text());
+    assert_eq!(cat(), "keep\n");
+    // From a page of another site, whatever it sends.
+    let evil = ("Origin", "http://evil.example");
+    let a = pv.send(
+        "POST",
+        &envd,
+        "/filesystem.Filesystem/Remove",
+        &[
+            evil,
+            ("Content-Type", "application/json"),
+            ("Connect-Protocol-Version", "1"),
+        ],
+        br#"{"path":"/tmp/victim"}"#,
+    );
+    assert_error(
+        a.status,
+        &a.json(),
+        403,
+        "origin_not_allowed",
+        Some("Origin"),
+    );
+    assert_eq!(cat(), "keep\n");
+    // With the token (as E2B's SDK sends it): the upload is made.
+    let a = pv.send(
+        "POST",
+        &envd,
+        "/files?path=/tmp/victim",
+        &[multipart, ("X-Access-Token", &token)],
+        form,
+    );
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(cat(), "owned");
+
+    // Any other port: a foreign origin refused, the preview host's own served.
+    serve(&node, &id, 8000, "0.0.0.0", &[]);
+    pv.wait_open(8000, &id, &token);
+    let web = pv.host(8000, &id);
+    let with_token = ("X-Sbx-Token", token.as_str());
+    let a = pv.get(&web, "/headers", &[with_token, evil]);
+    assert_error(
+        a.status,
+        &a.json(),
+        403,
+        "origin_not_allowed",
+        Some("Origin"),
+    );
+    let a = pv.send("POST", &web, "/form", &[evil], b"a=1");
+    assert_error(
+        a.status,
+        &a.json(),
+        403,
+        "origin_not_allowed",
+        Some("Origin"),
+    );
+    let own = format!("http://{web}");
+    let a = pv.get(&web, "/headers", &[with_token, ("Origin", &own)]);
+    assert_eq!(a.status, 200, "{}", a.text());
+    // A page of another port of the same sandbox (its front end calling its API) is served;
+    // one of another sandbox is not.
+    let front = format!("http://{}", pv.host(3000, &id));
+    let a = pv.get(&web, "/headers", &[with_token, ("Origin", &front)]);
+    assert_eq!(a.status, 200, "{}", a.text());
+    let other = format!("http://{}", pv.host(3000, "sbx-0000000000000000"));
+    let a = pv.get(&web, "/headers", &[with_token, ("Origin", &other)]);
+    assert_error(
+        a.status,
+        &a.json(),
+        403,
+        "origin_not_allowed",
+        Some("Origin"),
+    );
+
+    // The redirect that trades `?sbx_token=` for a cookie goes to a path of this host, never
+    // to `//other.host/`.
+    for (path, want) in [
+        (
+            format!("//evil.example/?sbx_token={token}"),
+            "/evil.example/",
+        ),
+        (
+            format!("///evil.example/x?sbx_token={token}&b=1"),
+            "/evil.example/x?b=1",
+        ),
+        (format!("/ok?sbx_token={token}"), "/ok"),
+    ] {
+        let a = pv.get(&web, &path, &[]);
+        assert_eq!(a.status, 307, "{path}: {}", a.text());
+        assert_eq!(a.header("location"), Some(want), "{path}");
+    }
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }

@@ -1,9 +1,13 @@
 //! `GET /files` and `POST /files`: a file's bytes down and up, as envd serves them. Paths
-//! are envd's (relative to the user's home: `?username=`, else the request's user); an
-//! upload makes the missing directories and the file, the user's, and writes into the file
-//! itself as envd does. Nothing is held whole: the bytes stream through the node's upload
-//! and download paths (`Node::fs_upload`, `Node::fs_download`), a multipart body is parsed
-//! as it comes, gzip is decoded and encoded chunk by chunk.
+//! are envd's (relative to the user's home: `?username=`, else the request's user, else
+//! envd's default user; a name the sandbox does not know is refused, 401); an upload makes
+//! the missing directories and the file, the user's. A new file is written into itself as
+//! envd does (its directory's watchers see it written), and removed when the upload fails;
+//! an existing one is replaced through a temporary file once all its bytes are there: an
+//! upload that fails leaves the target as it was. Nothing is held whole: the bytes stream
+//! through the node's upload and download paths (`Node::fs_upload`, `Node::fs_download`), a
+//! multipart body is parsed as it comes, gzip is decoded (at most [`MAX_GUNZIPPED`] bytes)
+//! and encoded chunk by chunk.
 
 use std::io::Write;
 
@@ -16,7 +20,7 @@ use sbx_api::{ApiError, ErrorCode};
 use sbx_proto::{FsOp, FsResult};
 use serde_json::{json, Value};
 
-use super::filesystem::entry::{resolve, users, Users};
+use super::filesystem::entry::{resolve, users_for, Users};
 use super::Ctx;
 use crate::e2b::e2b_error;
 
@@ -27,6 +31,9 @@ type Bytestream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, String>> + S
 const MAX_PART_HEAD: usize = 16 << 10;
 /// The most files of one multipart upload.
 const MAX_PARTS: usize = 1000;
+/// The most bytes a gzip body of an upload decodes to: a sandbox's disk by default
+/// (`--disk-bytes`). A gzip bomb stops there with an error, and its file is not left behind.
+const MAX_GUNZIPPED: u64 = 10 << 30;
 
 fn query(req: &Request<Body>) -> Vec<(String, String)> {
     req.uri()
@@ -64,7 +71,7 @@ async fn who(
     let user = param(q, "username")
         .filter(|u| !u.is_empty())
         .unwrap_or_else(|| ctx.user().to_string());
-    match users(ctx).await {
+    match users_for(ctx, &user).await {
         Ok(u) => Ok((user, u)),
         Err(e) => Err(e2b_error(e.code.status(), e.message)),
     }
@@ -172,8 +179,9 @@ where
     })
 }
 
-/// A body's bytes, gzip-decoded as they come when `gzip`.
-fn body_stream(body: Body, gzip: bool) -> Bytestream {
+/// A body's bytes, gzip-decoded as they come when `gzip` (at most `limit` bytes of them: past
+/// it, an error).
+fn body_stream(body: Body, gzip: bool, limit: u64) -> Bytestream {
     let raw = body
         .into_data_stream()
         .map(|r| r.map_err(|e| e.to_string()));
@@ -181,28 +189,42 @@ fn body_stream(body: Body, gzip: bool) -> Bytestream {
         return Box::pin(raw);
     }
     let dec = flate2::write::GzDecoder::new(Vec::new());
+    let too_big = move || format!("the gzip body decodes to more than {limit} bytes");
     Box::pin(futures_util::stream::unfold(
-        (Box::pin(raw), Some(dec)),
-        |(mut raw, dec)| async move {
+        (Box::pin(raw), Some(dec), 0u64),
+        move |(mut raw, dec, mut decoded)| async move {
             let mut dec = dec?;
             loop {
                 match raw.next().await {
                     Some(Ok(b)) => {
-                        if let Err(e) = dec.write_all(&b) {
-                            let e = format!("the gzip body: {e}");
-                            return Some((Err(e), (raw, None)));
+                        // In slices, so that what one chunk decodes to is checked as it grows
+                        // (a small chunk of a bomb decodes to megabytes).
+                        for piece in b.chunks(4 << 10) {
+                            if let Err(e) = dec.write_all(piece) {
+                                let e = format!("the gzip body: {e}");
+                                return Some((Err(e), (raw, None, decoded)));
+                            }
+                            if decoded + dec.get_ref().len() as u64 > limit {
+                                return Some((Err(too_big()), (raw, None, decoded)));
+                            }
                         }
                         let out = std::mem::take(dec.get_mut());
+                        decoded += out.len() as u64;
                         if !out.is_empty() {
-                            return Some((Ok(Bytes::from(out)), (raw, Some(dec))));
+                            return Some((Ok(Bytes::from(out)), (raw, Some(dec), decoded)));
                         }
                     }
-                    Some(Err(e)) => return Some((Err(e), (raw, None))),
+                    Some(Err(e)) => return Some((Err(e), (raw, None, decoded))),
                     None => {
                         return match dec.finish() {
                             Ok(out) if out.is_empty() => None,
-                            Ok(out) => Some((Ok(Bytes::from(out)), (raw, None))),
-                            Err(e) => Some((Err(format!("the gzip body: {e}")), (raw, None))),
+                            Ok(out) if decoded + out.len() as u64 > limit => {
+                                Some((Err(too_big()), (raw, None, decoded)))
+                            }
+                            Ok(out) => Some((Ok(Bytes::from(out)), (raw, None, decoded))),
+                            Err(e) => {
+                                Some((Err(format!("the gzip body: {e}")), (raw, None, decoded)))
+                            }
                         }
                     }
                 }
@@ -253,7 +275,7 @@ pub(crate) async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
     };
     let (media, boundary) = media_type(req.headers());
     let query_path = param(&q, "path").filter(|p| !p.is_empty());
-    let body = body_stream(req.into_body(), gzip);
+    let body = body_stream(req.into_body(), gzip, MAX_GUNZIPPED);
     let written = if media == "application/octet-stream" {
         let Some(p) = query_path else {
             return e2b_error(
@@ -287,7 +309,10 @@ pub(crate) async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
     }
 }
 
-/// Writes one file from `bytes`: its entry as envd answers it.
+/// Writes one file from `bytes`: its entry as envd answers it. A file that is there is
+/// replaced only once all the bytes are (through a temporary file); a new one is written into
+/// itself, as envd writes (watchers of its directory see it written, not renamed over), and
+/// removed when the upload fails.
 async fn write_one<S>(
     ctx: &Ctx,
     path: &str,
@@ -297,14 +322,37 @@ async fn write_one<S>(
 where
     S: Stream<Item = Result<Bytes, String>> + Unpin,
 {
+    let stat = FsOp::Stat {
+        path: path.to_string(),
+    };
+    let is_new = match ctx.node().fs_op(&ctx.sandbox, stat).await {
+        Ok(_) => false,
+        Err(e) if e.code == ErrorCode::PathNotFound => true,
+        Err(e) => return Err(http_error(e)),
+    };
     let op = FsOp::Write {
         path: path.to_string(),
         mode: None,
         parents: true,
         owner,
-        in_place: true,
+        in_place: is_new,
     };
-    match ctx.node().fs_upload(&ctx.sandbox, op, bytes).await {
+    let written = ctx.node().fs_upload(&ctx.sandbox, op, bytes).await;
+    if written.is_err() && is_new {
+        let rm = FsOp::Remove {
+            path: path.to_string(),
+            recursive: false,
+        };
+        match ctx.node().fs_op(&ctx.sandbox, rm).await {
+            Ok(_) => {}
+            Err(e) if e.code == ErrorCode::PathNotFound => {}
+            Err(e) => {
+                tracing::warn!(sandbox = %ctx.sandbox, %path, error = %e.message,
+                    "E2B upload: the failed upload's file stays")
+            }
+        }
+    }
+    match written {
         Ok(FsResult::Written { entry, .. }) => Ok(json!({
             "name": entry.name,
             "type": "file",
@@ -714,11 +762,63 @@ mod tests {
             .await
             .concat();
         let body = Body::from(gz);
-        let back: Vec<u8> = body_stream(body, true)
+        let back: Vec<u8> = body_stream(body, true, MAX_GUNZIPPED)
             .map(|r| r.unwrap().to_vec())
             .collect::<Vec<_>>()
             .await
             .concat();
         assert_eq!(back, data);
+    }
+
+    /// The gzip of `n` zero bytes (a bomb, when `n` is large).
+    fn gzip_zeros(n: usize) -> Vec<u8> {
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        let zeros = vec![0u8; 1 << 20];
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(zeros.len());
+            enc.write_all(&zeros[..k]).unwrap();
+            left -= k;
+        }
+        enc.finish().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_gzip_body_stops_at_the_limit() {
+        // 64 MiB of zeros in some 64 KiB; the limit 8 MiB: an error, and no more than the
+        // limit (and a slice's worth) decoded before it.
+        let bomb = gzip_zeros(64 << 20);
+        assert!(bomb.len() < 1 << 20);
+        let mut s = body_stream(Body::from(bomb), true, 8 << 20);
+        let mut got = 0usize;
+        let mut err = None;
+        while let Some(r) = s.next().await {
+            match r {
+                Ok(b) => got += b.len(),
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        assert!(got <= 8 << 20, "{got}");
+        let err = err.expect("an error past the limit");
+        assert!(err.contains("more than 8388608 bytes"), "{err}");
+        // Up to the limit, whole.
+        let s = body_stream(Body::from(gzip_zeros(8 << 20)), true, 8 << 20);
+        let back: usize = s
+            .map(|r| r.unwrap().len())
+            .collect::<Vec<_>>()
+            .await
+            .iter()
+            .sum();
+        assert_eq!(back, 8 << 20);
+        // A cut-off gzip body is an error, not a short file.
+        let mut cut = gzip_zeros(1 << 20);
+        cut.truncate(cut.len() / 2);
+        let r: Vec<Result<Bytes, String>> = body_stream(Body::from(cut), true, MAX_GUNZIPPED)
+            .collect()
+            .await;
+        assert!(r.iter().any(|x| x.is_err()), "a cut-off stream passed");
     }
 }

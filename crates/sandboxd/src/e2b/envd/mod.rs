@@ -7,12 +7,16 @@
 //!
 //! Access: the sandbox's token in `X-Access-Token` (the create answer's `envdAccessToken`),
 //! or a caller the control plane takes (a key of the node; loopback on a node without keys).
+//! A loopback peer may be the user's browser, sent there by any page: a request such a page
+//! can send without a CORS preflight (`crate::guard::browser_simple`: no Content-Type or a
+//! form's, no header of its own) may read but not change anything (every envd call but a
+//! `GET` or `HEAD`) unless it carries the token. E2B's SDKs send the token, and Connect's
+//! `Content-Type: application/json` and `Connect-Protocol-Version`.
 
 pub(crate) mod files;
 pub(crate) mod filesystem;
 pub(crate) mod process;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -21,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 
 use super::connect::RpcError;
-use super::Shared;
+use super::{Access, Shared};
 use crate::node::Node;
 
 /// The user a request runs as when it names none: E2B's templates' user.
@@ -78,24 +82,33 @@ fn basic_user(headers: &axum::http::HeaderMap) -> Option<String> {
 pub(crate) async fn handle(
     shared: &Arc<Shared>,
     req: Request<Body>,
-    peer: SocketAddr,
+    access: &Access,
     id: &str,
 ) -> Response {
     let Some(sandbox) = shared.node.sandbox_id(id) else {
         return RpcError::not_found(format!("sandbox {id} is not on this node")).response();
     };
     let token_ok = match shared.node.sandbox_token(&sandbox) {
-        Ok(Some(t)) => req
-            .headers()
-            .get("x-access-token")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|given| t.matches(given.trim())),
+        Ok(Some(t)) => access
+            .creds
+            .token_in(&["x-access-token"])
+            .any(|given| t.matches(given)),
         _ => false,
     };
-    if !token_ok && !super::caller_may(shared, req.headers(), peer) {
+    if !token_ok && !access.caller {
         return RpcError::new(
             super::connect::Code::Unauthenticated,
             "send the sandbox's access token (envdAccessToken) in X-Access-Token",
+        )
+        .response();
+    }
+    let reads = req.method() == Method::GET || req.method() == Method::HEAD;
+    if !token_ok && !reads && access.browser_simple {
+        return RpcError::new(
+            super::connect::Code::PermissionDenied,
+            "a request any web page could send (no Content-Type or a form's, and no \
+             X-Access-Token) does not change a sandbox: send the sandbox's access token \
+             (envdAccessToken) in X-Access-Token",
         )
         .response();
     }

@@ -60,6 +60,23 @@ impl Users {
             .unwrap_or_else(|| "/".to_string())
     }
 
+    /// Whether a request may act as `user`, as envd decides it for processes (one decision:
+    /// [`crate::e2b::envd::process::user::resolve`]): a user of the sandbox, a uid (`1000`,
+    /// `1000:1000`), or envd's default user (the image's own user when the image lacks it).
+    /// Any other name is refused (unauthenticated `invalid username`), not served as the
+    /// image's user. A sandbox whose users are not known (an older agent) takes any.
+    pub fn check(&self, user: &str) -> Result<(), RpcError> {
+        if self.users.is_empty() {
+            return Ok(());
+        }
+        crate::e2b::envd::process::user::resolve(
+            Some(user),
+            &self.users,
+            self.default_user.as_deref(),
+        )
+        .map(|_| ())
+    }
+
     /// Who owns what a request of `user` makes: that user, when the sandbox has it.
     pub fn owner(&self, user: &str) -> Option<String> {
         self.user(user).map(|u| u.name.clone())
@@ -104,6 +121,14 @@ pub(crate) async fn users(ctx: &Ctx) -> Result<Arc<Users>, RpcError> {
         }
     }
     cache.insert(ctx.sandbox.clone(), (Instant::now(), users.clone()));
+    Ok(users)
+}
+
+/// The sandbox's users ([`users`]), once `user` is one a request may act as
+/// ([`Users::check`]).
+pub(crate) async fn users_for(ctx: &Ctx, user: &str) -> Result<Arc<Users>, RpcError> {
+    let users = users(ctx).await?;
+    users.check(user)?;
     Ok(users)
 }
 
@@ -216,6 +241,26 @@ pub(crate) fn entry_info(e: &FsEntry, users: &Users) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unknown_users_are_refused() {
+        let u = users();
+        for ok in ["user", "root", "1000", "0:0"] {
+            assert!(u.check(ok).is_ok(), "{ok}");
+        }
+        let e = u.check("alice").unwrap_err();
+        assert_eq!(e.message, "invalid username: 'alice'");
+        // An image without `user`: the default user is its own; an agent that cannot list
+        // users takes any.
+        let only_root = Users {
+            users: vec![u.users[0].clone()],
+            groups: vec![],
+            default_user: Some("root".into()),
+        };
+        assert!(only_root.check("user").is_ok());
+        assert!(only_root.check("alice").is_err());
+        assert!(Users::default().check("alice").is_ok());
+    }
 
     fn users() -> Users {
         Users {

@@ -16,7 +16,7 @@ use sbx_proto::{FsOp, FsResult};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use self::entry::{entry_info, parent, resolve, users};
+use self::entry::{entry_info, parent, resolve, users_for};
 use super::Ctx;
 use crate::agent::files::unexpected;
 use crate::e2b::connect::{read_unary, unary_reply, Code, RpcError};
@@ -90,7 +90,7 @@ fn entry_of(r: FsResult) -> Result<sbx_proto::FsEntry, RpcError> {
 }
 
 async fn stat(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
-    let users = users(ctx).await?;
+    let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     let e = entry_of(ctx.node().fs_op(&ctx.sandbox, FsOp::Stat { path }).await?)?;
     Ok(json!({ "entry": entry_info(&e, &users) }))
@@ -116,7 +116,7 @@ async fn make_dirs(ctx: &Ctx, dir: &str, owner: Option<String>) -> Result<FsResu
 }
 
 async fn make_dir(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
-    let users = users(ctx).await?;
+    let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     match make_dirs(ctx, &path, users.owner(ctx.user())).await? {
         FsResult::Entry {
@@ -131,7 +131,7 @@ async fn make_dir(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
 }
 
 async fn move_(ctx: &Ctx, r: MoveReq) -> Result<Value, RpcError> {
-    let users = users(ctx).await?;
+    let users = users_for(ctx, ctx.user()).await?;
     let home = users.home(ctx.user());
     let src = resolve(&r.source, &home)?;
     let dst = resolve(&r.destination, &home)?;
@@ -148,7 +148,7 @@ async fn move_(ctx: &Ctx, r: MoveReq) -> Result<Value, RpcError> {
 }
 
 async fn list_dir(ctx: &Ctx, r: ListReq) -> Result<Value, RpcError> {
-    let users = users(ctx).await?;
+    let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     let depth = r.depth.clamp(1, MAX_DEPTH);
     let op = FsOp::List {
@@ -176,7 +176,7 @@ async fn list_dir(ctx: &Ctx, r: ListReq) -> Result<Value, RpcError> {
 }
 
 async fn remove(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
-    let users = users(ctx).await?;
+    let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     let op = FsOp::Remove {
         path,

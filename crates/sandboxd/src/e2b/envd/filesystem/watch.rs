@@ -14,7 +14,7 @@ use sbx_proto::{WatchEvent, WatchKind};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::entry::{resolve, users};
+use super::entry::{resolve, users_for};
 use crate::agent::watch::{Watch, WatchItem};
 use crate::e2b::connect::{
     keepalive_interval, read_stream_request, read_unary, stream_error, stream_reply, unary_reply,
@@ -64,7 +64,7 @@ fn event_json(e: &WatchEvent) -> Option<Value> {
 
 /// Starts the node's watch of the request's directory.
 async fn start(ctx: &Ctx, r: WatchReq) -> Result<Watch, RpcError> {
-    let users = users(ctx).await?;
+    let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     ctx.node()
         .fs_watch(&ctx.sandbox, path, r.recursive)

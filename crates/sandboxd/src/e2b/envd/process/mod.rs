@@ -16,7 +16,7 @@
 //! `user.rs` the user and working directory.
 
 mod table;
-mod user;
+pub(crate) mod user;
 mod wire;
 
 pub(crate) use table::Processes;
