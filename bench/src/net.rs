@@ -57,6 +57,7 @@ fn main() -> anyhow::Result<()> {
         refuse: Vec::new(),
         proxy_port: None,
         pool: 0,
+        ct_limit: sbx_runtime::net::DEFAULT_CT_LIMIT,
     };
     let network = in_netns_of_handle(node.try_clone()?, move || {
         Network::new(cfg).map_err(std::io::Error::other)

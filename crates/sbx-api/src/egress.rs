@@ -12,8 +12,10 @@
 //!   speak for an address written in a URL, nor an address rule for a name.
 //! - `deny_ports` (TCP and UDP) holds whatever else the rules say.
 //! - `http`: `[{host, methods?, paths?}]`: requests to host pass only when one rule of that
-//!   host matches (method among `methods`, path matching one of `paths`, where `*` is any run
-//!   of characters).
+//!   host matches (method among `methods`, exactly: `get` is not `GET`; path matching one of
+//!   `paths`, where `*` is any run of characters). A path is matched only in its normal form
+//!   ([`normal_path`]): one that is not (`/v1/../admin`, `/v1/%2e%2e/admin`, an encoded `/`)
+//!   is refused, as a server would read it otherwise than the rule did.
 //! - `inject`: `[{host, secret, header?, value?}]`: the egress proxy sets `header` (default
 //!   `Authorization`) to `value` (default `{secret}`) with the secret's value in the place of
 //!   `{secret}`, on every request to host.
@@ -437,7 +439,8 @@ impl Egress {
     }
 
     /// Whether a request `method path` to `host` passes the `http` rules (true where no rule
-    /// names the host).
+    /// names the host). Where one does, a path not in its normal form ([`normal_path`]) or a
+    /// method not in upper case does not pass.
     pub fn http_allows(&self, host: &str, method: &str, path: &str) -> bool {
         let host = normal_host(host);
         let mut rules = self
@@ -449,8 +452,19 @@ impl Egress {
             return true;
         }
         let path = path.split('?').next().unwrap_or(path);
+        // What the rule sees is what the server gets: a path that a server would read as
+        // another (dot segments, encoded dots or slashes) is refused, not matched.
+        // (`*` alone is the asterisk form of `OPTIONS *`, no path at all.)
+        if path != "*" && normal_path(path).as_deref() != Ok(path) {
+            return false;
+        }
+        // A method is a case-sensitive token: `get` is not `GET`, but a lenient server
+        // might read it so.
+        if !is_upper_token(method) {
+            return false;
+        }
         rules.any(|r| {
-            (r.methods.is_empty() || r.methods.iter().any(|m| m.eq_ignore_ascii_case(method)))
+            (r.methods.is_empty() || r.methods.iter().any(|m| m == method))
                 && (r.paths.is_empty() || r.paths.iter().any(|p| glob(p, path)))
         })
     }
@@ -509,6 +523,93 @@ impl Egress {
             })
             .collect()
     }
+}
+
+/// Why a request path has no normal form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    #[error("the path does not start with /")]
+    NotAbsolute,
+    #[error("the path holds a character a path may not hold")]
+    BadChar,
+    #[error("the path holds a % not followed by two hex digits")]
+    BadEscape,
+    #[error("the path holds an encoded / or \\")]
+    EncodedSlash,
+    #[error("the path climbs above /")]
+    AboveRoot,
+}
+
+/// Whether `m` is an HTTP method token in upper case (letters upper-case, no others).
+fn is_upper_token(m: &str) -> bool {
+    is_token(m) && !m.bytes().any(|b| b.is_ascii_lowercase())
+}
+
+/// A request path (no query) in the form a server reads it (RFC 3986 6.2.2): percent-encoded
+/// unreserved characters decoded, other escapes in upper-case hex, `.` and `..` segments
+/// resolved (a segment is a dot segment also with `;` parameters after it, `..;`, as some
+/// servers read it). Refused: an encoded `/` or `\\` (servers split on them or not), a
+/// `\\`, a byte a path may not hold, a bad escape, a path that climbs above `/`.
+pub fn normal_path(path: &str) -> Result<String, PathError> {
+    if !path.starts_with('/') {
+        return Err(PathError::NotAbsolute);
+    }
+    // Escapes decoded where unreserved; each segment as text.
+    let b = path.as_bytes();
+    let mut decoded = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'%' {
+            let hex = |x: u8| (x as char).to_digit(16);
+            let (Some(h), Some(l)) = (
+                b.get(i + 1).copied().and_then(hex),
+                b.get(i + 2).copied().and_then(hex),
+            ) else {
+                return Err(PathError::BadEscape);
+            };
+            let v = (h * 16 + l) as u8;
+            if v == b'/' || v == b'\\' {
+                return Err(PathError::EncodedSlash);
+            }
+            if v.is_ascii_alphanumeric() || b"-._~".contains(&v) {
+                decoded.push(v as char);
+            } else {
+                decoded.push_str(&format!("%{v:02X}"));
+            }
+            i += 3;
+            continue;
+        }
+        // pchar / "/": unreserved, sub-delims, ':' and '@'.
+        if !(c.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/".contains(&c)) {
+            return Err(PathError::BadChar);
+        }
+        decoded.push(c as char);
+        i += 1;
+    }
+    let mut out: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = decoded[1..].split('/').collect();
+    let last = segments.len() - 1;
+    for (n, seg) in segments.iter().enumerate() {
+        let name = seg.split(';').next().unwrap_or(seg);
+        match name {
+            "." => {
+                if n == last {
+                    out.push("");
+                }
+            }
+            ".." => {
+                if out.pop().is_none() {
+                    return Err(PathError::AboveRoot);
+                }
+                if n == last {
+                    out.push("");
+                }
+            }
+            _ => out.push(seg),
+        }
+    }
+    Ok(format!("/{}", out.join("/")))
 }
 
 /// `pattern` with `*` as any run of characters, matched against all of `s`.
@@ -674,6 +775,54 @@ mod tests {
                 && !r.inspects("example.com")
         );
         assert!(glob("/a/*/c", "/a/b/c") && !glob("/a/*/c", "/a/b/d") && glob("*", "/x"));
+    }
+
+    #[test]
+    fn paths_are_matched_in_normal_form_only() {
+        let r = e(
+            json!({"http": [{"host": "api.example.com", "methods": ["GET"], "paths": ["/v1/*"]}]}),
+        );
+        for bad in [
+            "/v1/../admin",
+            "/v1/%2e%2e/admin",
+            "/v1/%2E%2E/admin",
+            "/v1/..%2fadmin",
+            "/v1/x/../../admin",
+            "/v1/./x",
+            "/v1/..;/admin",
+            "/v1/%2fadmin",
+            "/v1/%5cadmin",
+            "/v1\\..\\admin",
+            "/v1/%61",
+            "/v1/%zz",
+        ] {
+            assert!(!r.http_allows("api.example.com", "GET", bad), "{bad}");
+        }
+        assert!(r.http_allows("api.example.com", "GET", "/v1/models"));
+        assert!(r.http_allows("api.example.com", "GET", "/v1/a%20b"));
+        let any = e(json!({"http": [{"host": "api.example.com", "paths": ["*"]}]}));
+        assert!(any.http_allows("api.example.com", "OPTIONS", "*"));
+        assert!(!any.http_allows("api.example.com", "GET", "/a/../b"));
+        assert!(!r.http_allows("api.example.com", "get", "/v1/models"));
+        assert!(!r.http_allows("api.example.com", "Get", "/v1/models"));
+        // Hosts without rules are not read.
+        assert!(r.http_allows("other.com", "get", "/x/../y"));
+
+        assert_eq!(normal_path("/v1/../admin").as_deref(), Ok("/admin"));
+        assert_eq!(normal_path("/v1/%2e%2e/admin").as_deref(), Ok("/admin"));
+        assert_eq!(normal_path("/v1/x/../../admin").as_deref(), Ok("/admin"));
+        assert_eq!(normal_path("/a/./b/.").as_deref(), Ok("/a/b/"));
+        assert_eq!(normal_path("/a/b/..").as_deref(), Ok("/a/"));
+        assert_eq!(normal_path("/%7euser/%3f").as_deref(), Ok("/~user/%3F"));
+        assert_eq!(normal_path("/").as_deref(), Ok("/"));
+        assert_eq!(normal_path("/v1/..%2fadmin"), Err(PathError::EncodedSlash));
+        assert_eq!(normal_path("/v1/%5C"), Err(PathError::EncodedSlash));
+        assert_eq!(normal_path("/.."), Err(PathError::AboveRoot));
+        assert_eq!(normal_path("/a/../../b"), Err(PathError::AboveRoot));
+        assert_eq!(normal_path("/a%2"), Err(PathError::BadEscape));
+        assert_eq!(normal_path("/a\\b"), Err(PathError::BadChar));
+        assert_eq!(normal_path("/a b"), Err(PathError::BadChar));
+        assert_eq!(normal_path("a/b"), Err(PathError::NotAbsolute));
     }
 
     #[test]

@@ -4,6 +4,12 @@
 //! names though every private range (where a host's resolver usually is) is refused to it.
 //! The answer goes back as it came. A sandbox whose egress rules refuse the name asked gets
 //! NXDOMAIN from the node itself, and nothing is asked upstream.
+//!
+//! One sandbox cannot take what the others need ([`DnsLimits`]): questions over UDP in flight
+//! (waiting for an upstream) are counted per sandbox and for all; one past either is answered
+//! SERVFAIL at once, and the loop that reads questions never waits. TCP connections are
+//! counted the same way (one past is closed at once); an idle one is closed after a few
+//! seconds (RFC 7766), a whole session after 30 s.
 
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::sync::Arc;
@@ -11,15 +17,42 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::egress::share::Shares;
 use super::net::Policies;
 
 /// How long an upstream server has to answer before the next is asked.
 const UPSTREAM_WAIT: Duration = Duration::from_secs(2);
 /// The largest DNS message over UDP that is forwarded (EDNS0 allows up to 4096 in practice).
 const MAX_UDP: usize = 4096;
-/// Questions forwarded at once over UDP; more wait (a sandbox cannot open sockets on the host
-/// without bound).
-const MAX_IN_FLIGHT: usize = 256;
+/// How long a TCP session lasts at most.
+const TCP_SESSION: Duration = Duration::from_secs(30);
+
+/// What one sandbox, and all of them, may have of the node's DNS at once.
+#[derive(Clone, Debug)]
+pub struct DnsLimits {
+    /// Questions over UDP waiting for an upstream, of one sandbox (`--dns-in-flight-per-sandbox`).
+    pub udp_per_sandbox: usize,
+    /// The same, of all (each is a socket of the node's).
+    pub udp_total: usize,
+    /// TCP connections of one sandbox (`--dns-tcp-per-sandbox`).
+    pub tcp_per_sandbox: usize,
+    /// TCP connections of all.
+    pub tcp_total: usize,
+    /// A TCP connection that sends no whole question this long is closed (`--dns-tcp-idle-ms`).
+    pub tcp_idle: Duration,
+}
+
+impl Default for DnsLimits {
+    fn default() -> Self {
+        DnsLimits {
+            udp_per_sandbox: 32,
+            udp_total: 256,
+            tcp_per_sandbox: 16,
+            tcp_total: 256,
+            tcp_idle: Duration::from_secs(5),
+        }
+    }
+}
 
 /// The upstream servers of the host's /etc/resolv.conf (port 53).
 pub fn host_upstreams() -> Vec<SocketAddr> {
@@ -47,12 +80,20 @@ pub fn serve(
     tcp: TcpListener,
     upstreams: Vec<SocketAddr>,
     policies: Arc<Policies>,
+    limits: DnsLimits,
 ) -> std::io::Result<()> {
     let upstreams = Arc::new(upstreams);
     let udp = Arc::new(tokio::net::UdpSocket::from_std(udp)?);
     let tcp = tokio::net::TcpListener::from_std(tcp)?;
-    tokio::spawn(serve_udp(udp, upstreams.clone(), policies.clone()));
-    tokio::spawn(serve_tcp(tcp, upstreams, policies));
+    let in_flight = Shares::new(limits.udp_per_sandbox, limits.udp_total);
+    let conns = Shares::new(limits.tcp_per_sandbox, limits.tcp_total);
+    tokio::spawn(serve_udp(
+        udp,
+        upstreams.clone(),
+        policies.clone(),
+        in_flight,
+    ));
+    tokio::spawn(serve_tcp(tcp, upstreams, policies, conns, limits.tcp_idle));
     Ok(())
 }
 
@@ -94,6 +135,30 @@ fn nxdomain(question: &[u8], end: usize) -> Vec<u8> {
     a
 }
 
+/// SERVFAIL for `question` (its header and question, as resolvers match an answer to what
+/// they asked; the header alone for a message that is not one plain question): what a
+/// sandbox past its share is told at once.
+fn servfail(question: &[u8]) -> Option<Vec<u8>> {
+    if question.len() < 12 {
+        return None;
+    }
+    let mut a = match question_name(question) {
+        Some((_, end)) => {
+            let mut a = question[..end].to_vec();
+            a[6..12].fill(0);
+            a
+        }
+        None => {
+            let mut a = question[..12].to_vec();
+            a[4..12].fill(0);
+            a
+        }
+    };
+    a[2] = 0x80 | (question[2] & 0x79);
+    a[3] = 0x80 | 2; // RA, SERVFAIL
+    Some(a)
+}
+
 /// The node's own answer where the sandbox at `from` may not have the name resolved.
 fn refusal(question: &[u8], from: std::net::IpAddr, policies: &Policies) -> Option<Vec<u8>> {
     let (name, end) = question_name(question)?;
@@ -104,8 +169,8 @@ async fn serve_udp(
     sock: Arc<tokio::net::UdpSocket>,
     upstreams: Arc<Vec<SocketAddr>>,
     policies: Arc<Policies>,
+    in_flight: Arc<Shares>,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let mut buf = vec![0u8; MAX_UDP];
     loop {
         let (n, from) = match sock.recv_from(&mut buf).await {
@@ -116,14 +181,19 @@ async fn serve_udp(
                 continue;
             }
         };
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let question = buf[..n].to_vec();
         if let Some(no) = refusal(&question, from.ip(), &policies) {
             let _ = sock.send_to(&no, from).await;
             continue;
         }
+        // Past the sandbox's share (or everybody's): SERVFAIL now; the next question, maybe
+        // another sandbox's, is read at once.
+        let Some(permit) = in_flight.take(from.ip()) else {
+            if let Some(no) = servfail(&question) {
+                let _ = sock.try_send_to(&no, from);
+            }
+            continue;
+        };
         let (sock, upstreams) = (sock.clone(), upstreams.clone());
         tokio::spawn(async move {
             if let Some(answer) = ask_udp(&question, &upstreams).await {
@@ -174,16 +244,25 @@ async fn serve_tcp(
     listener: tokio::net::TcpListener,
     upstreams: Arc<Vec<SocketAddr>>,
     policies: Arc<Policies>,
+    conns: Arc<Shares>,
+    idle: Duration,
 ) {
     loop {
         let Ok((conn, from)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        // Past the sandbox's share (or everybody's): closed now.
+        let Some(share) = conns.take(from.ip()) else {
+            tracing::debug!(%from, "dns: the sandbox's share of TCP connections is full, closed");
+            drop(conn);
+            continue;
+        };
         let (upstreams, policies) = (upstreams.clone(), policies.clone());
         tokio::spawn(async move {
-            let session = tcp_session(conn, from.ip(), &upstreams, &policies);
-            let _ = tokio::time::timeout(Duration::from_secs(30), session).await;
+            let session = tcp_session(conn, from.ip(), &upstreams, &policies, idle);
+            let _ = tokio::time::timeout(TCP_SESSION, session).await;
+            drop(share);
         });
     }
 }
@@ -195,14 +274,20 @@ async fn tcp_session(
     from: std::net::IpAddr,
     upstreams: &[SocketAddr],
     policies: &Policies,
+    idle: Duration,
 ) -> std::io::Result<()> {
     loop {
-        let len = match conn.read_u16().await {
-            Ok(l) => usize::from(l),
-            Err(_) => return Ok(()),
+        // A whole question within `idle`, or the connection is closed.
+        let read = async {
+            let len = usize::from(conn.read_u16().await?);
+            let mut question = vec![0u8; len];
+            conn.read_exact(&mut question).await?;
+            Ok::<_, std::io::Error>(question)
         };
-        let mut question = vec![0u8; len];
-        conn.read_exact(&mut question).await?;
+        let question = match tokio::time::timeout(idle, read).await {
+            Ok(Ok(q)) => q,
+            Ok(Err(_)) | Err(_) => return Ok(()),
+        };
         let answer = match refusal(&question, from, policies) {
             Some(no) => no,
             None => match ask_tcp(&question, upstreams).await {
@@ -256,6 +341,15 @@ mod tests {
         assert_eq!(a[3] & 0x0f, 3, "NXDOMAIN");
         assert_eq!(&a[4..12], &[0, 1, 0, 0, 0, 0, 0, 0]);
         assert!(question_name(&q[..20]).is_none(), "cut short");
+        let f = servfail(&q).unwrap();
+        assert_eq!(&f[..2], &[0x12, 0x34]);
+        assert_eq!((f[2], f[3] & 0x0f), (0x81, 2), "QR, RD and SERVFAIL");
+        assert_eq!(
+            &f[4..12],
+            &[0, 1, 0, 0, 0, 0, 0, 0],
+            "the question, nothing else"
+        );
+        assert_eq!(&f[12..], &q[12..24]);
     }
 
     #[test]
@@ -308,7 +402,8 @@ mod tests {
         let tcp = TcpListener::bind(at).unwrap();
         udp.set_nonblocking(true).unwrap();
         tcp.set_nonblocking(true).unwrap();
-        serve(udp, tcp, upstreams, Arc::new(Policies::default())).unwrap();
+        let limits = DnsLimits::default();
+        serve(udp, tcp, upstreams, Arc::new(Policies::default()), limits).unwrap();
 
         let q: Vec<u8> = [
             0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 3, b'a', b'b', b'c', 0, 0, 1, 0, 1,
@@ -333,5 +428,102 @@ mod tests {
         t.read_exact(&mut a).await.unwrap();
         assert_eq!(&a[..2], &q[..2]);
         assert_eq!(a[2], q[2] | 0x80);
+    }
+
+    /// A question for `name` with id `id`.
+    fn question(id: u16, name: &str) -> Vec<u8> {
+        let mut q = id.to_be_bytes().to_vec();
+        q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+        for label in name.split('.') {
+            q.push(label.len() as u8);
+            q.extend_from_slice(label.as_bytes());
+        }
+        q.extend_from_slice(&[0, 0, 1, 0, 1]);
+        q
+    }
+
+    /// One sandbox asking without end of a name whose server never answers takes its share
+    /// of questions in flight, then gets SERVFAIL at once; another sandbox's questions are
+    /// answered meanwhile. Its TCP connections past its share are closed, and an idle one
+    /// after the idle time.
+    #[tokio::test]
+    async fn one_sandbox_cannot_take_the_dns_of_the_others() {
+        // The upstream: answers every name but those under slow.test, which it drops.
+        let up = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let up_at = up.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let mut b = [0u8; 512];
+            while let Ok((n, from)) = up.recv_from(&mut b) {
+                let slow = question_name(&b[..n]).is_some_and(|(q, _)| q.ends_with("slow.test"));
+                if !slow {
+                    b[2] |= 0x80;
+                    let _ = up.send_to(&b[..n], from);
+                }
+            }
+        });
+        let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let at = udp.local_addr().unwrap();
+        let tcp = TcpListener::bind(at).unwrap();
+        udp.set_nonblocking(true).unwrap();
+        tcp.set_nonblocking(true).unwrap();
+        let limits = DnsLimits {
+            udp_per_sandbox: 4,
+            tcp_per_sandbox: 2,
+            tcp_idle: Duration::from_millis(300),
+            ..DnsLimits::default()
+        };
+        serve(udp, tcp, vec![up_at], Arc::new(Policies::default()), limits).unwrap();
+
+        // The first sandbox (127.0.0.1) asks for slow names without end.
+        let a = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let flood = {
+            let a = a.clone();
+            tokio::spawn(async move {
+                for i in 0u32.. {
+                    let q = question((i % 60000) as u16, &format!("n{i}.slow.test"));
+                    if a.send_to(&q, at).await.is_err() {
+                        return;
+                    }
+                    if i % 64 == 0 {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+            })
+        };
+        // It is told SERVFAIL.
+        let mut b = [0u8; 512];
+        let (n, _) = tokio::time::timeout(Duration::from_secs(5), a.recv_from(&mut b))
+            .await
+            .expect("an answer past its share")
+            .unwrap();
+        assert!(n >= 12);
+        assert_eq!(b[3] & 0x0f, 2, "SERVFAIL");
+        // Another sandbox (127.0.0.4) is answered.
+        let other = tokio::net::UdpSocket::bind("127.0.0.4:0").await.unwrap();
+        other.send_to(&question(7, "fast.test"), at).await.unwrap();
+        let (n, _) = tokio::time::timeout(Duration::from_secs(5), other.recv_from(&mut b))
+            .await
+            .expect("another sandbox's question answered while the first floods")
+            .unwrap();
+        assert_eq!(&b[..2], &7u16.to_be_bytes());
+        assert_eq!(b[3] & 0x0f, 0);
+        assert!(n > 12);
+        flood.abort();
+
+        // TCP: two connections held; a third is closed at once, before it asks anything.
+        let c1 = tokio::net::TcpStream::connect(at).await.unwrap();
+        let c2 = tokio::net::TcpStream::connect(at).await.unwrap();
+        let mut c3 = tokio::net::TcpStream::connect(at).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), c3.read(&mut b))
+            .await
+            .expect("closed at once");
+        assert!(matches!(got, Ok(0) | Err(_)));
+        // Idle ones are closed after the idle time.
+        for mut c in [c1, c2] {
+            let got = tokio::time::timeout(Duration::from_secs(5), c.read(&mut b))
+                .await
+                .expect("an idle connection closed");
+            assert!(matches!(got, Ok(0) | Err(_)));
+        }
     }
 }

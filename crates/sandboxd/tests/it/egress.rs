@@ -487,3 +487,64 @@ fn runtime_dns_writes_resolv_conf_and_name_rules_still_hold() {
         "{v}"
     );
 }
+
+/// An `http` rule holds against what a server would read: a path with dot segments (plain or
+/// encoded), a method in lower case, TRACE, an absolute URI naming another host than Host,
+/// are refused (403 egress_denied) and never reach the server; a sandbox that dials the
+/// proxy's port on the gateway itself is not served.
+#[test]
+fn http_rules_hold_against_what_a_server_reads_otherwise() {
+    let w = world();
+    let egress = json!({
+        "http": [{"host": "web.test", "methods": ["GET", "TRACE"], "paths": ["/ok/*"]}],
+    });
+    // curl -s, its body (not -f: the answer's body says who refused).
+    let body = |args: &[&str]| {
+        let mut a = vec!["curl", "-s", "--max-time", "5"];
+        a.extend_from_slice(args);
+        run_with(&w, &egress, json!(a))
+    };
+    for path in [
+        "/ok/../admin",
+        "/ok/%2e%2e/admin",
+        "/ok/..%2fadmin",
+        "/ok/x/../../admin",
+    ] {
+        let url = format!("http://web.test{path}");
+        let out = body(&["--path-as-is", &url]);
+        assert!(out.contains("egress_denied"), "{path}: {out}");
+    }
+    let out = body(&["-X", "get", "http://web.test/ok/1"]);
+    assert!(out.contains("egress_denied"), "get: {out}");
+    let out = body(&["-X", "TRACE", "http://web.test/ok/1"]);
+    assert!(out.contains("egress_denied"), "TRACE: {out}");
+    let out = body(&[
+        "--request-target",
+        "http://web.test/ok/1",
+        "-H",
+        "Host: other.test",
+        "http://web.test/",
+    ]);
+    assert!(out.contains("egress_denied"), "two hosts: {out}");
+    assert!(
+        w.log().is_empty(),
+        "a refused request reached the server: {:?}",
+        w.log()
+    );
+    // What the rule allows still passes.
+    let out = body(&["http://web.test/ok/1"]);
+    assert!(out.contains("\"/ok/1\""), "{out}");
+
+    // The proxy's own port, dialed by the sandbox: closed, nothing answered or dialed.
+    let direct = "import socket\n\
+        gw = [l.split()[1] for l in open('/etc/resolv.conf') if l.startswith('nameserver')][0]\n\
+        s = socket.create_connection((gw, 3129), timeout=5)\n\
+        s.sendall(b'GET /direct HTTP/1.1\\r\\nHost: web.test\\r\\nConnection: close\\r\\n\\r\\n')\n\
+        got = b''\n\
+        try:\n    while True:\n        b = s.recv(4096)\n        if not b: break\n        got += b\n\
+        except ConnectionResetError: pass\n\
+        print(repr(got))";
+    let out = run_with(&w, &egress, json!(["python3", "-c", direct]));
+    assert_eq!(out.trim(), "b''", "{out}");
+    assert!(!w.log().iter().any(|r| r["path"] == "/direct"));
+}

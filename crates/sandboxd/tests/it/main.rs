@@ -19,6 +19,7 @@ mod hardening;
 mod iii;
 mod images;
 mod isolation;
+mod net_limits;
 mod network;
 mod node_limits;
 mod preview;

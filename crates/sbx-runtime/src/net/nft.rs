@@ -17,8 +17,11 @@
 //!   set allowed4  { type ipv4_addr; flags interval }    # the operator's allow-list
 //!   set refused6  { type ipv6_addr; flags interval }    # ::/127 ::ffff:0:0/96 fc00::/7
 //!                                                        # fe80::/10 ff00::/8
+//!   set ctcount   { type ipv4_addr; flags dynamic }     # conntrack entries per sandbox
 //!   chain prerouting { type filter hook prerouting priority mangle;
 //!     iifname "P*" meta nfproto ipv4 iifname . ip saddr != @live drop   # not leased, spoofed
+//!     iifname "P*" meta nfproto ipv4 ct state new
+//!       add @ctcount { ip saddr ct count over N } drop                  # its share is full
 //!     iifname "P*" meta nfproto ipv4 ct mark set ip saddr }             # conntrack: whose
 //!   chain output { type filter hook output priority mangle;
 //!     oifname "P*" meta nfproto ipv4 ct mark set ip daddr
@@ -49,6 +52,11 @@
 //!     iifname "P*" masquerade }
 //! }
 //! ```
+//!
+//! `ctcount` bounds the connections a sandbox has in the host's conntrack table, which the
+//! host and every node share (N: `Ruleset::ct_limit`; no rule where it is 0): a new one past
+//! N is dropped before it is confirmed, so it never takes a place in the table. Its own
+//! connections to the gateway (the node's DNS, its proxy) count too.
 //!
 //! The conntrack mark of a sandbox's connections is its address (the 4 bytes as the kernel
 //! keeps a u32: [`ct_mark`]), so releasing a sandbox flushes its entries with one message
@@ -96,6 +104,7 @@ const NFTA_CT_KEY: u16 = 2;
 const NFTA_CT_SREG: u16 = 4;
 const NFT_CT_STATE: u32 = 0;
 const NFT_CT_MARK: u32 = 3;
+const CT_STATE_NEW: u32 = 1 << 3;
 const CT_STATE_ESTABLISHED: u32 = 1 << 1;
 const CT_STATE_RELATED: u32 = 1 << 2;
 const NFT_LOOKUP_F_INV: u32 = 1;
@@ -112,6 +121,21 @@ const SET_PORTS: &str = "ports";
 const SET_REFUSED4: &str = "refused4";
 const SET_ALLOWED4: &str = "allowed4";
 const SET_REFUSED6: &str = "refused6";
+const SET_CTCOUNT: &str = "ctcount";
+/// NFT_SET_EVAL: a set whose elements the rules add (`flags dynamic`).
+const SET_F_EVAL: u32 = 0x20;
+// The dynset expression (`add @set { key expr }`) and its connlimit.
+const NFTA_DYNSET_SET_NAME: u16 = 1;
+const NFTA_DYNSET_OP: u16 = 3;
+const NFTA_DYNSET_SREG_KEY: u16 = 4;
+const NFTA_DYNSET_EXPR: u16 = 7;
+const NFT_DYNSET_OP_ADD: u32 = 0;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_CONNLIMIT_COUNT: u16 = 1;
+const NFTA_CONNLIMIT_FLAGS: u16 = 2;
+/// `ct count over N` (not `ct count N`).
+const NFT_CONNLIMIT_F_INV: u32 = 1;
 /// Verdict maps: a sandbox with rules of its own (address -> jump to its chains, [`super::policy`]).
 pub(super) const MAP_FWD: &str = "fwd";
 pub(super) const MAP_PRE: &str = "pre";
@@ -131,6 +155,8 @@ pub(crate) struct Ruleset {
     pub refused4: Vec<Ipv4Net>,
     pub allowed4: Vec<Ipv4Net>,
     pub refused6: Vec<Ipv6Net>,
+    /// The most conntrack entries a sandbox has at once; 0: no limit.
+    pub ct_limit: u32,
 }
 
 /// The conntrack mark of a sandbox's connections: its address's 4 bytes, read as the kernel
@@ -290,6 +316,69 @@ fn ct_established() -> Vec<ListAttribute<ExpressionAttribute>> {
             Register::Reg1,
             0u32.to_ne_bytes().to_vec(),
         ),
+    ]
+}
+
+/// `ct state new`.
+fn ct_new() -> Vec<ListAttribute<ExpressionAttribute>> {
+    vec![
+        other(
+            "ct",
+            vec![
+                DefaultNla::new(NFTA_CT_DREG, be32(Register::Reg1.into())),
+                DefaultNla::new(NFTA_CT_KEY, be32(NFT_CT_STATE)),
+            ],
+        ),
+        expr(Expressions::Bitwise(vec![
+            Bitwise::SourceRegister(Register::Reg1),
+            Bitwise::DestinationRegister(Register::Reg1),
+            Bitwise::Length(4),
+            Bitwise::Mask(DataAttribute::Value(CT_STATE_NEW.to_ne_bytes().to_vec())),
+            Bitwise::Xor(DataAttribute::Value(0u32.to_ne_bytes().to_vec())),
+        ])),
+        cmp(
+            Operator::NotEqual,
+            Register::Reg1,
+            0u32.to_ne_bytes().to_vec(),
+        ),
+    ]
+}
+
+/// A nested attribute of `attrs`.
+fn nested(kind: u16, attrs: &[DefaultNla]) -> DefaultNla {
+    use netlink_packet_core::Emitable;
+    let mut value = vec![0u8; attrs.buffer_len()];
+    attrs.emit(&mut value);
+    DefaultNla::new(kind | netlink_packet_core::NLA_F_NESTED, value)
+}
+
+/// `add @ctcount { ip saddr ct count over limit } drop`: the source address's entry of the
+/// set counts its connections; past `limit` the packet is dropped.
+fn ct_count_over(limit: u32) -> Vec<ListAttribute<ExpressionAttribute>> {
+    let connlimit = [
+        DefaultNla::new(NFTA_EXPR_NAME, b"connlimit\0".to_vec()),
+        nested(
+            NFTA_EXPR_DATA,
+            &[
+                DefaultNla::new(NFTA_CONNLIMIT_COUNT, be32(limit)),
+                DefaultNla::new(NFTA_CONNLIMIT_FLAGS, be32(NFT_CONNLIMIT_F_INV)),
+            ],
+        ),
+    ];
+    let mut name = SET_CTCOUNT.as_bytes().to_vec();
+    name.push(0);
+    vec![
+        payload(NFT_PAYLOAD_NETWORK_HEADER, 12, 4, Register::Reg1),
+        other(
+            "dynset",
+            vec![
+                DefaultNla::new(NFTA_DYNSET_SET_NAME, name),
+                DefaultNla::new(NFTA_DYNSET_OP, be32(NFT_DYNSET_OP_ADD)),
+                DefaultNla::new(NFTA_DYNSET_SREG_KEY, be32(Register::Reg1.into())),
+                nested(NFTA_DYNSET_EXPR, &connlimit),
+            ],
+        ),
+        drop_(),
     ]
 }
 
@@ -568,6 +657,19 @@ pub(crate) fn load(
         (verdict_map(t, MAP_FWD, 6), c),
         (verdict_map(t, MAP_PRE, 7), c),
         (verdict_map(t, MAP_NAT, 8), c),
+        (
+            NfTablesMessage::NewSet(SetMessage {
+                attributes: vec![
+                    SetAttribute::Table(t.to_string()),
+                    SetAttribute::Name(SET_CTCOUNT.to_string()),
+                    SetAttribute::Flags(SetFlags::from_bits_retain(SET_F_EVAL)),
+                    SetAttribute::KeyType(TYPE_IPADDR),
+                    SetAttribute::KeyLen(4),
+                    SetAttribute::Id(9),
+                ],
+            }),
+            c,
+        ),
     ];
     let mut fill = |set: &str, keys: Vec<(Vec<u8>, bool)>| {
         if !keys.is_empty() {
@@ -606,9 +708,19 @@ pub(crate) fn load(
     let iif = || ifname_prefix(MetaKey::Iifname, p);
     let oif = || ifname_prefix(MetaKey::Oifname, p);
     let gw = rs.gateway.octets().to_vec();
-    let rules = vec![
+    let mut rules = vec![
         // prerouting: only leased sandboxes, each with its own address.
         ("prerouting", not_live(MetaKey::Iifname, p)),
+        // Its share of the host's conntrack table.
+        (
+            "prerouting",
+            vec![
+                iif(),
+                nfproto(NFPROTO_IPV4),
+                ct_new(),
+                ct_count_over(rs.ct_limit),
+            ],
+        ),
         (
             "prerouting",
             vec![iif(), nfproto(NFPROTO_IPV4), ct_mark_from(12)],
@@ -705,6 +817,9 @@ pub(crate) fn load(
         ("sandbox_back", vec![vec![drop_()]]),
         ("postrouting", vec![iif(), vec![other("masq", vec![])]]),
     ];
+    if rs.ct_limit == 0 {
+        rules.remove(1);
+    }
     for (ch, exprs) in rules {
         m.push((rule(t, ch, exprs), c | NLM_F_APPEND));
     }

@@ -68,6 +68,7 @@ pub(crate) fn config() -> NetConfig {
         refuse: Vec::new(),
         proxy_port: Some(OPEN_TCP),
         pool: 0,
+        ct_limit: super::DEFAULT_CT_LIMIT,
     }
 }
 
@@ -1092,4 +1093,48 @@ fn held_traffic_passes_neither_way_and_flows_again_when_let_go() {
     assert!(send(b"free"));
     let (n, _) = u.recv_from(&mut buf).expect("a datagram in after");
     assert_eq!(&buf[..n], b"free");
+}
+
+/// The TCP connections from namespace `ns` to `to` that open, of `n` tried (held).
+fn open_many(ns: &OwnedFd, to: SocketAddr, n: usize) -> Vec<TcpStream> {
+    ns::within(dup(ns), move || {
+        Ok((0..n)
+            .filter_map(|_| TcpStream::connect_timeout(&to, SHORT).ok())
+            .collect::<Vec<_>>())
+    })
+    .expect("from the sandbox")
+}
+
+#[test]
+fn a_sandbox_s_connections_in_conntrack_are_limited_and_another_s_are_not() {
+    if !root() {
+        return;
+    }
+    let limit = 12;
+    let lab = lab(NetConfig {
+        ct_limit: limit,
+        ..config()
+    });
+    let net = lab.net();
+    net.fill(2).expect("fill");
+    let a = net.take().expect("take a");
+    let b = net.take().expect("take b");
+    // Two destinations: the gateway (the node's own services) and one outside.
+    let gw = net.gateway();
+    let l = listen(&lab.node, sa(gw, OPEN_TCP));
+    let outside = listen(&lab.outside, sa(PUBLIC, 80));
+    let ans = a.ns_handle().expect("handle a");
+    let bns = b.ns_handle().expect("handle b");
+    // a's new connections past the limit are dropped, wherever they go.
+    let held_by_a = open_many(&ans, sa(gw, OPEN_TCP), 20);
+    assert_eq!(held_by_a.len(), limit as usize, "to the gateway");
+    assert_eq!(open_many(&ans, sa(PUBLIC, 80), 3).len(), 0, "out");
+    // b has a share of its own, whatever a holds.
+    assert_eq!(open_many(&bns, sa(PUBLIC, 80), 5).len(), 5, "b out");
+    assert_eq!(
+        open_many(&bns, sa(gw, OPEN_TCP), 5).len(),
+        5,
+        "b to the gateway"
+    );
+    drop((l, outside, held_by_a));
 }

@@ -3,7 +3,16 @@
 //!
 //! The request head is read once with httparse (64 KiB, 30 s) for its Host; what was read
 //! is then written to the upstream as it came (passed through) or read again by hyper
-//! (inspected, or answered with an error body).
+//! (inspected, or answered with an error body). One host decides: a request whose absolute
+//! URI (`GET http://a.example/`) names another host than its Host header is refused (403
+//! egress_denied), as the rules would decide on one and the server read the other.
+//!
+//! An inspected request is refused (403 egress_denied) where its method is not in upper
+//! case (`get`: a lenient server reads it as GET, which the rules may not allow) or is TRACE
+//! or TRACK (the server would echo the request, injected secrets and all, to the sandbox);
+//! its path is matched by the `http` rules in its normal form only
+//! ([`sbx_api::egress::normal_path`]). Secrets are injected into plain HTTP too (port 80):
+//! they cross the network in the clear from the node on; rules for https are the safe ones.
 
 use std::convert::Infallible;
 use std::net::IpAddr;
@@ -61,6 +70,8 @@ type Body = BoxBody<Bytes, hyper::Error>;
 struct Head {
     bytes: Vec<u8>,
     host: Option<String>,
+    /// The Host header, where it names another host than the absolute URI.
+    other_host: Option<String>,
 }
 
 /// `host[:port]` or `[v6][:port]` without the port (and without the brackets).
@@ -75,15 +86,25 @@ fn strip_port(authority: &str) -> &str {
     }
 }
 
-fn host_of(req: &httparse::Request<'_, '_>) -> Result<Option<String>, HeadError> {
+/// The request's host (the absolute URI's, else the Host header's) and, where the two
+/// differ, the Host header's.
+fn host_of(req: &httparse::Request<'_, '_>) -> Result<(Option<String>, Option<String>), HeadError> {
+    let header = host_header(req)?;
     if let Some(path) = req.path {
         for scheme in ["http://", "https://"] {
             if let Some(rest) = path.strip_prefix(scheme) {
                 let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-                return Ok(Some(strip_port(authority).to_string()));
+                let host = strip_port(authority).to_string();
+                let other = header.filter(|h| normal_host(h) != normal_host(&host));
+                return Ok((Some(host), other));
             }
         }
     }
+    Ok((header, None))
+}
+
+/// The Host header's host (without its port).
+fn host_header(req: &httparse::Request<'_, '_>) -> Result<Option<String>, HeadError> {
     let mut host: Option<&[u8]> = None;
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("host") {
@@ -108,7 +129,7 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, HeadError> {
             return Err(HeadError::Closed);
         }
         bytes.extend_from_slice(&buf[..n]);
-        let host = {
+        let (host, other_host) = {
             let mut headers = [httparse::EMPTY_HEADER; 128];
             let mut req = httparse::Request::new(&mut headers);
             match req.parse(&bytes) {
@@ -118,7 +139,11 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, HeadError> {
                 Err(e) => return Err(HeadError::Malformed(e)),
             }
         };
-        return Ok(Head { bytes, host });
+        return Ok(Head {
+            bytes,
+            host,
+            other_host,
+        });
     }
 }
 
@@ -140,6 +165,17 @@ pub(super) async fn serve(conn: Arc<Conn>, mut stream: TcpStream) {
         }
     };
     let port = conn.orig.port();
+    if let (Some(h), Some(other)) = (head.host.as_deref(), head.other_host.as_deref()) {
+        info!(
+            sandbox = conn.sandbox,
+            host = h,
+            other,
+            "egress proxy: two hosts, denied"
+        );
+        let msg = format!("the request's URI names {h} and its Host header {other}");
+        let io = Prefixed::new(head.bytes, stream);
+        return answer(Box::new(io), ApiError::new(ErrorCode::EgressDenied, msg)).await;
+    }
     let target = match head.host.as_deref() {
         Some(h) => match Target::parse(h) {
             Some(t) => t,
@@ -255,13 +291,13 @@ struct Upstream {
 impl Upstream {
     async fn handle(&self, mut req: Request<Incoming>) -> Response<Body> {
         let rules = &self.conn.rules;
-        let asked = req.uri().host().map(str::to_owned).or_else(|| {
-            req.headers()
-                .get(HOST)
-                .and_then(|v| v.to_str().ok())
-                .map(|h| strip_port(h).to_string())
+        // Both the absolute URI's host and the Host header, where given, are this one's.
+        let header = req.headers().get(HOST).map(|v| match v.to_str() {
+            Ok(h) => strip_port(h).to_string(),
+            Err(_) => String::new(),
         });
-        if let Some(h) = asked {
+        let uri_host = req.uri().host().map(str::to_owned);
+        for h in [uri_host, header].into_iter().flatten() {
             if normal_host(&h) != self.host {
                 let msg = format!(
                     "this connection goes to {}; a request for {h} needs its own",
@@ -271,6 +307,23 @@ impl Upstream {
             }
         }
         let method = req.method().as_str().to_string();
+        if method.bytes().any(|b| b.is_ascii_lowercase())
+            || method.eq_ignore_ascii_case("TRACE")
+            || method.eq_ignore_ascii_case("TRACK")
+        {
+            info!(
+                sandbox = self.conn.sandbox,
+                host = self.host,
+                method,
+                "egress proxy: method refused"
+            );
+            let msg = format!(
+                "the egress proxy does not forward {method} to {}, whose requests it reads \
+                 (TRACE and TRACK echo the request; a method is in upper case)",
+                self.host
+            );
+            return error_response(&ApiError::new(ErrorCode::EgressDenied, msg));
+        }
         let path = req.uri().path().to_string();
         if !rules.http_allows(&self.host, &method, &path) {
             info!(

@@ -20,6 +20,12 @@
 //!   `http` rules (`403 egress_denied`), gets its `inject` headers (the secrets' values never
 //!   go to a log or an answer; a secret gone: `502 upstream_failed`) and is forwarded, bodies
 //!   streamed.
+//! - Only connections the kernel sent here are served: one whose original destination is
+//!   the proxy's own address (a sandbox that dialed the gateway's proxy port itself) is
+//!   closed, or the proxy would dial its Host on that port past the sandbox's rules.
+//! - Connections are served in fair shares: at most `per_sandbox` of one sandbox and
+//!   `max_connections` of all at once; one past either is closed at once, never queued
+//!   ahead of another sandbox's ([`share::Shares`]).
 //! - Every address the proxy dials passes [`EgressView::refused`] (a name resolving to
 //!   10.x, 127.x or 169.254.x is refused like the address itself). A failed dial or lookup:
 //!   `502 upstream_failed` for HTTP, a closed connection for TLS.
@@ -28,6 +34,7 @@ mod ca;
 mod dial;
 mod http;
 mod io;
+pub(crate) mod share;
 mod tls;
 
 #[cfg(test)]
@@ -40,7 +47,6 @@ use std::time::Duration;
 
 use sbx_api::egress::{Egress, Verdict};
 use tokio::net::TcpStream;
-use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 pub use ca::NodeCa;
@@ -66,6 +72,10 @@ pub struct ProxyConfig {
     pub extra_roots: Option<PathBuf>,
     /// Where the node's CA is kept (DATA_DIR).
     pub ca_dir: PathBuf,
+    /// Most connections of one sandbox served at once.
+    pub per_sandbox: usize,
+    /// Most connections served at once.
+    pub max_connections: usize,
 }
 
 /// How the proxy learns where a connection was going: `sbx_runtime::net::original_dst` in
@@ -98,8 +108,10 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most bytes of a request head or a ClientHello.
 pub const MAX_HEAD: usize = 64 * 1024;
-/// Most connections served at once (more wait in the kernel's backlog).
+/// Most connections served at once (more are closed at once).
 pub const MAX_CONNECTIONS: usize = 8192;
+/// Most connections of one sandbox served at once (`--egress-proxy-per-sandbox`).
+pub const PER_SANDBOX: usize = 1024;
 
 /// Starts serving on `listener` (already bound by the node, on the gateway address) on the
 /// current tokio runtime. The original destination is read with
@@ -140,7 +152,8 @@ pub fn start_with(
         upstream_tls,
         orig,
     });
-    tokio::spawn(accept_loop(listener, proxy));
+    let shares = share::Shares::new(cfg.per_sandbox, cfg.max_connections);
+    tokio::spawn(accept_loop(listener, proxy, shares));
     Ok(())
 }
 
@@ -205,14 +218,20 @@ impl std::fmt::Display for Target {
     }
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, proxy: Arc<Proxy>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    proxy: Arc<Proxy>,
+    shares: Arc<share::Shares>,
+) {
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
-        };
         match listener.accept().await {
             Ok((stream, peer)) => {
+                // Past its share (or everybody's): closed now, so that the others' go on.
+                let Some(slot) = shares.take(peer.ip()) else {
+                    debug!(%peer, "egress proxy: the sandbox's share of connections is full, closed");
+                    drop(stream);
+                    continue;
+                };
                 let proxy = proxy.clone();
                 tokio::spawn(async move {
                     serve(proxy, stream, peer).await;
@@ -243,6 +262,14 @@ async fn serve(proxy: Arc<Proxy>, stream: TcpStream, peer: SocketAddr) {
             return;
         }
     };
+    // Not redirected by the kernel: the sandbox dialed the proxy's port itself.
+    if stream.local_addr().ok() == Some(SocketAddr::V4(orig)) {
+        debug!(
+            sandbox,
+            "egress proxy: a connection to the proxy itself, closed"
+        );
+        return;
+    }
     if rules.deny_ports.contains(&orig.port()) {
         debug!(
             sandbox,

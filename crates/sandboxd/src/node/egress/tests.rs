@@ -35,8 +35,12 @@ struct FakeView {
 
 impl EgressView for FakeView {
     fn rules_of(&self, addr: Ipv4Addr) -> Option<(String, Arc<Egress>)> {
-        (addr == Ipv4Addr::LOCALHOST)
-            .then(|| ("sbx_test".to_string(), self.rules.lock().unwrap().clone()))
+        let id = match addr {
+            Ipv4Addr::LOCALHOST => "sbx_test",
+            OTHER_SANDBOX => "sbx_other",
+            _ => return None,
+        };
+        Some((id.to_string(), self.rules.lock().unwrap().clone()))
     }
     fn secret(&self, name: &str) -> Option<String> {
         self.secrets.lock().unwrap().get(name).cloned()
@@ -45,6 +49,9 @@ impl EgressView for FakeView {
         self.refused.contains(&ip)
     }
 }
+
+/// A second sandbox's address (the first is 127.0.0.1).
+const OTHER_SANDBOX: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 4);
 
 /// The address the tests' DNS gives to names the node must refuse.
 const REFUSED: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
@@ -148,7 +155,12 @@ struct Seen {
 /// An HTTP upstream on `ip` (TLS with `pki` when given) answering each request with
 /// `METHOD PATH auth=<authorization> host=<host>`.
 async fn upstream(ip: Ipv4Addr, pki: Option<&TestPki>) -> (u16, Seen) {
-    let l = TcpListener::bind((ip, 0)).await.unwrap();
+    upstream_at(ip, 0, pki).await
+}
+
+/// [`upstream`] on a port given (0: any).
+async fn upstream_at(ip: Ipv4Addr, port: u16, pki: Option<&TestPki>) -> (u16, Seen) {
+    let l = TcpListener::bind((ip, port)).await.unwrap();
     let port = l.local_addr().unwrap().port();
     let seen = Seen::default();
     let tls = pki.map(|p| {
@@ -253,6 +265,18 @@ async fn harness(
     orig: SocketAddrV4,
     extra_roots: Option<&str>,
 ) -> Harness {
+    let orig: OrigDst = Arc::new(move |_: &TcpStream| Ok(orig));
+    harness_with(rules, names, orig, extra_roots, PER_SANDBOX).await
+}
+
+/// [`harness`] with the original destination's lookup and the share of a sandbox given.
+async fn harness_with(
+    rules: Value,
+    names: &[(&str, Ipv4Addr)],
+    orig: OrigDst,
+    extra_roots: Option<&str>,
+    per_sandbox: usize,
+) -> Harness {
     let dir = temp_dir("proxy");
     let roots = extra_roots.map(|pem| {
         let p = dir.join("extra.pem");
@@ -271,8 +295,9 @@ async fn harness(
         upstream_dns: vec![dns_server(names).await],
         extra_roots: roots,
         ca_dir: dir.clone(),
+        per_sandbox,
+        max_connections: MAX_CONNECTIONS,
     };
-    let orig: OrigDst = Arc::new(move |_: &TcpStream| Ok(orig));
     start_with(listener, view.clone(), ca.clone(), cfg, orig).unwrap();
     Harness {
         proxy,
@@ -695,6 +720,133 @@ async fn a_denied_port_is_closed() {
     let (status, body) = http(&h, &get("a.test", "/")).await;
     assert_eq!((status, body.as_str()), (0, ""));
     assert_eq!(seen.conns.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_connection_to_the_proxy_itself_is_closed() {
+    // Not redirected: the original destination is the proxy's own address.
+    let orig: OrigDst = Arc::new(|s: &TcpStream| match s.local_addr()? {
+        SocketAddr::V4(a) => Ok(a),
+        SocketAddr::V6(_) => Err(std::io::Error::other("v6")),
+    });
+    let h = harness_with(
+        json!({"default": "deny", "allow": ["a.test"]}),
+        &[("a.test", Ipv4Addr::new(127, 0, 0, 5))],
+        orig,
+        None,
+        PER_SANDBOX,
+    )
+    .await;
+    // A server on the proxy's port elsewhere: the proxy must not dial it for the sandbox.
+    let (_, seen) = upstream_at(Ipv4Addr::new(127, 0, 0, 5), h.proxy.port(), None).await;
+    let (status, body) = http(&h, &get("a.test", "/")).await;
+    assert_eq!((status, body.as_str()), (0, ""));
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_sandbox_past_its_share_of_connections_is_closed_and_another_is_served() {
+    let (port, seen) = upstream(Ipv4Addr::LOCALHOST, None).await;
+    let orig = SocketAddrV4::new(NOWHERE, port);
+    let h = harness_with(
+        json!({}),
+        &[("a.test", Ipv4Addr::LOCALHOST)],
+        Arc::new(move |_: &TcpStream| Ok(orig)),
+        None,
+        4,
+    )
+    .await;
+    // Four idle connections of the first sandbox hold its share (each is served: it waits
+    // for its request head).
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(TcpStream::connect(h.proxy).await.unwrap());
+    }
+    // Its fifth is closed at once, with nothing read.
+    let mut fifth = TcpStream::connect(h.proxy).await.unwrap();
+    let mut b = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(10), fifth.read(&mut b))
+        .await
+        .expect("closed at once, not kept waiting")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    // Another sandbox's request is served.
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.bind(SocketAddr::from((OTHER_SANDBOX, 0))).unwrap();
+    let mut s = sock.connect(h.proxy).await.unwrap();
+    let (status, body) = exchange(&mut s, &get("a.test", "/other")).await;
+    assert_eq!(status, 200, "{body}");
+    // One idle connection closed: the first sandbox has a place again.
+    drop(idle.pop());
+    let mut served = false;
+    for _ in 0..50 {
+        let (status, _) = http(&h, &get("a.test", "/again")).await;
+        if status == 200 {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(served, "a place given back is taken again");
+    assert_eq!(seen.requests.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn inspected_requests_are_read_as_the_server_reads_them() {
+    let (port, seen) = upstream(Ipv4Addr::LOCALHOST, None).await;
+    let h = harness(
+        json!({"default": "deny", "allow": ["api.test", "other.test"],
+               "http": [{"host": "api.test", "methods": ["GET"], "paths": ["/v1/*"]}],
+               "inject": [{"host": "api.test", "secret": "tok"}]}),
+        &[
+            ("api.test", Ipv4Addr::LOCALHOST),
+            ("other.test", Ipv4Addr::LOCALHOST),
+        ],
+        SocketAddrV4::new(NOWHERE, port),
+        None,
+    )
+    .await;
+    for path in [
+        "/v1/../admin",
+        "/v1/%2e%2e/admin",
+        "/v1/..%2fadmin",
+        "/v1/x/../../admin",
+        "/v1/..;/admin",
+    ] {
+        let (status, body) = http(&h, &get("api.test", path)).await;
+        assert_eq!(status, 403, "{path}: {body}");
+        assert_eq!(error_code(&body), "egress_denied", "{path}");
+    }
+    // A method is upper case; TRACE and TRACK would echo the injected secret.
+    for method in ["get", "TRACE", "TRACK"] {
+        let req = format!("{method} /v1/x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n");
+        let (status, body) = http(&h, &req).await;
+        assert_eq!(status, 403, "{method}: {body}");
+    }
+    // An absolute URI and a Host that differ: one host decides, the request is refused.
+    let two = "GET http://api.test/v1/x HTTP/1.1\r\nHost: other.test\r\nConnection: close\r\n\r\n";
+    let (status, body) = http(&h, two).await;
+    assert_eq!(status, 403, "{body}");
+    let two = "GET http://other.test/x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n";
+    let (status, body) = http(&h, two).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        seen.requests.lock().unwrap().is_empty(),
+        "nothing forwarded"
+    );
+    // Normal requests pass, with the secret.
+    let (status, body) = http(&h, &get("api.test", "/v1/models")).await;
+    assert_eq!(status, 200, "{body}");
+    let same = "GET http://api.test/v1/y HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n";
+    let (status, body) = http(&h, same).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        seen.requests.lock().unwrap().as_slice(),
+        [
+            "GET /v1/models auth=s3cret host=api.test",
+            "GET /v1/y auth=s3cret host=api.test"
+        ]
+    );
 }
 
 // ---- the CA ----
