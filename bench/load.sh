@@ -6,7 +6,9 @@
 # node runs (its open descriptors, the rows it answers) and after it stopped (processes in its
 # cgroups, its cgroup folders, mounts under its data directory, network namespaces and host
 # interfaces it made, temporary files, rows in its database): every leak is printed and the
-# script exits 1 if there is one.
+# script exits 1 if there is one. The node's disk is 8 GiB, each sandbox's 256 MiB promised
+# eight times over (a default node promises no more than its disk holds: 200 sandboxes of
+# 1 GiB would not fit).
 #
 # As root. SBX_BIN_DIR=target/debug uses built binaries instead of a release build;
 # RUNS, KEPT and CONC change the sizes.
@@ -27,6 +29,7 @@ printf 'max_sandboxes = 400\n' >"$data/config.toml"
 ifaces_before=$(ls /sys/class/net | sort)
 RUST_LOG=warn "$bin/sandboxd" --listen 127.0.0.1:$port --data-dir "$data/node" \
   --images-dir "$images" --cgroup-name $cg --preview-listen off --sleep-after-seconds never \
+  --disk-image-bytes $((8 << 30)) --disk-bytes $((256 << 20)) --disk-overcommit 8 \
   --config "$data/config.toml" >"$data/sandboxd.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -rf "$data"' EXIT

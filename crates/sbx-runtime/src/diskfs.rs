@@ -8,20 +8,23 @@
 //! deleted by one ioctl each (no helper process on the request path), its limit set by one
 //! more, and a deleted one is dropped by the kernel in the background.
 //!
-//! Made at node start, off the request path: `DATA_DIR/disk.img`, a sparse file, formatted
+//! Made at node start, off the request path: `DATA_DIR/disk.img`, its blocks reserved on the
+//! host's filesystem (fallocate: a sparse image whose host filesystem runs out under it fails
+//! the sandboxes' writes with EIO; a reserved one fills up as a disk does, with ENOSPC), formatted
 //! once with `mkfs.btrfs` (a helper process: no crate writes a btrfs), attached to a loop
 //! device (LOOP_CTL_GET_FREE, LOOP_CONFIGURE with autoclear: the device goes when its last
 //! mount does) and mounted at `DATA_DIR/disk` (nosuid, nodev); quotas are switched on by
 //! ioctl (simple quotas where the kernel has them, else qgroups). A node that restarts finds
 //! it mounted, or mounts it again (on the loop device that still holds the image, if one
 //! does). When `DATA_DIR/disk` already is a btrfs (a mount of the operator's), it is used as
-//! it is.
+//! it is. An image made sparse by an older node has its blocks reserved at the next start; a
+//! host without the room for them refuses the start ([`DiskError::NoRoom`]).
 
 use std::ffi::CString;
 use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -35,6 +38,17 @@ pub enum DiskError {
     },
     #[error("mkfs.btrfs: {0}")]
     Mkfs(String),
+    /// The host's filesystem has not the room to reserve the image's blocks.
+    #[error(
+        "the node's disk {image} needs {needed} more bytes of the host's filesystem, which has \
+         {free} free: {advice}"
+    )]
+    NoRoom {
+        image: String,
+        needed: u64,
+        free: u64,
+        advice: String,
+    },
 }
 
 fn io_ctx(what: impl Into<String>) -> impl FnOnce(io::Error) -> DiskError {
@@ -196,8 +210,8 @@ pub fn is_subvolume(path: &Path) -> bool {
 }
 
 /// The node's disk filesystem (mounted; nothing is undone on drop: sandboxes that outlive the
-/// node keep their layers on it). [`Disk::release`] takes the node's mount away at a stop
-/// that leaves no sandbox.
+/// node keep their layers on it). [`Disk::release`] takes the node's mounts of it away at its
+/// stop (lazily: the loop device goes with the last use).
 #[derive(Debug)]
 pub struct Disk {
     root: PathBuf,
@@ -214,18 +228,26 @@ pub struct DiskSpace {
 
 impl Disk {
     /// The disk of the data directory `data_dir` (canonical): mounted if it is not, made (an
-    /// image of `image_bytes`, sparse) if there is none. Blocking; a helper process the first
-    /// time (mkfs.btrfs).
+    /// image of `image_bytes`, its blocks reserved on the host) if there is none; an image of
+    /// the node's whose blocks are not all reserved (made sparse) is reserved now. Blocking; a
+    /// helper process the first time (mkfs.btrfs). [`DiskError::NoRoom`] when the host's
+    /// filesystem has not the room for the image.
     pub fn open(data_dir: &Path, image_bytes: u64) -> Result<Disk, DiskError> {
         let root = data_dir.join(MOUNT);
+        let image = data_dir.join(IMAGE);
         fs::create_dir_all(&root).map_err(io_ctx(format!("mkdir {}", root.display())))?;
         let own_mount = if is_btrfs(&root) {
             // Mounted already: by the node before a restart (the loop device of its image), or
             // by the operator.
-            root_is_image_mount(&root, &data_dir.join(IMAGE))
+            let own = root_is_image_mount(&root, &image);
+            if own {
+                reserve_image(&image)?;
+            }
+            own
         } else {
-            let image = data_dir.join(IMAGE);
-            if !image.exists() {
+            if image.exists() {
+                reserve_image(&image)?;
+            } else {
                 make_image(&image, image_bytes)?;
             }
             // An autoclear device goes at its last close: the descriptor is held until the
@@ -285,7 +307,8 @@ impl Disk {
             .map_err(io_ctx("enable quotas on the disk"))
     }
 
-    /// Free and total bytes of the disk filesystem.
+    /// Free and total bytes of the disk filesystem (total: the size of its device, metadata
+    /// and the filesystem's own structures included).
     pub fn space(&self) -> DiskSpace {
         match nix::sys::statvfs::statvfs(&self.root) {
             Ok(s) => DiskSpace {
@@ -299,11 +322,28 @@ impl Disk {
         }
     }
 
-    /// Takes the node's mount of its image away (lazily: what still uses the filesystem keeps
-    /// it, and the loop device goes with the last use). For a stop that leaves no sandbox.
+    /// Takes the node's mounts of its image away (lazily: what still uses the filesystem keeps
+    /// it, and the loop device goes with the last use): every mount of the image's loop device
+    /// under the data directory, the disk's and the binds of it (`DATA_DIR/sandboxes`), a
+    /// killed node's left over too (a node started after it finds them there and makes none
+    /// of its own). For a node's stop.
     pub fn release(&self) {
-        if self.own_mount {
-            let _ = nix::mount::umount2(&self.root, nix::mount::MntFlags::MNT_DETACH);
+        if !self.own_mount {
+            return;
+        }
+        let data_dir = self.root.parent().unwrap_or(Path::new("/"));
+        let mut points = loop_of(&data_dir.join(IMAGE))
+            .and_then(|dev| {
+                let info = fs::read_to_string("/proc/self/mountinfo").ok()?;
+                Some(mounts_of(&info, &dev, data_dir))
+            })
+            .unwrap_or_default();
+        if points.is_empty() {
+            points.push(self.root.clone());
+        }
+        // The last mounted first (one may be over another).
+        for p in points.iter().rev() {
+            let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
         }
     }
 }
@@ -424,20 +464,96 @@ fn split(path: &Path) -> io::Result<(&Path, &[u8])> {
     Ok((parent, name))
 }
 
-/// The sparse image, formatted (under a temporary name, renamed once whole).
+/// Reserves every block of the file `f` (`len` bytes long) on its filesystem: holes are
+/// allocated (as unwritten extents: nothing is written), what is there already is kept.
+fn allocate(f: &fs::File, len: u64) -> io::Result<()> {
+    let len = i64::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    nix::fcntl::fallocate(f, nix::fcntl::FallocateFlags::empty(), 0, len).map_err(io::Error::from)
+}
+
+/// What to tell an operator whose host has not the room for a new image of `bytes`.
+fn smaller_image_advice(free: u64) -> String {
+    format!(
+        "start the node with a smaller --disk-image-bytes (at most {} here, and less to leave \
+         the host room), or free room on the host's filesystem",
+        free / 10 * 9
+    )
+}
+
+fn no_room(image: &Path, needed: u64, advice: String) -> DiskError {
+    let dir = image.parent().unwrap_or(Path::new("/"));
+    DiskError::NoRoom {
+        image: image.display().to_string(),
+        needed,
+        free: free_bytes(dir),
+        advice,
+    }
+}
+
+/// Reserves the blocks of an existing image (one an older node made sparse): a no-op when they
+/// are all allocated already.
+fn reserve_image(image: &Path) -> Result<(), DiskError> {
+    let meta = fs::metadata(image).map_err(io_ctx(format!("stat {}", image.display())))?;
+    let allocated = meta.blocks().saturating_mul(512);
+    if allocated >= meta.len() {
+        return Ok(());
+    }
+    let needed = meta.len() - allocated;
+    let advice = || {
+        format!(
+            "free room on the host's filesystem, or remove {} (the sandboxes' layers and the \
+             volumes on it go with it) and start the node with a --disk-image-bytes the host \
+             has room for",
+            image.display()
+        )
+    };
+    // Checked first: a fallocate that runs out keeps what it allocated until then, and would
+    // leave the host's filesystem full.
+    if needed > free_bytes(image.parent().unwrap_or(Path::new("/"))) {
+        return Err(no_room(image, needed, advice()));
+    }
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(image)
+        .map_err(io_ctx(format!("open {}", image.display())))?;
+    match allocate(&f, meta.len()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => Err(no_room(image, needed, advice())),
+        Err(e) => Err(io_ctx(format!("reserve the blocks of {}", image.display()))(e)),
+    }
+}
+
+/// The image, its blocks reserved and formatted (under a temporary name, renamed once whole).
 fn make_image(image: &Path, bytes: u64) -> Result<(), DiskError> {
     let tmp = image.with_extension("img.tmp");
     let _ = fs::remove_file(&tmp);
+    // Checked first: a fallocate that runs out keeps what it allocated until then, and would
+    // leave the host's filesystem full.
+    let free = free_bytes(image.parent().unwrap_or(Path::new("/")));
+    if bytes > free {
+        return Err(no_room(image, bytes, smaller_image_advice(free)));
+    }
     let f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(&tmp)
         .map_err(io_ctx(format!("create {}", tmp.display())))?;
-    f.set_len(bytes)
-        .map_err(io_ctx(format!("size {}", tmp.display())))?;
+    if let Err(e) = allocate(&f, bytes) {
+        drop(f);
+        let _ = fs::remove_file(&tmp);
+        return Err(match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EFBIG) => no_room(
+                image,
+                bytes,
+                smaller_image_advice(free_bytes(image.parent().unwrap_or(Path::new("/")))),
+            ),
+            _ => io_ctx(format!("reserve {bytes} bytes for {}", tmp.display()))(e),
+        });
+    }
     drop(f);
-    // -K: no discard of a file that is all holes already.
+    // -K: no discard (the reserved blocks are unwritten extents: they read as zeroes).
     let out = std::process::Command::new("mkfs.btrfs")
         .args(["-q", "-K", "-L", "sbx-disk"])
         .arg(&tmp)
@@ -567,6 +683,40 @@ fn mount_btrfs(dev: &Path, root: &Path) -> Result<(), DiskError> {
     })
 }
 
+/// A mount point as /proc/self/mountinfo writes it: space, tab, newline and backslash as
+/// `\ooo` octal escapes.
+fn unescape_mount_path(s: &str) -> PathBuf {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    PathBuf::from(std::ffi::OsString::from_vec(out))
+}
+
+/// The mount points (in `mountinfo`'s order) of the filesystem of device `dev` under `dir`.
+fn mounts_of(mountinfo: &str, dev: &Path, dir: &Path) -> Vec<PathBuf> {
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let point = unescape_mount_path(f.get(4)?);
+            let source = f.iter().skip_while(|x| **x != "-").nth(2)?;
+            (Path::new(source) == dev && point.starts_with(dir)).then_some(point)
+        })
+        .collect()
+}
+
 /// Whether the btrfs at `root` is the image's (its loop device's backing file is `image`).
 fn root_is_image_mount(root: &Path, image: &Path) -> bool {
     let Some(dev) = loop_of(image) else {
@@ -642,6 +792,56 @@ mod tests {
         disk.release();
         assert!(!is_btrfs(&data.join(MOUNT)));
         let _ = fs::remove_dir_all(&data);
+    }
+
+    #[test]
+    fn the_mounts_of_a_device_under_a_directory_are_found() {
+        let info = "\
+36 25 0:32 / /data/disk rw,noatime shared:1 - btrfs /dev/loop3 rw,space_cache=v2
+37 25 0:32 /sandboxes /data/sandboxes rw,nosuid,nodev shared:1 - btrfs /dev/loop3 rw
+38 25 0:33 / /other/disk rw shared:2 - btrfs /dev/loop4 rw
+39 25 0:32 /sandboxes /elsewhere rw shared:1 - btrfs /dev/loop3 rw
+40 25 0:32 / /data/a\\040b rw shared:1 - btrfs /dev/loop3 rw
+";
+        assert_eq!(
+            mounts_of(info, Path::new("/dev/loop3"), Path::new("/data")),
+            vec![
+                PathBuf::from("/data/disk"),
+                PathBuf::from("/data/sandboxes"),
+                PathBuf::from("/data/a b"),
+            ]
+        );
+        assert!(mounts_of(info, Path::new("/dev/loop5"), Path::new("/data")).is_empty());
+    }
+
+    /// An image made sparse (by an older node) has its blocks reserved; one larger than the
+    /// host's free room is refused before anything is allocated.
+    #[test]
+    fn an_image_has_its_blocks_reserved() {
+        let dir = std::env::temp_dir().join(format!("sbx-diskimg-{}", std::process::id()));
+        let _ = fs::create_dir_all(&dir);
+        let image = dir.join(IMAGE);
+        let f = fs::File::create(&image).unwrap();
+        f.set_len(16 << 20).unwrap();
+        drop(f);
+        assert!(fs::metadata(&image).unwrap().blocks() * 512 < 16 << 20);
+        reserve_image(&image).expect("reserved");
+        assert!(fs::metadata(&image).unwrap().blocks() * 512 >= 16 << 20);
+        // Reserved already: nothing to do.
+        reserve_image(&image).expect("reserved again");
+
+        let huge = free_bytes(&dir) + (1 << 30);
+        let f = fs::File::create(&image).unwrap();
+        f.set_len(huge).unwrap();
+        drop(f);
+        let e = reserve_image(&image).unwrap_err();
+        assert!(matches!(e, DiskError::NoRoom { .. }), "{e}");
+        assert!(e.to_string().contains("--disk-image-bytes"), "{e}");
+        assert!(fs::metadata(&image).unwrap().blocks() * 512 < 1 << 20);
+        let e = make_image(&dir.join("other.img"), huge).unwrap_err();
+        assert!(e.to_string().contains("smaller --disk-image-bytes"), "{e}");
+        assert!(!dir.join("other.img.tmp").exists());
+        let _ = fs::remove_dir_all(&dir);
     }
 
     fn which(name: &str) -> Option<PathBuf> {

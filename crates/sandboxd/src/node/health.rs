@@ -1,6 +1,8 @@
 //! Whether the node can make a sandbox now, for `GET /healthz`: its cgroup folders are usable
-//! (the driver makes gone ones again), its data disk has room above a margin, its base image is
-//! there. Checked at most once a second ([`REFRESH`]); callers in between get the last answer.
+//! (the driver makes gone ones again), its data directory's filesystem has room above a margin,
+//! its disk (the btrfs at DATA_DIR/disk where sandboxes' disks and volumes are) has room above
+//! a margin and can promise one more sandbox's disk, its base image is there. Checked at most
+//! once a second ([`REFRESH`]); callers in between get the last answer.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,7 +20,8 @@ pub const MIN_FREE_INODES: u64 = 4096;
 /// One check and its outcome.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Check {
-    /// `cgroups`, `disk` or `base_image`.
+    /// `cgroups`, `disk` (DATA_DIR's filesystem), `node_disk` (DATA_DIR/disk: only on a node
+    /// that has one) or `base_image`.
     pub name: &'static str,
     pub ok: bool,
     /// Why it failed (none when it passed).
@@ -83,6 +86,30 @@ fn disk(path: &std::path::Path, min_bytes: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// The node's disk's check (the btrfs at `path`): free bytes above the margin (`min_bytes`,
+/// at most a tenth of its size), and room to promise one more sandbox's disk.
+fn node_disk(
+    path: &std::path::Path,
+    space: sbx_runtime::diskfs::DiskSpace,
+    min_bytes: u64,
+    promise: Option<super::volume::Promise>,
+) -> Result<(), String> {
+    let margin = min_bytes.min(space.total_bytes / 10);
+    if space.free_bytes < margin {
+        return Err(format!(
+            "the node's disk ({}) has {} bytes free of {}, under the margin of {margin} \
+             (--min-free-disk-bytes, at most a tenth of it)",
+            path.display(),
+            space.free_bytes,
+            space.total_bytes
+        ));
+    }
+    match promise {
+        Some(p) if !p.fits(p.disk_bytes) => Err(p.refusal(p.disk_bytes, "one more sandbox's disk")),
+        _ => Ok(()),
+    }
+}
+
 impl Node {
     /// The node's health: the cached answer when it is under [`REFRESH`] old, else the checks
     /// run again (one caller at a time; the others wait for its answer).
@@ -120,16 +147,24 @@ impl Node {
                     ))
                 }
             });
-        Health {
-            checks: vec![
-                Check::of("cgroups", self.driver.health()),
-                Check::of(
-                    "disk",
-                    disk(&self.cfg.data_dir, self.cfg.min_free_disk_bytes),
-                ),
-                Check::of("base_image", base),
-            ],
+        let mut checks = vec![
+            Check::of("cgroups", self.driver.health()),
+            Check::of(
+                "disk",
+                disk(&self.cfg.data_dir, self.cfg.min_free_disk_bytes),
+            ),
+        ];
+        if let Some((path, space)) = self.disk_space() {
+            let promise = self
+                .disk_promise()
+                .map_err(|e| format!("what the node's disk has promised: {}", e.message));
+            checks.push(Check::of(
+                "node_disk",
+                promise.and_then(|p| node_disk(&path, space, self.cfg.min_free_disk_bytes, p)),
+            ));
         }
+        checks.push(Check::of("base_image", base));
+        Health { checks }
     }
 }
 
@@ -153,6 +188,38 @@ mod tests {
         };
         assert!(fine.ok());
         assert_eq!(fine.reason(), None);
+    }
+
+    #[test]
+    fn the_node_disk_fails_when_nearly_full_or_promised_in_full() {
+        use sbx_runtime::diskfs::DiskSpace;
+        const GIB: u64 = 1 << 30;
+        let path = std::path::Path::new("/data/disk");
+        let promise = |promised: u64| super::super::volume::Promise {
+            sandboxes: promised / (256 << 20),
+            disk_bytes: 256 << 20,
+            volume_bytes: 0,
+            promised_bytes: promised,
+            room: super::super::capacity::disk_room(2 * GIB, 1.0),
+        };
+        let roomy = DiskSpace {
+            total_bytes: 2 * GIB,
+            free_bytes: GIB,
+        };
+        assert!(node_disk(path, roomy, 512 << 20, Some(promise(GIB))).is_ok());
+        assert!(node_disk(path, roomy, 512 << 20, None).is_ok());
+        // Nearly full: under the margin, which is at most a tenth of the disk.
+        let full = DiskSpace {
+            total_bytes: 2 * GIB,
+            free_bytes: 100 << 20,
+        };
+        let e = node_disk(path, full, 512 << 20, Some(promise(0))).unwrap_err();
+        assert!(e.contains("under the margin of 214748364"), "{e}");
+        // Promised in full: one more sandbox's disk does not fit.
+        let p = promise(6 * (256 << 20));
+        assert!(!p.fits(p.disk_bytes));
+        let e = node_disk(path, roomy, 512 << 20, Some(p)).unwrap_err();
+        assert!(e.contains("cannot promise one more sandbox's disk"), "{e}");
     }
 
     #[test]

@@ -331,8 +331,9 @@ pub(crate) fn expires_in_ms(at: &str) -> Result<u64, ApiError> {
 }
 
 impl Node {
-    /// 503 no_capacity when the node holds its most sandboxes (runs' and kept ones); the
-    /// caller holds the admission lock until its sandbox is counted.
+    /// 503 no_capacity when the node holds its most sandboxes (runs' and kept ones), 503
+    /// drive_full when its disk cannot promise one more; the caller holds the admission lock
+    /// until its sandbox is counted.
     pub(crate) fn check_capacity(&self) -> Result<(), ApiError> {
         let held = self.sandbox_count() + self.managed.locked().len();
         if held >= self.cfg.max_sandboxes {
@@ -344,6 +345,7 @@ impl Node {
                 ),
             ));
         }
-        Ok(())
+        // 503 drive_full past what the node's disk may promise (volume.rs).
+        self.check_sandbox_disk()
     }
 }

@@ -7,6 +7,13 @@
 //! after a restart), a run's in [`Volumes::runs`]. Both are decided under the node's
 //! admission lock, which `check_volumes` runs under, so two creates cannot both take an
 //! exclusive volume.
+//!
+//! The disk's promise ([`Promise`], [`super::capacity::DiskRoom`]): every sandbox's disk and
+//! every volume's size is a limit that may be filled, and their sum stays within what the disk
+//! may promise. Checked under the admission lock by what adds to it (a sandbox's create, run or
+//! restore, a volume's create, a warm sandbox made ahead), each counted from its check: a
+//! sandbox by its id (in the table, among the kept ones, or its directory on the disk), a
+//! volume by its row, and what is between its check and those by a hold ([`DiskHold`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -35,6 +42,9 @@ pub struct VolumeSettings {
     pub disk_bytes: u64,
     /// Host uid of the sandboxes' root: a new volume's owner.
     pub uid_base: u32,
+    /// `--disk-overcommit`: how many times what the disk holds (less its margin) it may
+    /// promise.
+    pub overcommit: f64,
 }
 
 /// A volume a kept sandbox mounts, as its spec keeps it.
@@ -53,6 +63,65 @@ pub struct Volumes {
     settings: OnceLock<VolumeSettings>,
     /// Runs' sandboxes -> the volumes they mount.
     runs: Mutex<HashMap<String, Vec<StoredVolume>>>,
+    /// Disk promised and not yet counted otherwise: a sandbox's or a volume's id -> bytes.
+    held: Mutex<HashMap<String, u64>>,
+}
+
+/// What the node's disk has promised, and what it may.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Promise {
+    /// Sandboxes that have a disk on it (kept ones of every status, runs', warm ones, and
+    /// ones being made or removed), each of `disk_bytes`.
+    pub sandboxes: u64,
+    pub disk_bytes: u64,
+    /// The volumes' sizes.
+    pub volume_bytes: u64,
+    pub promised_bytes: u64,
+    #[serde(flatten)]
+    pub room: super::capacity::DiskRoom,
+}
+
+impl Promise {
+    /// Whether `more` bytes fit in what the disk may promise.
+    pub fn fits(&self, more: u64) -> bool {
+        self.promised_bytes.saturating_add(more) <= self.room.promisable_bytes
+    }
+
+    /// Why `more` bytes (`what`) do not fit, for a refusal or the health check.
+    pub fn refusal(&self, more: u64, what: &str) -> String {
+        format!(
+            "the node's disk cannot promise {what} of {more} bytes: it has promised \
+             {} bytes ({} sandboxes' disks of {} bytes, {} bytes of volumes) of the {} it may \
+             (its {} bytes less {} kept for btrfs's metadata, times --disk-overcommit {})",
+            self.promised_bytes,
+            self.sandboxes,
+            self.disk_bytes,
+            self.volume_bytes,
+            self.room.promisable_bytes,
+            self.room.size_bytes,
+            self.room.margin_bytes,
+            self.room.overcommit
+        )
+    }
+}
+
+/// Disk promised to a sandbox or a volume being made, until it is counted by its id (its
+/// directory, its entry, its row): dropped, the hold goes.
+pub struct DiskHold {
+    node: std::sync::Weak<Node>,
+    id: String,
+}
+
+impl Drop for DiskHold {
+    fn drop(&mut self) {
+        if let Some(node) = self.node.upgrade() {
+            node.volumes.held.locked().remove(&self.id);
+        }
+    }
+}
+
+fn drive_full(message: String) -> ApiError {
+    ApiError::new(ErrorCode::DriveFull, message)
 }
 
 /// A row of the `volumes` table.
@@ -95,12 +164,13 @@ impl Node {
         Ok(())
     }
 
-    /// The node's disk, for `GET /internal/node`: each sandbox's size and what the disk
-    /// filesystem has.
+    /// The node's disk, for `GET /internal/node`: each sandbox's size, what the disk
+    /// filesystem has, and what it has promised ([`Promise`]).
     pub fn disk_info(&self) -> serde_json::Value {
         match self.volumes.settings.get() {
             Some(s) => {
                 let space = s.disk.space();
+                let promise = self.disk_promise().ok().flatten();
                 serde_json::json!({
                     "disk_bytes": s.disk_bytes,
                     "disk": {
@@ -108,6 +178,8 @@ impl Node {
                         "path": s.disk.root(),
                         "total_bytes": space.total_bytes,
                         "free_bytes": space.free_bytes,
+                        "promised_bytes": promise.map(|p| p.promised_bytes),
+                        "promise": promise,
                     },
                     "volumes": {
                         "default_size_bytes": s.default_bytes,
@@ -125,6 +197,93 @@ impl Node {
     pub(crate) fn release_disk(&self) {
         if let Some(s) = self.volumes.settings.get() {
             s.disk.release();
+        }
+    }
+
+    /// The node's disk's mount point and what its filesystem has (none: no disk).
+    pub(crate) fn disk_space(&self) -> Option<(PathBuf, sbx_runtime::diskfs::DiskSpace)> {
+        let s = self.volumes.settings.get()?;
+        Some((s.disk.root().to_path_buf(), s.disk.space()))
+    }
+
+    /// What the node's disk has promised (none: the node has no disk).
+    pub(crate) fn disk_promise(&self) -> Result<Option<Promise>, ApiError> {
+        let Some(s) = self.volumes.settings.get() else {
+            return Ok(None);
+        };
+        let mut ids: HashMap<String, u64> = HashMap::new();
+        // Sandboxes: their directories on the disk (warm ones, ones being removed, kept ones
+        // asleep), the table's and the kept ones (made, and being made).
+        if let Ok(rd) = std::fs::read_dir(s.disk.sandboxes()) {
+            // Each directory (the kind read with the entry: no call per sandbox) is a sandbox's.
+            for e in rd.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    ids.insert(e.file_name().to_string_lossy().into_owned(), s.disk_bytes);
+                }
+            }
+        }
+        for id in self.table.locked().by_id.keys() {
+            ids.insert(id.clone(), s.disk_bytes);
+        }
+        for id in self.managed.locked().keys() {
+            ids.insert(id.clone(), s.disk_bytes);
+        }
+        let sandboxes = ids.len() as u64;
+        for r in self.volume_rows()? {
+            ids.insert(r.id, r.size_bytes);
+        }
+        let mut held_sandboxes = 0;
+        for (id, bytes) in self.volumes.held.locked().iter() {
+            if !ids.contains_key(id) {
+                ids.insert(id.clone(), *bytes);
+                if !id.starts_with("vol") {
+                    held_sandboxes += 1;
+                }
+            }
+        }
+        let sandboxes = sandboxes + held_sandboxes;
+        let promised = ids.values().fold(0u64, |a, b| a.saturating_add(*b));
+        let sandbox_bytes = sandboxes.saturating_mul(s.disk_bytes);
+        Ok(Some(Promise {
+            sandboxes,
+            disk_bytes: s.disk_bytes,
+            volume_bytes: promised.saturating_sub(sandbox_bytes),
+            promised_bytes: promised,
+            room: super::capacity::disk_room(s.disk.space().total_bytes, s.overcommit),
+        }))
+    }
+
+    /// 503 drive_full when one more sandbox's disk would pass what the node's disk may
+    /// promise. Called under the admission lock, before the sandbox is counted.
+    pub(crate) fn check_sandbox_disk(&self) -> Result<(), ApiError> {
+        match self.disk_promise()? {
+            Some(p) if !p.fits(p.disk_bytes) => Err(drive_full(
+                p.refusal(p.disk_bytes, "one more sandbox's disk"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Holds one sandbox's disk for `id` (a warm sandbox about to be made) until the hold is
+    /// dropped (its directory is there by then); `Ok(None)`: the node has no disk. 503
+    /// drive_full when it does not fit.
+    pub(crate) fn hold_sandbox_disk(
+        self: &Arc<Self>,
+        id: &str,
+    ) -> Result<Option<DiskHold>, ApiError> {
+        let _admission = self.admission.locked();
+        self.check_sandbox_disk()?;
+        match self.volumes.settings.get() {
+            Some(s) => Ok(Some(self.hold_disk(id, s.disk_bytes))),
+            None => Ok(None),
+        }
+    }
+
+    fn hold_disk(self: &Arc<Self>, id: &str, bytes: u64) -> DiskHold {
+        self.volumes.held.locked().insert(id.to_string(), bytes);
+        DiskHold {
+            node: Arc::downgrade(self),
+            id: id.to_string(),
         }
     }
 
@@ -203,8 +362,12 @@ impl Node {
         }
     }
 
-    /// `POST /v1/volumes`.
-    pub async fn create_volume(&self, c: VolumeCreate) -> Result<VolumeObject, ApiError> {
+    /// `POST /v1/volumes`: 503 drive_full when its size would pass what the node's disk may
+    /// promise.
+    pub async fn create_volume(
+        self: &Arc<Self>,
+        c: VolumeCreate,
+    ) -> Result<VolumeObject, ApiError> {
         let s = self.volume_settings()?;
         let size = c.size_bytes.unwrap_or(s.default_bytes);
         if size > s.max_bytes {
@@ -228,6 +391,16 @@ impl Node {
                 return Err(name_taken(n));
             }
         }
+        // Its size is promised from here; the hold goes once its row counts it (or it failed).
+        let _hold = {
+            let _admission = self.admission.locked();
+            if let Some(p) = self.disk_promise()? {
+                if !p.fits(size) {
+                    return Err(drive_full(p.refusal(size, "a volume")).with_param("size_bytes"));
+                }
+            }
+            self.hold_disk(&row.id, size)
+        };
         let path = s.disk.volumes().join(&row.id);
         let uid = s.uid_base;
         let made = tokio::task::spawn_blocking({

@@ -71,6 +71,11 @@ impl Node {
                     break;
                 };
                 let id = sbx_api::new_id("sbx");
+                // Its disk is promised until its directory counts it; none when the node's
+                // disk has promised all it may (the next pop tries again).
+                let Ok(_disk) = node.hold_sandbox_disk(&id) else {
+                    break;
+                };
                 let limits = Limits {
                     memory_bytes: node.cfg.default_memory_bytes,
                     vcpus: node.cfg.default_vcpus,

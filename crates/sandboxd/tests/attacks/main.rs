@@ -563,3 +563,129 @@ except OSError as e:
     a.assert_unharmed();
     a.finish();
 }
+
+/// Python: writes MiB after MiB (each synced) to `/fill` until a write fails: one line,
+/// `refused` with EDQUOT (its own disk's limit) or ENOSPC (the node's disk full), `ALLOWED`
+/// for any other error (EIO: the disk broke under it) or no end.
+const FILL_DISK: &str = r#"
+import os, errno
+n = 0
+try:
+    fd = os.open("/fill", os.O_CREAT | os.O_WRONLY, 0o644)
+    chunk = b"\x07" * (1 << 20)
+    while n < 4096:
+        os.write(fd, chunk)
+        os.fsync(fd)
+        n += 1
+    os.close(fd)
+    print(f"fill: ALLOWED ({n} MiB and no end)")
+except OSError as e:
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    verdict = "refused" if e.errno in (errno.EDQUOT, errno.ENOSPC) else "ALLOWED"
+    print(f"fill: {verdict} {name} after {n} MiB")
+"#;
+
+/// Sandboxes within their disks' limits fill the node's disk (1 GiB, sandboxes' disks of
+/// 128 MiB, promised twice over: --disk-overcommit 2): creates past the promise are refused
+/// (503 drive_full), each writer stops at its limit (EDQUOT) or at the full disk (ENOSPC),
+/// never EIO, so does the neighbour; GET /healthz says the node's disk is full; once the
+/// writers are gone the node, the host and the neighbour are as they were.
+#[test]
+fn sandboxes_within_their_limits_fill_the_disk_and_get_enospc_never_eio() {
+    let a = Arena::with(&[
+        "--disk-image-bytes",
+        "1073741824",
+        "--disk-bytes",
+        "134217728",
+        "--disk-overcommit",
+        "2",
+        "--warm-pool",
+        "0",
+    ]);
+    // More sandboxes, until the disk's promise refuses one.
+    let mut extra = Vec::new();
+    let refused = loop {
+        assert!(
+            extra.len() < 24,
+            "24 sandboxes of 128 MiB on a disk of 1 GiB"
+        );
+        let r = a
+            .node
+            .post_json("/v1/sandboxes", &json!({ "sleep_after_seconds": null }));
+        if r.status != 201 {
+            break r;
+        }
+        extra.push(r.json()["id"].as_str().expect("an id").to_string());
+    };
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(
+        refused.json()["error"]["code"],
+        "drive_full",
+        "{}",
+        refused.text()
+    );
+    // (1 GiB - 166 MiB) * 2 / 128 MiB: 13 in all.
+    assert!(
+        extra.len() + 2 >= 10,
+        "{} sandboxes: {}",
+        extra.len() + 2,
+        refused.text()
+    );
+
+    let fill = |id: &str| -> String {
+        let v = a.node.exec(
+            id,
+            &json!({ "command": ["python3", "-c", FILL_DISK], "wait_seconds": 120 }),
+        );
+        assert_eq!(v["status"], "exited", "{v}");
+        let line = stdout(&v).trim().to_string();
+        eprintln!("attack {id}: {line}");
+        line
+    };
+    let mut lines = vec![fill(&a.attacker)];
+    for id in &extra {
+        let line = fill(id);
+        let full = line.contains("ENOSPC");
+        lines.push(line);
+        if full {
+            break;
+        }
+    }
+    a.assert_contained(&lines, 2);
+    assert!(
+        lines.iter().any(|l| l.contains("ENOSPC")),
+        "the disk never filled: {lines:?}"
+    );
+    // The neighbour finds the disk full: ENOSPC, not EIO.
+    let line = fill(&a.neighbour);
+    assert!(line.contains("refused"), "the neighbour: {line}");
+    let v = a.sh(&a.neighbour, "cat /tmp/precious");
+    assert_eq!(stdout(&v), "precious\n", "the neighbour: {v}");
+    // GET /healthz says why the node cannot make sandboxes (its answer is up to a second old).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let r = loop {
+        let r = a.node.get("/healthz", &[]);
+        if r.status != 200 || Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("node_disk"), "{}", r.text());
+
+    // The writers gone, the disk has its room again (btrfs frees a deleted subvolume's
+    // blocks in the background).
+    for id in &extra {
+        a.node.delete_sandbox(id);
+    }
+    for id in [&a.attacker, &a.neighbour] {
+        let v = a.sh(id, "rm -f /fill && sync");
+        assert_eq!(v["exit_code"], 0, "{v}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while a.node.get("/healthz", &[]).status != 200 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    a.assert_unharmed();
+    a.finish();
+}

@@ -183,3 +183,111 @@ fn deleted_sandboxes_leave_no_descriptor_in_the_node() {
     );
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// Where the node's disk still is on the host: the mounts of its btrfs (at `DATA_DIR/disk`, or
+/// anywhere from the loop device of its image: the bind at `DATA_DIR/sandboxes`) and the loop
+/// devices whose backing file is its `disk.img`.
+fn disk_traces(node: &TestNode) -> Vec<String> {
+    let image = node.data_dir.join("disk.img");
+    let mut out = Vec::new();
+    let mut devices = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else {
+            continue;
+        };
+        // A deleted image reads "(deleted)" after its path.
+        let backing = backing.trim_end().trim_end_matches(" (deleted)");
+        if std::path::Path::new(backing) == image {
+            devices.push(format!("/dev/{name}"));
+            out.push(format!("loop device /dev/{name} holds {}", image.display()));
+        }
+    }
+    let disk = node.data_dir.join("disk");
+    let disk = disk.to_string_lossy();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for l in info.lines() {
+        let f: Vec<&str> = l.split(' ').collect();
+        // After the separator: the filesystem's type, then its source.
+        let source = f.iter().skip_while(|x| **x != "-").nth(2);
+        if f.get(4) == Some(&disk.as_ref())
+            || source.is_some_and(|s| devices.iter().any(|d| d == s))
+        {
+            out.push(format!("mount {l}"));
+        }
+    }
+    out
+}
+
+/// A node that made no sandbox (no warm pool, or one stopped while it is made; no call) takes
+/// its disk away when it stops: no mount of its btrfs is left, and no loop device holds its
+/// image.
+#[test]
+fn a_node_that_made_no_sandbox_releases_its_disk_at_stop() {
+    for args in [
+        &["--warm-pool", "0"][..],
+        &["--warm-pool", "0", "--egress-default", "allow"][..],
+        // Stopped while its warm pool is being made.
+        &[][..],
+    ] {
+        no_sandbox_then_stop(args);
+    }
+}
+
+fn no_sandbox_then_stop(args: &[&str]) {
+    let mut node = TestNode::start_with(args);
+    let held = disk_traces(&node);
+    assert!(
+        held.iter().any(|t| t.starts_with("loop")) && held.iter().any(|t| t.starts_with("mount")),
+        "the running node has no disk: {held:?}"
+    );
+    let status = node.stop().expect("the node was running");
+    assert!(status.success(), "the node exited with {status}");
+    let left = disk_traces(&node);
+    assert!(
+        left.is_empty(),
+        "left after the node stopped:\n  {}",
+        left.join("\n  ")
+    );
+}
+
+/// A node killed (its disk left mounted) and started again takes its disk away when it stops,
+/// the mounts of the killed one too.
+#[test]
+fn a_node_started_again_after_a_kill_releases_its_disk_at_stop() {
+    let mut node = TestNode::start_with(&["--warm-pool", "0"]);
+    node.kill();
+    node.restart();
+    let status = node.stop().expect("the node was running");
+    assert!(status.success(), "the node exited with {status}");
+    let left = disk_traces(&node);
+    assert!(
+        left.is_empty(),
+        "left after the node stopped:\n  {}\n{}",
+        left.join("\n  "),
+        node.log_tail(20)
+    );
+}
+
+/// The same for a node that made sandboxes (its warm pool, a kept one deleted, a run).
+#[test]
+fn a_node_that_made_sandboxes_releases_its_disk_at_stop() {
+    let mut node = TestNode::start();
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    node.delete_sandbox(&id);
+    node.run_ok(&json!({ "command": "true" }));
+    let status = node.stop().expect("the node was running");
+    assert!(status.success(), "the node exited with {status}");
+    let left = disk_traces(&node);
+    assert!(
+        left.is_empty(),
+        "left after the node stopped:\n  {}",
+        left.join("\n  ")
+    );
+}

@@ -194,6 +194,21 @@ impl TestNode {
                     .into_iter()
                     .flatten(),
             )
+            // A small disk of its own (its blocks are reserved on the host: a node's default, 90%
+            // of what the host has free, would leave none for the next node), sandboxes' disks
+            // and volumes that fit in it, promised four times over (tests do not fill it;
+            // disk.rs and the attacks that do give their own).
+            .args(
+                [
+                    ["--disk-image-bytes", "2147483648"],
+                    ["--disk-bytes", "268435456"],
+                    ["--volume-bytes", "268435456"],
+                    ["--disk-overcommit", "4"],
+                ]
+                .into_iter()
+                .filter(|[flag, _]| !self.args.iter().any(|a| a == flag))
+                .flatten(),
+            )
             // The preview listener on a port of its own ([`TestNode::preview_addr`]), so that
             // nodes of tests that run at once do not take each other's; the same one after a
             // restart (sandbox objects name it in preview_url).
