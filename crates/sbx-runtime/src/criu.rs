@@ -79,6 +79,12 @@ impl Criu {
     pub fn stop_workers(&self) {
         self.workers.stop();
     }
+
+    /// The node's data directory (its disk at `<dir>/disk`): the workers keep its disk in
+    /// their mount namespaces, and no other node's.
+    pub fn set_data_dirs(&self, dirs: &[PathBuf]) {
+        self.workers.set_own_dirs(dirs, self);
+    }
 }
 
 /// `/sys/fs/cgroup` if every cgroup hierarchy this process is in is mounted there under the
@@ -243,6 +249,82 @@ struct Recorded {
 
 const RECORD: &str = "sbx-checkpoint.json";
 
+/// Written into the images directory once CRIU has answered a dump (the images whole): a
+/// node that starts after one killed midway knows from it whether the sandbox's processes
+/// are on disk ([`dump_complete`]).
+const DUMPED: &str = "sbx-dumped";
+
+/// Whether the dump into `images` completed: CRIU answered it, or (a node killed before the
+/// answer) CRIU wrote its `stats-dump`, which it writes only at the end of a dump that
+/// succeeded. Its images can be restored.
+pub fn dump_complete(images: &Path) -> bool {
+    images.join(DUMPED).is_file() || images.join("stats-dump").is_file()
+}
+
+/// Waits until no criu process has a file of `dirs` open (a criu of a node killed during a dump
+/// or a restore runs on to its end, and its dump or restore is then whole or undone), at most
+/// `timeout`. Whether none has.
+pub fn wait_unused(dirs: &[PathBuf], timeout: Duration) -> bool {
+    let end = std::time::Instant::now() + timeout;
+    loop {
+        if !dirs_in_use(dirs) {
+            return true;
+        }
+        if std::time::Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether a criu process other than this one has a file (or its working directory) in `dirs`.
+fn dirs_in_use(dirs: &[PathBuf]) -> bool {
+    let me = std::process::id().to_string();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    let inside = |p: &Path| dirs.iter().any(|d| p.starts_with(d));
+    for p in procs.flatten() {
+        let name = p.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let base = p.path();
+        // Only criu's processes (under its own name or the loader's): a node with many
+        // sandboxes has many processes, and their descriptors are not read.
+        let criu = std::fs::read(base.join("cmdline"))
+            .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a.ends_with(b"criu")));
+        if !criu {
+            continue;
+        }
+        if std::fs::read_link(base.join("cwd")).is_ok_and(|l| inside(&l)) {
+            return true;
+        }
+        for fd in std::fs::read_dir(base.join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if std::fs::read_link(fd.path()).is_ok_and(|l| inside(&l)) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// Forgets that the dump into `images` completed (a wake recorded: the images are spent).
+pub fn forget_dump(images: &Path) {
+    let _ = std::fs::remove_file(images.join(DUMPED));
+    let _ = std::fs::remove_file(images.join("stats-dump"));
+}
+
 /// Mount points of the process `pid` (as it sees them), from its mountinfo.
 fn mountpoints(pid: u32) -> Result<Vec<String>, CriuError> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
@@ -348,10 +430,13 @@ pub struct DumpSpec<'a> {
 }
 
 /// Freezes the sandbox and dumps its tree into `spec.images`; the tree is gone after (unless
-/// `leave_running`). The group is thawed in every case. The agent must have been made
-/// dumpable first, and the node's connections to it closed.
+/// `leave_running`). The group is thawed after a sleep's dump only: a tree that runs on (a
+/// snapshot's, or one whose dump failed) is left frozen for the caller to thaw once its agent
+/// is not dumpable again. The agent must have been made dumpable first (with the rest of the
+/// sandbox frozen: `Sandbox::freeze_all_but_agent`), and the node's connections to it closed.
 pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
     std::fs::create_dir_all(spec.images).map_err(io(format!("mkdir {}", spec.images.display())))?;
+    forget_dump(spec.images);
     let present = mountpoints(spec.pid)?;
     let external: Vec<String> = EXTERNAL
         .iter()
@@ -417,8 +502,19 @@ pub fn dump(criu: &Criu, spec: &DumpSpec<'_>) -> Result<(), CriuError> {
         )
     });
     criu.workers.refill(criu);
-    spec.group.thaw();
-    result.map(|_| ())
+    // A sleep's tree was killed frozen: thawed, it ends. A tree that runs on (a snapshot, or a
+    // dump that failed) stays frozen for the caller, which makes its agent not dumpable again
+    // before the thaw (no process of the sandbox runs while the agent is dumpable).
+    if result.is_ok() && !spec.leave_running {
+        spec.group.thaw();
+    }
+    result?;
+    // The images are whole (and, for a sleep, the tree is gone): not an error of the dump's
+    // when this fails, only a node killed before it records the sleep loses the sandbox.
+    if let Err(e) = std::fs::write(spec.images.join(DUMPED), b"") {
+        tracing::warn!(images = %spec.images.display(), error = %e, "the dump's marker");
+    }
+    Ok(())
 }
 
 /// What a wake needs.
@@ -571,6 +667,15 @@ pub fn restore(criu: &Criu, spec: &RestoreSpec<'_>) -> Result<u32, CriuError> {
         &work.join("restore.log"),
     );
     criu.workers.refill(criu);
+    if pid.is_err() {
+        // What the restore changed of the host's network goes back as it was: the sandbox's
+        // lease is whole for the next try, no retired link is left.
+        if let Some(relink) = &network {
+            if let Err(e) = relink.undo() {
+                tracing::warn!(error = %e, "undo the network of a failed restore");
+            }
+        }
+    }
     let pid = pid?;
     drop(staged);
     pid.ok_or_else(|| CriuError::Other("criu named no restored process".into()))
@@ -690,4 +795,5 @@ fn keep_log(action: &str, log: &Path) {
 mod rpc;
 #[cfg(test)]
 mod tests;
+pub(crate) mod undumpable;
 mod worker;

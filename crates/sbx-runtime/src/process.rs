@@ -989,8 +989,9 @@ impl PrivateMount {
         Ok(self)
     }
 
-    /// In the child (between fork and exec): a mount namespace of its own, private, with the
-    /// mount made in it.
+    /// In the child (between fork and exec): a mount namespace of its own, its mounts slaves
+    /// of the host's (an unmount on the host reaches it where the host's mount is shared;
+    /// nothing mounted in it reaches the host), with the mount made in it.
     pub fn apply(&self) -> io::Result<()> {
         // SAFETY: unshare takes flags only.
         if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
@@ -1002,7 +1003,7 @@ impl PrivateMount {
                 c"none".as_ptr(),
                 c"/".as_ptr(),
                 std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
+                libc::MS_REC | libc::MS_SLAVE,
                 std::ptr::null(),
             )
         };

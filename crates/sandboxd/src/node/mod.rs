@@ -177,6 +177,7 @@ impl Node {
     /// Whether sandboxes of the HTTP API have network (the node has one).
     /// Sets what the node checkpoints sandboxes with (once, at start).
     pub fn set_checkpoints(&self, c: checkpoint::Checkpoints) {
+        c.set_data_dir(&self.cfg.data_dir);
         let _ = self.checkpoints.set(c);
     }
 

@@ -29,6 +29,7 @@ pub struct NodeNet {
     resolv_conf: String,
     policies: Arc<Policies>,
     ca_bundle: Option<PathBuf>,
+    limits: NetLimits,
 }
 
 /// Where a sandbox's CA bundle is (the node's bundle is mounted over it).
@@ -109,6 +110,32 @@ pub struct NetSettings {
     pub extra_roots: Option<PathBuf>,
     /// A secret's value by name, for the egress proxy's inject.
     pub secrets: SecretLookup,
+    /// What one sandbox may take of the node's DNS, its proxy and the conntrack table.
+    pub limits: NetLimits,
+}
+
+/// What one sandbox may hold at once of what the sandboxes share: the host's conntrack table
+/// (the kernel counts, by its source address), the node's DNS and its egress proxy (the node
+/// counts, by peer address). Past a limit a new connection is dropped or closed and a
+/// question answered SERVFAIL at once; the other sandboxes' go on.
+#[derive(Clone, Debug)]
+pub struct NetLimits {
+    /// Connections in the host's conntrack table (`--net-ct-per-sandbox`; 0: no limit).
+    pub ct_per_sandbox: u32,
+    /// The node's DNS.
+    pub dns: super::dns::DnsLimits,
+    /// Connections at the egress proxy (`--egress-proxy-per-sandbox`).
+    pub proxy_per_sandbox: usize,
+}
+
+impl Default for NetLimits {
+    fn default() -> Self {
+        NetLimits {
+            ct_per_sandbox: sbx_runtime::net::DEFAULT_CT_LIMIT,
+            dns: super::dns::DnsLimits::default(),
+            proxy_per_sandbox: super::egress::PER_SANDBOX,
+        }
+    }
 }
 
 /// A secret's value by name (`None`: no such secret).
@@ -162,18 +189,35 @@ fn public_dir(table: &str) -> std::io::Result<PathBuf> {
 }
 
 /// The host's CA bundle (Debian's place, else none) and the node's CA, in one file for the
-/// sandboxes.
+/// sandboxes: `egress-ca-bundle-<hash of its bytes>.pem`, written (to a temporary name, then
+/// renamed) only when no file of that name is there. A file a sandbox binds is never replaced
+/// or removed while the sandbox lives: a restart writes the same bytes under the same name (or,
+/// when the host's roots or the CA changed, a new name beside it), so a sandbox made before
+/// keeps a live file bound, which CRIU can checkpoint (a bind of a deleted file cannot be
+/// restored: "Can't re-create deleted file"). The files go with /run at the host's reboot,
+/// with every sandbox that bound them.
 fn write_bundle(dir: &std::path::Path, ca_pem: &str) -> std::io::Result<PathBuf> {
+    use sha2::Digest;
     let host = std::fs::read_to_string(SANDBOX_CA_BUNDLE).unwrap_or_default();
-    let path = dir.join("egress-ca-bundle.pem");
-    let tmp = dir.join("egress-ca-bundle.pem.tmp");
     let mut text = host;
     if !text.is_empty() && !text.ends_with('\n') {
         text.push('\n');
     }
     text.push_str(ca_pem);
+    let hash = sha2::Sha256::digest(text.as_bytes());
+    let name: String = hash[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let path = dir.join(format!("egress-ca-bundle-{name}.pem"));
+    if std::fs::read(&path).is_ok_and(|b| b == text.as_bytes()) {
+        return Ok(path);
+    }
+    let tmp = dir.join(format!(
+        "egress-ca-bundle-{name}.pem.{}.tmp",
+        std::process::id()
+    ));
     std::fs::write(&tmp, text)?;
     std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    // Over a file of this name only where its bytes are not the name's (never one a sandbox
+    // was given: that one was whole when it was renamed there).
     std::fs::rename(&tmp, &path)?;
     Ok(path)
 }
@@ -196,6 +240,7 @@ impl NodeNet {
             refuse: Vec::new(),
             proxy_port: Some(PROXY_PORT),
             pool: s.pool,
+            ct_limit: s.limits.ct_per_sandbox,
         })?;
         let gw = network.gateway();
         let (udp, tcp) = sbx_runtime::net::bind_gateway(SocketAddrV4::new(gw, 53))?;
@@ -206,7 +251,13 @@ impl NodeNet {
         };
         tracing::info!(gateway = %gw, ?upstreams, "network: DNS on the gateway");
         let policies = Arc::new(Policies::default());
-        super::dns::serve(udp, tcp, upstreams.clone(), policies.clone())?;
+        super::dns::serve(
+            udp,
+            tcp,
+            upstreams.clone(),
+            policies.clone(),
+            s.limits.dns.clone(),
+        )?;
         // The egress proxy, with the node's CA (made once, kept in the data directory).
         let ca = Arc::new(super::egress::NodeCa::load_or_create(&s.data_dir)?);
         // Outside the node's private data directory: a checkpoint's restore binds it into the
@@ -226,6 +277,8 @@ impl NodeNet {
                 upstream_dns: upstreams,
                 extra_roots: s.extra_roots.clone(),
                 ca_dir: s.data_dir.clone(),
+                per_sandbox: s.limits.proxy_per_sandbox,
+                max_connections: super::egress::MAX_CONNECTIONS,
             },
         )?;
         Ok(Arc::new(NodeNet {
@@ -235,6 +288,7 @@ impl NodeNet {
             resolv_conf: format!("nameserver {gw}\noptions edns0\n"),
             policies,
             ca_bundle: Some(ca_bundle),
+            limits: s.limits,
         }))
     }
 
@@ -422,9 +476,27 @@ impl NodeNet {
         self.network.gateway()
     }
 
-    /// The gateway, the leases held and the namespaces ready, for `GET /internal/node`.
+    /// The gateway, the leases held and the namespaces ready, the limits per sandbox and the
+    /// host's conntrack table (entries, most), for `GET /internal/node`.
     pub fn info(&self) -> serde_json::Value {
+        let ct = sbx_runtime::net::conntrack_usage();
+        let l = &self.limits;
         serde_json::json!({
+            "conntrack": {
+                "count": ct.map(|c| c.0),
+                "max": ct.map(|c| c.1),
+                "per_sandbox": l.ct_per_sandbox,
+            },
+            "limits": {
+                "conntrack_per_sandbox": l.ct_per_sandbox,
+                "dns_in_flight_per_sandbox": l.dns.udp_per_sandbox,
+                "dns_in_flight": l.dns.udp_total,
+                "dns_tcp_per_sandbox": l.dns.tcp_per_sandbox,
+                "dns_tcp": l.dns.tcp_total,
+                "dns_tcp_idle_ms": l.dns.tcp_idle.as_millis() as u64,
+                "proxy_per_sandbox": l.proxy_per_sandbox,
+                "proxy": super::egress::MAX_CONNECTIONS,
+            },
             "gateway": self.network.gateway().to_string(),
             "range": self.network.config().range.to_string(),
             "table": self.network.config().table,
@@ -432,5 +504,36 @@ impl NodeNet {
             "ready": self.network.ready(),
             "leased": self.leases.locked().len(),
         })
+    }
+}
+
+#[cfg(test)]
+mod bundle_tests {
+    use super::write_bundle;
+
+    #[test]
+    fn the_bundle_is_never_replaced_and_a_new_one_goes_beside_it() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("sbx-bundle-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let first = write_bundle(&dir, "CA ONE\n").expect("write");
+        let ino = std::fs::metadata(&first).expect("stat").ino();
+        // A restart of the node with the same CA: the same file, not a new inode (a sandbox's
+        // bind of it stays on a live file).
+        let again = write_bundle(&dir, "CA ONE\n").expect("write again");
+        assert_eq!(again, first);
+        assert_eq!(std::fs::metadata(&again).expect("stat").ino(), ino);
+        // Other bytes: another file, the first kept as it was.
+        let other = write_bundle(&dir, "CA TWO\n").expect("write another");
+        assert_ne!(other, first);
+        assert!(std::fs::read_to_string(&first)
+            .expect("the first")
+            .ends_with("CA ONE\n"));
+        assert!(std::fs::read_to_string(&other)
+            .expect("the second")
+            .ends_with("CA TWO\n"));
+        assert_eq!(std::fs::metadata(&first).expect("stat").ino(), ino);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -373,3 +373,77 @@ fn a_second_node_on_the_same_data_directory_is_refused() {
     node.delete_sandbox(id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// The `criu swrk` processes the node of pid `node` has waiting (its workers; criu may run
+/// under the dynamic loader's name).
+fn criu_workers(node: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let ppid = rest.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok());
+        let swrk = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"swrk"));
+        if ppid == Some(node) && swrk {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_node_s_criu_workers_do_not_hold_another_node_s_disk() {
+    let mut other = TestNode::start();
+    let node = TestNode::start();
+    let other_disk = format!(" {}/", other.data_dir.display());
+    // A sleep and a wake take the node's workers; those made again after them start while
+    // the other node's disk is mounted.
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for verb in ["sleep", "wake"] {
+        let r = node.post_json(&format!("/v1/sandboxes/{id}/{verb}"), &json!({}));
+        assert_eq!(r.status, 200, "{verb}: {}", r.json());
+    }
+    let pid = node.pid().expect("the node runs");
+    let end = Instant::now() + Duration::from_secs(5);
+    let workers = loop {
+        let w = criu_workers(pid);
+        if w.len() >= 2 {
+            break w;
+        }
+        assert!(
+            Instant::now() < end,
+            "the node {pid} has no criu workers waiting: {w:?}\n{}",
+            String::from_utf8_lossy(
+                &std::process::Command::new("ps")
+                    .args(["-eo", "pid,ppid,comm"])
+                    .output()
+                    .expect("ps")
+                    .stdout
+            )
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    other.stop();
+    for w in workers {
+        let Ok(mounts) = std::fs::read_to_string(format!("/proc/{w}/mountinfo")) else {
+            continue;
+        };
+        let held: Vec<&str> = mounts.lines().filter(|l| l.contains(&other_disk)).collect();
+        assert!(
+            held.is_empty(),
+            "criu worker {w} of the node holds the stopped node's mounts: {held:#?}"
+        );
+    }
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}

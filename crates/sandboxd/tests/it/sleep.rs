@@ -702,3 +702,131 @@ fn a_connection_from_the_host_survives_sleep_and_wake_and_what_it_sent_meanwhile
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// A network of its own for a test (`--net-range`): every host interface on it is its node's.
+fn own_range(second: u8) -> String {
+    format!("10.{second}.{}.0/24", std::process::id() % 250)
+}
+
+/// Host interfaces with an address on the node's range that are not named as the node's own
+/// (a veth's host side that a restore retired, left behind).
+fn foreign_links(node: &TestNode) -> Vec<String> {
+    let (s, v) = get_json(node, "/internal/node");
+    assert_eq!(s, 200, "{v}");
+    let range: ipnet::Ipv4Net = v["network"]["range"]
+        .as_str()
+        .expect("the node's range")
+        .parse()
+        .expect("a range");
+    let prefix = v["network"]["interface_prefix"]
+        .as_str()
+        .expect("the node's prefix")
+        .to_string();
+    let out = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show"])
+        .output()
+        .expect("ip addr");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let name = f.get(1)?.split('@').next()?.to_string();
+            let addr: std::net::Ipv4Addr = f.get(3)?.split('/').next()?.parse().ok()?;
+            (range.contains(&addr) && !name.starts_with(&prefix)).then(|| l.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn a_sandbox_made_before_the_node_restarted_sleeps_wakes_and_forks_after_it() {
+    // On the network: its CA bundle (the node's egress CA) is bound in it, and each start of
+    // the node writes the bundle again.
+    let range = own_range(252);
+    let mut node = TestNode::start_with(&["--egress-default", "allow", "--net-range", &range]);
+    let id = counter_sandbox(&node, json!({}));
+    assert_eq!(ask(&node, &id), 1);
+    node.stop();
+    node.restart();
+    assert_eq!(ask(&node, &id), 2);
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "sleeping", "{v}");
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
+    assert_eq!(
+        s, 200,
+        "a sandbox made before the restart does not wake: {v}"
+    );
+    assert_eq!(ask(&node, &id), 3);
+    let (s, v) = post(
+        &node,
+        &format!("/v1/sandboxes/{id}/fork"),
+        json!({ "count": 1 }),
+    );
+    assert_eq!(s, 201, "{v}");
+    let fork = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(ask(&node, &fork), 4);
+    // Again after a kill of the node: the sandbox runs on, sleeps and wakes.
+    node.kill();
+    node.restart();
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(ask(&node, &id), 4);
+    node.delete_sandbox(&fork);
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}
+
+#[test]
+fn a_wake_that_fails_leaves_the_sandbox_asleep_with_its_images_and_no_link_behind() {
+    let range = own_range(254);
+    let node = TestNode::start_with(&["--egress-default", "allow", "--net-range", &range]);
+    let id = counter_sandbox(&node, json!({}));
+    assert_eq!(ask(&node, &id), 1);
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
+    assert_eq!(s, 200, "{v}");
+    // Its memory's pages out of the way: the restore fails once its network is made.
+    let images = node.data_dir.join("sleep").join(&id);
+    let pages: Vec<PathBuf> = std::fs::read_dir(&images)
+        .expect("the sleep's images")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("pages-"))
+        })
+        .collect();
+    assert!(!pages.is_empty(), "no pages in {}", images.display());
+    for p in &pages {
+        std::fs::rename(p, p.with_extension("away")).expect("move the pages away");
+    }
+    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
+    assert_eq!(s, 500, "a wake without its pages: {v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("could not be woken")),
+        "{v}"
+    );
+    assert_eq!(status(&node, &id), "sleeping");
+    // Nothing of the failed restore stays on the host: no retired host side of its veth.
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = foreign_links(&node);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "a failed wake left interfaces: {left:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Its images were kept: with its pages back, the next wake goes on where it slept.
+    for p in &pages {
+        std::fs::rename(p.with_extension("away"), p).expect("the pages back");
+    }
+    assert_eq!(ask(&node, &id), 2);
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}

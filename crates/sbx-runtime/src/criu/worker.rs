@@ -8,12 +8,17 @@
 //!
 //! A worker's namespace is a copy of the node's mounts as they were when it started: what is
 //! mounted on the host for one request only (the binds of a restore's volumes) is not in it,
-//! so such a request starts a worker of its own ([`Workers::fresh`]).
+//! so such a request starts a worker of its own ([`Workers::fresh`]). Other nodes' disks are
+//! not kept in it ([`foreign_disks`]): a worker waiting for its request would otherwise hold
+//! another node's disk mounted (its loop device busy) after that node stopped and released
+//! it. Its mounts are slaves of the host's (`MS_SLAVE`, where the host's are shared): an
+//! unmount on the host reaches it, and nothing it mounts reaches the host.
 
+use std::ffi::CString;
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -53,6 +58,7 @@ impl Worker {
         )
         .map_err(|e| CriuError::Other(format!("a socket pair for criu: {e}")))?;
         let fd = theirs.as_raw_fd();
+        let foreign = foreign_disks(&criu.workers.own_dirs());
         let mut cmd = Command::new(&criu.bin);
         cmd.arg("swrk")
             .arg(fd.to_string())
@@ -65,14 +71,20 @@ impl Worker {
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         // SAFETY: the closure runs in the forked child before exec and only makes raw syscalls
-        // (fcntl on a descriptor of its own copy of the table; unshare and mount on memory
-        // prepared before the fork).
+        // (fcntl on a descriptor of its own copy of the table; unshare, mount and umount2 on
+        // memory prepared before the fork: each path a NUL-terminated string it owns).
         unsafe {
             cmd.pre_exec(move || {
                 if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                mount.apply()
+                mount.apply()?;
+                // Other nodes' disks out of its namespace (best effort: one that cannot be
+                // detached is only kept, as before).
+                for point in &foreign {
+                    libc::umount2(point.as_ptr(), libc::MNT_DETACH);
+                }
+                Ok(())
             });
         }
         let mut child = cmd
@@ -114,9 +126,58 @@ impl Worker {
     }
 }
 
+/// The mount points, deepest first, of the disks of other nodes than the one whose data
+/// directories are `own`: every mount (the disk's, its binds) of a btrfs on a loop device that
+/// is mounted somewhere at `<dir>/disk` beside `<dir>/disk.img` ([`crate::diskfs`]'s layout)
+/// with `<dir>` not one of `own`. Nothing when `own` is empty (the node's own are not known).
+pub(super) fn foreign_disks(own: &[PathBuf]) -> Vec<CString> {
+    if own.is_empty() {
+        return Vec::new();
+    }
+    let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    // (mount point, fstype, source)
+    let mounts: Vec<(PathBuf, String, String)> = text
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let dash = f.iter().position(|x| *x == "-")?;
+            Some((
+                PathBuf::from(super::unescape(f.get(4)?)),
+                f.get(dash + 1)?.to_string(),
+                f.get(dash + 2)?.to_string(),
+            ))
+        })
+        .collect();
+    let disk = |(point, fstype, source): &(PathBuf, String, String)| {
+        fstype == "btrfs" && source.starts_with("/dev/loop") && point.ends_with("disk")
+    };
+    let foreign: std::collections::HashSet<&str> = mounts
+        .iter()
+        .filter(|m| disk(m))
+        .filter_map(|(point, _, source)| {
+            let dir = point.parent()?;
+            (dir.join("disk.img").is_file() && !own.iter().any(|o| o == dir))
+                .then_some(source.as_str())
+        })
+        .collect();
+    mounts
+        .iter()
+        .rev()
+        .filter(|(_, fstype, source)| fstype == "btrfs" && foreign.contains(source.as_str()))
+        .filter_map(|(point, _, _)| {
+            CString::new(std::os::unix::ffi::OsStrExt::as_bytes(point.as_os_str())).ok()
+        })
+        .collect()
+}
+
 /// The workers of one [`Criu`]: taken one per request, made again off the request's path.
 #[derive(Default)]
 pub struct Workers {
+    /// The node's data directories: the disks of other nodes are not kept in a worker's
+    /// namespace ([`foreign_disks`]).
+    own: Mutex<Vec<PathBuf>>,
     ready: Mutex<Vec<Worker>>,
     /// A thread is making workers.
     filling: AtomicBool,
@@ -132,6 +193,29 @@ impl std::fmt::Debug for Workers {
 }
 
 impl Workers {
+    /// Sets the node's data directories ([`Workers::own`]); workers that wait ready are made
+    /// again (they may hold other nodes' disks).
+    pub(super) fn set_own_dirs(self: &Arc<Self>, dirs: &[PathBuf], criu: &Criu) {
+        // As mountinfo names them: absolute, links resolved.
+        let dirs: Vec<PathBuf> = dirs
+            .iter()
+            .map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone()))
+            .collect();
+        *self.own.lock().unwrap_or_else(|e| e.into_inner()) = dirs;
+        let ready = std::mem::take(&mut *self.ready.lock().unwrap_or_else(|e| e.into_inner()));
+        let had = !ready.is_empty();
+        for w in ready {
+            w.end();
+        }
+        if had {
+            self.refill(criu);
+        }
+    }
+
+    fn own_dirs(&self) -> Vec<PathBuf> {
+        self.own.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// A worker for a request: one that waits ready, else one started now.
     pub(super) fn take(&self, criu: &Criu) -> Result<Worker, CriuError> {
         loop {

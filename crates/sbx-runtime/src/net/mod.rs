@@ -72,6 +72,19 @@ mod policy;
 
 pub use listen::bind_gateway;
 pub use orig::original_dst;
+
+/// The host's conntrack table: (entries, most entries), as /proc/sys/net/netfilter says;
+/// `None` where it is not there (the module not loaded).
+pub fn conntrack_usage() -> Option<(u64, u64)> {
+    let read = |f: &str| -> Option<u64> {
+        std::fs::read_to_string(format!("/proc/sys/net/netfilter/{f}"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some((read("nf_conntrack_count")?, read("nf_conntrack_max")?))
+}
 pub use policy::SandboxRules;
 
 #[cfg(test)]
@@ -153,6 +166,10 @@ impl Proto {
     }
 }
 
+/// [`NetConfig::ct_limit`]'s default: room for a build's or a crawler's few thousand
+/// connections, a small part of a host's table (262,144 entries on most).
+pub const DEFAULT_CT_LIMIT: u32 = 8192;
+
 /// The node's network settings.
 #[derive(Debug, Clone)]
 pub struct NetConfig {
@@ -179,6 +196,9 @@ pub struct NetConfig {
     /// How many namespaces a thread of the [`Network`] keeps ready; 0: none is made but by
     /// [`Network::prepare`] and [`Network::fill`] (or by [`Network::take`] on an empty pool).
     pub pool: usize,
+    /// The most connections a sandbox has in the host's conntrack table at once (its own
+    /// source address counted by the kernel); a new one past it is dropped. 0: no limit.
+    pub ct_limit: u32,
 }
 
 impl Default for NetConfig {
@@ -193,6 +213,7 @@ impl Default for NetConfig {
             refuse: Vec::new(),
             proxy_port: None,
             pool: 4,
+            ct_limit: DEFAULT_CT_LIMIT,
         }
     }
 }
@@ -541,6 +562,7 @@ impl Inner {
             refused4,
             allowed4: self.cfg.allow.clone(),
             refused6: nft::default_refused6(),
+            ct_limit: self.cfg.ct_limit,
         }
     }
 
@@ -1013,6 +1035,7 @@ impl Lease {
             ifname: self.ifname.clone(),
             address: self.address,
             gateway: self.net.gateway,
+            retired: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -1088,6 +1111,8 @@ pub struct Relink {
     ifname: String,
     address: Ipv4Addr,
     gateway: Ipv4Addr,
+    /// The host side [`Relink::apply`] retired (its link's index), for [`Relink::undo`].
+    retired: Arc<Mutex<Option<u32>>>,
 }
 
 impl std::fmt::Debug for Relink {
@@ -1140,6 +1165,7 @@ impl Relink {
             if let Some(old) = link::index_of(&mut rt, host_ifname)? {
                 link::set_down(&mut rt, old)?;
                 link::rename(&mut rt, old, &retired_name(host_ifname, old))?;
+                *locked(&self.retired) = Some(old);
             }
             link::create_veth(&mut rt, host_ifname, INNER_IFNAME, peer_ns.as_fd())?;
             let host = link::index_of(&mut rt, host_ifname)?.ok_or_else(|| NetError::Netlink {
@@ -1161,6 +1187,31 @@ impl Relink {
             link::set_up(&mut conn, eth0)?;
             link::add_route(&mut conn, Ipv4Addr::UNSPECIFIED, 0, gateway, eth0)
         })
+    }
+}
+
+impl Relink {
+    /// After a restore that failed once [`Relink::apply`] began: the veth it made goes (where
+    /// the kernel has not yet removed it with the failed restore's namespace) and the host side
+    /// it retired gets its name back and comes up again. The lease is then as it was before the
+    /// restore (its namespace's `eth0` reached through its own host side), ready for the next
+    /// one, and no retired (`old<n>`) link is left on the host.
+    pub fn undo(&self) -> Result<(), NetError> {
+        let retired = locked(&self.retired).take();
+        let mut rt = locked(&self.net.rt);
+        if let Some(made) = link::index_of(&mut rt, &self.ifname)? {
+            if Some(made) != retired {
+                match link::delete(&mut rt, made) {
+                    Err(e) if e.errno() == Some(libc::ENODEV) => {}
+                    r => r?,
+                }
+            }
+        }
+        if let Some(old) = retired {
+            link::rename(&mut rt, old, &self.ifname)?;
+            link::set_up(&mut rt, old)?;
+        }
+        Ok(())
     }
 }
 

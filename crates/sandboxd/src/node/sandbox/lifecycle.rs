@@ -574,6 +574,21 @@ impl Node {
         self.release_net(&m.id);
     }
 
+    /// At start, after the sandboxes are adopted: the images a wake spent that the previous
+    /// node had not removed yet (`<id>.spent-…`), and those of sandboxes it no longer has.
+    fn tidy_sleep_images(&self) {
+        let dir = self.cfg.data_dir.join("sleep");
+        let known: std::collections::HashSet<String> =
+            self.managed.locked().keys().cloned().collect();
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let id = name.split(".spent-").next().unwrap_or_default();
+            if name.contains(".spent-") || !known.contains(id) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+
     /// At start: the delete of sandbox `row` that the previous node did not finish: what runs
     /// of it is ended, what is left of it removed, its row (and its commands') deleted.
     fn finish_delete(&self, row: &super::SandboxRow, dir: &std::path::Path) {
@@ -596,6 +611,19 @@ impl Node {
     /// At start: adopts the sandboxes whose agents still run, marks the others failed (and
     /// removes what is left of them), and ends whatever else is in the node's cgroups.
     pub fn recover(self: &Arc<Self>) -> (usize, usize) {
+        // A checkpoint or restore the previous node had under way when it was killed: its
+        // criu runs on to the end (the dump whole, the tree ended or left as it was; the
+        // restore done or undone). Waited for, so that what is found below is where it ends.
+        let checkpoints = [
+            self.cfg.data_dir.join("sleep"),
+            self.cfg.data_dir.join("snapshots"),
+        ];
+        if !sbx_runtime::criu::wait_unused(&checkpoints, Duration::from_secs(60)) {
+            tracing::warn!(
+                "a checkpoint of the previous node's still runs: sandboxes adopted anyway"
+            );
+        }
+        let copies = self.half_made_copies();
         let rows = self.store.sandboxes().unwrap_or_default();
         let (mut adopted, mut lost) = (0, 0);
         for row in rows {
@@ -620,9 +648,30 @@ impl Node {
                     .filter(|sb| sb.is_alive()),
                 _ => None,
             };
-            if row.status == SandboxStatus::Sleeping.as_str() {
+            let images = crate::node::checkpoint::images_dir(&self.cfg.data_dir, &row.id);
+            // A sleep the previous node did not record: CRIU answered the dump (its images are
+            // whole) and the tree is gone. It sleeps, and wakes at its next use.
+            let slept = alive.is_none()
+                && row.status == SandboxStatus::Running.as_str()
+                && sbx_runtime::criu::dump_complete(&images);
+            if slept {
+                tracing::info!(sandbox = %row.id, "a sleep the previous node did not record: asleep");
+                let mut r = m.row.locked();
+                r.status = SandboxStatus::Sleeping.as_str().into();
+                r.pid = None;
+                r.start_time = None;
+                if let Err(e) = self.store.update_sandbox(&r) {
+                    tracing::error!(sandbox = %row.id, error = %e, "record a sleep");
+                }
+            }
+            if slept || row.status == SandboxStatus::Sleeping.as_str() {
                 // Asleep on disk: it stays so, and wakes at its next use. Its commands are
-                // watched again once it is awake.
+                // watched again once it is awake. What runs in its cgroups is a wake the
+                // previous node did not record: ended (its images are kept, and the next wake
+                // goes on from them), and the cgroups are made again at the wake.
+                if let Err(e) = self.driver.remove_leftovers(&row.id) {
+                    tracing::warn!(sandbox = %row.id, error = %e, "the cgroups of a sleeping sandbox");
+                }
                 m.rewatch.store(true, std::sync::atomic::Ordering::SeqCst);
                 if let Some(n) = m.name() {
                     let _ = self.reserve_name(Some(&n), &m.id);
@@ -631,16 +680,49 @@ impl Node {
                 adopted += 1;
                 continue;
             }
+            if alive.is_none() && row.status == "starting" && copies.contains(&row.id) {
+                // A copy of a snapshot (a fork) the previous node was making: removed whole;
+                // the call that asked for it was never answered.
+                tracing::info!(sandbox = %row.id, "a copy of a snapshot the previous node did not finish: removed");
+                self.finish_delete(&row, &dir);
+                continue;
+            }
+            if alive.is_none()
+                && row.status == "starting"
+                && row.pid.is_none()
+                && m.spec.template.as_deref().is_none_or(|t| t == BASE)
+            {
+                // A create of the base image the previous node was making: such a create is
+                // answered once its sandbox runs, so this one was never answered. Removed
+                // whole, as if it had not been asked. (A create of another template may have
+                // been answered `starting`: it is failed below.)
+                tracing::info!(sandbox = %row.id, "a create the previous node did not finish: removed");
+                self.finish_delete(&row, &dir);
+                continue;
+            }
             match alive {
                 Some(sb) => {
-                    // Paused when the previous node went: it runs on thawed (and pauses
-                    // again when idle).
-                    if sb.is_paused() {
-                        if let Err(e) = sb.set_paused(false) {
-                            tracing::warn!(sandbox = %m.id, error = %e, "thaw an adopted sandbox");
+                    // Images of a dump that did not end it (a node killed during a sleep,
+                    // before CRIU answered): it runs on, and they are spent.
+                    if images.exists() {
+                        sbx_runtime::criu::forget_dump(&images);
+                        if let Some(spent) = crate::node::checkpoint::set_aside(&images) {
+                            let _ = std::fs::remove_dir_all(spent);
                         }
                     }
+                    // Paused when the previous node went, or frozen by a checkpoint it did not
+                    // finish (its agent perhaps dumpable still): it runs on thawed, its agent
+                    // not dumpable first, as after any checkpoint (and pauses again when idle).
+                    let frozen = sb.is_paused();
                     let sb = Arc::new(sb);
+                    if frozen {
+                        let (sb, id) = (sb.clone(), m.id.clone());
+                        tokio::spawn(async move {
+                            if let Err(e) = crate::node::checkpoint::after(&sb).await {
+                                tracing::warn!(sandbox = %id, error = %e, "an adopted sandbox left frozen");
+                            }
+                        });
+                    }
                     {
                         let mut mm = m.machine.locked();
                         *mm = Some(sb.clone());
@@ -694,6 +776,9 @@ impl Node {
                     }
                     let _ = self.driver.remove_leftovers(&row.id);
                     let _ = sbx_runtime::driver::remove_dir(&dir);
+                    // Images of a sleep that did not complete: nothing to wake from.
+                    crate::node::checkpoint::remove_spent(&images);
+                    let _ = std::fs::remove_dir_all(&images);
                 }
             }
             if let Some(n) = m.name() {
@@ -712,6 +797,8 @@ impl Node {
                 self.expire_at(&m, left_ms as u64 + 1);
             }
         }
+        self.tidy_snapshots();
+        self.tidy_sleep_images();
         (adopted, lost)
     }
 }

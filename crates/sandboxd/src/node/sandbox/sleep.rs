@@ -517,28 +517,24 @@ impl Node {
             }
         }
         let images = images_dir(&self.cfg.data_dir, &m.id);
-        let woke = tokio::task::spawn_blocking(move || {
-            let sb = ck.wake(&spec, &images, place)?;
-            // Its saved processes are spent: moved out of the way at once (a sleep that comes
-            // next writes the same place), removed off the wake's path.
-            Ok::<_, String>((sb, crate::node::checkpoint::set_aside(&images)))
-        })
-        .await
-        .map_err(crate::node::internal("a wake's thread"))?;
+        let at = images.clone();
+        let woke = tokio::task::spawn_blocking(move || ck.wake(&spec, &at, place))
+            .await
+            .map_err(crate::node::internal("a wake's thread"))?;
         let sb = match woke {
-            Ok((sb, spent)) => {
-                if let Some(spent) = spent {
-                    tokio::task::spawn_blocking(move || {
-                        let _ = std::fs::remove_dir_all(spent);
-                    });
-                }
-                Arc::new(sb)
-            }
+            Ok(sb) => Arc::new(sb),
             Err(why) => {
+                // It sleeps on: its images are kept (a wake is tried again at its next use)
+                // and the restore left nothing of its own (CRIU ended what it made, the
+                // network is as it was). A lease taken for this wake goes back: the next one
+                // takes a new one and puts the sandbox's rules on it.
+                if fresh_network {
+                    self.release_net(&m.id);
+                }
                 tracing::error!(sandbox = %m.id, error = %why, "wake");
                 return Err(ApiError::new(
                     ErrorCode::Internal,
-                    format!("the sandbox could not be woken: {why}"),
+                    format!("the sandbox could not be woken (it sleeps on; a wake may be tried again): {why}"),
                 ));
             }
         };
@@ -563,6 +559,15 @@ impl Node {
             row.pid = Some(sb.pid);
             row.start_time = sb.start_time;
             self.store.update_sandbox(&row).map_err(store_err)?;
+        }
+        // The wake is recorded: its saved processes are spent only now (a node killed before
+        // wakes it again from them). Moved out of the way at once (a sleep that comes next
+        // writes the same place), removed off the wake's path.
+        sbx_runtime::criu::forget_dump(&images);
+        if let Some(spent) = crate::node::checkpoint::set_aside(&images) {
+            tokio::task::spawn_blocking(move || {
+                let _ = std::fs::remove_dir_all(spent);
+            });
         }
         m.asleep.send_replace(false);
         if m.rewatch.swap(false, std::sync::atomic::Ordering::SeqCst) {

@@ -27,6 +27,8 @@ const CUT_AFTER: Duration = Duration::from_secs(1);
 pub const MAX_FORKS: u32 = 16;
 /// The commands of the sandbox at the snapshot's instant, kept with it.
 const EXECS_FILE: &str = "execs.json";
+/// In a snapshot's directory, `copying-<id>` while sandbox `<id>` is being made from it.
+const COPYING: &str = "copying-";
 
 /// A command as a snapshot keeps it.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -330,10 +332,19 @@ impl Node {
         let m = self.keep(row, spec, expires_in_ms)?;
         drop(admission);
         let _op = m.op.lock().await;
-        if let Err(e) = self.restore_into(&m, &dir, ck).await {
+        // Kept until the copy runs (or failed): a node killed meanwhile removes the half-made
+        // copy at its start ([`Node::half_made_copies`]).
+        let copying = dir.join(format!("{COPYING}{id}"));
+        if let Err(e) = std::fs::write(&copying, b"") {
+            tracing::warn!(sandbox = %m.id, error = %e, "the mark of a copy being made");
+        }
+        let made = self.restore_into(&m, &dir, ck).await;
+        if let Err(e) = made {
             self.set_failed(&m, "boot_failed", &e.message);
+            let _ = std::fs::remove_file(&copying);
             return Err(ApiError::new(ErrorCode::SandboxFailed, e.message));
         }
+        let _ = std::fs::remove_file(&copying);
         Ok(self.sandbox_object(&m))
     }
 
@@ -416,6 +427,66 @@ impl Node {
         self.store.update_sandbox(&row).map_err(store_err)?;
         tracing::info!(sandbox = %m.id, ms = started.elapsed().as_millis() as u64, "made from a snapshot");
         Ok(())
+    }
+
+    /// At start: the sandboxes a node killed midway was making from snapshots (a fork, a
+    /// create from a snapshot): their marks are in the snapshots' directories.
+    pub(crate) fn half_made_copies(&self) -> std::collections::HashSet<String> {
+        let mut out = std::collections::HashSet::new();
+        for snap in std::fs::read_dir(self.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for e in std::fs::read_dir(snap.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if let Some(id) = e.file_name().to_str().and_then(|n| n.strip_prefix(COPYING)) {
+                    out.insert(id.to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// At start, after the sandboxes are adopted: the marks of copies being made are gone
+    /// (each half-made copy was removed), and so is every snapshot directory without a row:
+    /// a snapshot a node killed midway was taking (its sandbox runs on; no snapshot of it
+    /// is listed).
+    pub(crate) fn tidy_snapshots(&self) {
+        let listed: std::collections::HashSet<String> = match self.store.snapshots() {
+            Ok(rows) => rows.into_iter().map(|r| r.id).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "snapshots at start");
+                return;
+            }
+        };
+        for snap in std::fs::read_dir(self.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = snap.path();
+            let known = snap
+                .file_name()
+                .to_str()
+                .is_some_and(|n| listed.contains(n));
+            if !known {
+                tracing::info!(snapshot = %path.display(), "a snapshot the previous node did not finish: removed");
+                let _ = sbx_runtime::driver::remove_dir(&path);
+                continue;
+            }
+            for e in std::fs::read_dir(&path).into_iter().flatten().flatten() {
+                if e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.starts_with(COPYING))
+                {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
     }
 
     /// Before a checkpoint of a running sandbox: no use of it but `own` goes on (waits a
