@@ -583,6 +583,8 @@ fn subgroups(dir: impl AsRef<Path>) -> Vec<String> {
     rd.filter_map(|e| e.ok())
         .filter(|e| e.path().is_dir())
         .filter_map(|e| e.file_name().into_string().ok())
+        // A sandbox's holding cgroup ([`Group::hold_out`]) is its group's, not a sandbox.
+        .filter(|n| !n.ends_with(".hold"))
         .collect()
 }
 
@@ -926,6 +928,7 @@ impl Group {
     /// lists and thaws it, so that the killed ones exit; on v2 `cgroup.kill` does the same in
     /// one write. Zombies are not counted: they leave when their parent reaps them.
     pub fn kill_all(&self, wait: Duration) -> Result<(), CgroupError> {
+        self.reclaim_held();
         let deadline = Instant::now() + wait;
         let mut lifted = false;
         let mut pause = Duration::from_millis(1);
@@ -998,6 +1001,117 @@ impl Group {
     /// Whether any of the group's folders exist.
     pub fn exists(&self) -> bool {
         self.dirs.iter().any(|(_, d)| d.exists())
+    }
+
+    /// Freezes every process of the group but `pid` (its agent), which is first moved out of
+    /// the group's freezer into a cgroup of its own beside it (`<group>.hold`), where it runs
+    /// whatever the group's state. Nothing else of the group runs until [`Held::rejoin`] and a
+    /// thaw. The way a checkpoint readies the agent (makes it dumpable) with no process of the
+    /// sandbox able to run meanwhile.
+    pub fn freeze_all_but(&self, pid: u32, wait: Duration) -> Result<Held, CgroupError> {
+        let held = self.hold_out(pid)?;
+        if !self.freeze(wait) {
+            return Err(CgroupError::Io {
+                path: self.freezer_dir().unwrap_or_default(),
+                source: std::io::Error::new(ErrorKind::TimedOut, "did not freeze in time"),
+            });
+        }
+        Ok(held)
+    }
+
+    /// The cgroup beside the group's freezer where [`Group::hold_out`] holds a process.
+    fn hold_dir(&self) -> Option<(PathBuf, PathBuf)> {
+        let dir = self.freezer_dir()?;
+        let name = format!("{}.hold", dir.file_name()?.to_string_lossy());
+        let hold = dir.with_file_name(name);
+        Some((dir, hold))
+    }
+
+    /// Moves every process left in `<group>.hold` (a node that died while it held the agent
+    /// there, or a process the agent started meanwhile) back into the group, and removes it:
+    /// no process of a sandbox is ever outside its group for long, nor missed by a kill.
+    pub fn reclaim_held(&self) {
+        let Some((dir, hold)) = self.hold_dir() else {
+            return;
+        };
+        if !hold.is_dir() {
+            return;
+        }
+        move_all(&hold, &dir);
+        let _ = fs::remove_dir(&hold);
+    }
+
+    /// Moves `pid` out of the group's freezer into `<group>.hold` (it runs there, also while
+    /// the group stays frozen); [`Held::rejoin`] moves it back.
+    pub fn hold_out(&self, pid: u32) -> Result<Held, CgroupError> {
+        let (dir, hold) = self
+            .hold_dir()
+            .ok_or(CgroupError::NoController("freezer"))?;
+        match fs::create_dir(&hold) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io_err(&hold)(e)),
+        }
+        let held = Held {
+            hold,
+            home: dir,
+            pid,
+            done: false,
+        };
+        write_file(&held.hold.join("cgroup.procs"), &pid.to_string())?;
+        Ok(held)
+    }
+}
+
+/// Moves every process of the cgroup `from` into `to` (one that ended meanwhile is skipped).
+fn move_all(from: &Path, to: &Path) {
+    let procs = fs::read_to_string(from.join("cgroup.procs")).unwrap_or_default();
+    for pid in procs.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let _ = write_file(&to.join("cgroup.procs"), pid);
+    }
+}
+
+/// A process of a group held beside it ([`Group::hold_out`]): moved back by
+/// [`Held::rejoin`], or when dropped.
+#[derive(Debug)]
+pub struct Held {
+    hold: PathBuf,
+    home: PathBuf,
+    pid: u32,
+    done: bool,
+}
+
+impl Held {
+    /// Moves the process back into its group (frozen at once if the group is frozen) and
+    /// removes the holding cgroup.
+    pub fn rejoin(mut self) -> Result<(), CgroupError> {
+        self.back()
+    }
+
+    fn back(&mut self) -> Result<(), CgroupError> {
+        if self.done {
+            return Ok(());
+        }
+        self.done = true;
+        let moved = match write_file(&self.home.join("cgroup.procs"), &self.pid.to_string()) {
+            // A process that has ended has nothing to move.
+            Err(CgroupError::Io { source, .. }) if source.raw_os_error() == Some(libc::ESRCH) => {
+                Ok(())
+            }
+            r => r,
+        };
+        // Anything the held process started meanwhile goes back with it.
+        move_all(&self.hold, &self.home);
+        let _ = fs::remove_dir(&self.hold);
+        moved
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Err(e) = self.back() {
+            tracing::warn!(pid = self.pid, error = %e, "a held process could not rejoin its group");
+        }
     }
 }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::cgroup::{Cgroups, Group, Limits};
+use crate::cgroup::{Cgroups, Group, Held, Limits};
 use crate::init::InitConfig;
 use crate::process::PidFd;
 use crate::RuntimeError;
@@ -127,6 +127,33 @@ impl Sandbox {
     pub fn set_limits(&self, limits: &Limits) -> Result<(), RuntimeError> {
         self.group.set_limits(limits)?;
         Ok(())
+    }
+
+    /// Freezes every process of the sandbox but its agent, which runs on beside its group
+    /// until the [`Held`] rejoins it ([`Group::freeze_all_but`]): the agent is made dumpable
+    /// for a checkpoint only while nothing else of the sandbox can run (a process of the
+    /// sandbox could ptrace it or read its memory meanwhile). `None` for a sandbox without
+    /// cgroups (a fake driver's).
+    pub fn freeze_all_but_agent(&self) -> Result<Option<Held>, RuntimeError> {
+        if self.group.freezer_dir().is_none() {
+            return Ok(None);
+        }
+        Ok(Some(self.group.freeze_all_but(self.pid, PAUSE_WAIT)?))
+    }
+
+    /// For a sandbox left frozen by a checkpoint: its agent moved out of the frozen group (it
+    /// runs; everything else stays frozen), to be made not dumpable before the thaw. `None`
+    /// when the sandbox is not frozen or has no cgroups.
+    pub fn hold_agent_if_frozen(&self) -> Result<Option<Held>, RuntimeError> {
+        if self.group.freezer_dir().is_none() || !self.group.is_frozen() {
+            return Ok(None);
+        }
+        Ok(Some(self.group.hold_out(self.pid)?))
+    }
+
+    /// Thaws the sandbox after a checkpoint left it frozen ([`Sandbox::hold_agent_if_frozen`]).
+    pub fn thaw(&self) {
+        self.group.thaw();
     }
 }
 
@@ -351,7 +378,8 @@ impl NamespaceDriver {
     /// ([`crate::criu::dump`]), and waits until its agent has ended (reaped). Its cgroups,
     /// directory and (for `network`) lease are kept: the caller holds them until the wake.
     /// Before: the agent made dumpable (the `SetDumpable` request) and every connection of the
-    /// node to it closed. On an error the sandbox runs on (thawed).
+    /// node to it closed. On an error its processes are left whole and frozen: the caller
+    /// makes the agent not dumpable and thaws it.
     pub fn sleep(
         &self,
         sandbox: &Sandbox,
@@ -369,6 +397,7 @@ impl NamespaceDriver {
                 leave_running: false,
             },
         )?;
+        agent_not_dumpable(images);
         let dumped = std::time::Instant::now();
         if let Some(p) = &sandbox.pidfd {
             p.wait_exit(Duration::from_secs(10));
@@ -409,6 +438,7 @@ impl NamespaceDriver {
         // Its cgroups with its limits (kept while it slept; made again if a node's restart
         // removed them): CRIU puts the tasks back into them and leaves their settings.
         let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
+        agent_not_dumpable(images);
         let restored = crate::criu::restore(
             criu,
             &crate::criu::RestoreSpec {
@@ -422,6 +452,16 @@ impl NamespaceDriver {
             },
         );
         restored_sandbox(spec, group, restored, false)
+    }
+}
+
+/// The agent of the checkpoint at `images` comes back from a restore not dumpable
+/// ([`crate::criu::undumpable`]). Done after each dump and again before each restore (images
+/// of an older node); a failure is logged: the node makes the agent not dumpable after the
+/// restore all the same.
+fn agent_not_dumpable(images: &Path) {
+    if let Err(e) = crate::criu::undumpable::make_agent_not_dumpable(images) {
+        tracing::warn!(images = %images.display(), error = %e, "the agent's dumpable flag");
     }
 }
 
@@ -478,9 +518,11 @@ pub const SNAPSHOT_UPPER: &str = "upper";
 
 impl NamespaceDriver {
     /// Takes a snapshot of a running sandbox into `dir` (made; the caller's to remove on an
-    /// error): frozen, its files copied (`dir/upper`) and its processes dumped (`dir/images`),
-    /// then thawed: it runs on. Before, as for a sleep: the agent made dumpable and the node's
-    /// connections to it closed. Returns the bytes `dir` takes.
+    /// error): frozen, its files copied (`dir/upper`) and its processes dumped (`dir/images`).
+    /// It is left frozen, also on an error: the caller makes its agent not dumpable and thaws
+    /// it ([`Sandbox::hold_agent_if_frozen`], [`Sandbox::thaw`]). Before, as for a sleep: the
+    /// agent made dumpable with the rest frozen and the node's connections to it closed.
+    /// Returns the bytes `dir` takes.
     pub fn snapshot(
         &self,
         sandbox: &Sandbox,
@@ -501,10 +543,8 @@ impl NamespaceDriver {
                 what: "copy the sandbox's files".into(),
                 source: e,
             });
-        if let Err(e) = copied {
-            sandbox.group.thaw();
-            return Err(e);
-        }
+        // (On an error it stays frozen: the caller thaws it once its agent is not dumpable.)
+        copied?;
         crate::criu::dump(
             criu,
             &crate::criu::DumpSpec {
@@ -515,6 +555,7 @@ impl NamespaceDriver {
                 leave_running: true,
             },
         )?;
+        agent_not_dumpable(&dir.join(SNAPSHOT_IMAGES));
         Ok(crate::tree::disk_usage(dir))
     }
 
@@ -548,6 +589,7 @@ impl NamespaceDriver {
             .map(|(ctrl, path)| (ctrl.map(str::to_string), path))
             .collect();
         let work = spec.dir.join("restore");
+        agent_not_dumpable(&snapshot.join(SNAPSHOT_IMAGES));
         let restored = crate::criu::restore(
             criu,
             &crate::criu::RestoreSpec {
@@ -626,13 +668,18 @@ impl Driver for NamespaceDriver {
         }
         let pidfd = PidFd::open(pid).ok()?;
         register(&dir.join("agent.sock"), pid, Some(&pidfd));
+        let group = self.cgroups.group(id);
+        // A node that died while it held the agent beside its group (a checkpoint's start):
+        // the agent goes back (frozen with the rest, if the group is: the node then makes it
+        // not dumpable before the thaw).
+        group.reclaim_held();
         Some(Sandbox {
             id: id.to_string(),
             pid,
             start_time: Some(now),
             socket: dir.join("agent.sock"),
             dir: dir.to_path_buf(),
-            group: self.cgroups.group(id),
+            group,
             pidfd: Some(pidfd),
         })
     }

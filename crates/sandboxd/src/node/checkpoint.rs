@@ -41,6 +41,9 @@ pub trait Checkpointer: Send + Sync {
     ) -> Result<Sandbox, String>;
     /// The node is stopping: what the checkpointer keeps ready ends (nothing by default).
     fn stop(&self) {}
+    /// The node's data directory: what the checkpointer keeps ready holds its disk and no
+    /// other node's (nothing by default).
+    fn set_data_dir(&self, _dir: &Path) {}
 }
 
 /// How a restored sandbox gets its network again: from its lease.
@@ -61,6 +64,13 @@ impl Checkpoints {
                 ErrorCode::NotServedHere,
                 format!("this node does not checkpoint sandboxes (sleep, snapshots, forks): {why}"),
             )),
+        }
+    }
+
+    /// The node's data directory ([`Checkpointer::set_data_dir`]).
+    pub fn set_data_dir(&self, dir: &Path) {
+        if let Checkpoints::Ready(c) = self {
+            c.set_data_dir(dir);
         }
     }
 
@@ -119,19 +129,68 @@ pub fn remove_spent(images: &Path) {
     }
 }
 
-/// Before a checkpoint of `sb`: its agent is told (it lets itself be dumped), and no
-/// connection of the node's to it stays open (an open one is a peer outside the sandbox, which
-/// a checkpoint cannot take).
-pub async fn before(sb: &Sandbox) -> Result<(), String> {
+/// Before a checkpoint of `sb`: every process of the sandbox but its agent is frozen, then
+/// the agent is told (it lets itself be dumped) and frozen with them; no connection of the
+/// node's to it stays open (an open one is a peer outside the sandbox, which a checkpoint
+/// cannot take). The agent is dumpable only while nothing else of the sandbox runs: a process
+/// of the sandbox would otherwise ptrace it (or read its memory) in that window. The sandbox
+/// stays frozen until [`after`].
+pub async fn before(sb: &Arc<Sandbox>) -> Result<(), String> {
     crate::agent::close_idle(&sb.socket);
+    let s = sb.clone();
+    let held = tokio::task::spawn_blocking(move || s.freeze_all_but_agent())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string());
+    let held = match held {
+        Ok(h) => h,
+        Err(e) => {
+            sb.thaw();
+            return Err(e);
+        }
+    };
     let r = crate::agent::set_dumpable(&sb.socket, true).await;
     crate::agent::close_idle(&sb.socket);
-    r.map_err(|e| e.to_string())
+    if let Some(h) = held {
+        let rejoined = tokio::task::spawn_blocking(move || h.rejoin())
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = rejoined {
+            // The agent would run dumpable while the rest thaws: it is told first.
+            crate::agent::set_dumpable(&sb.socket, false).await.ok();
+            sb.thaw();
+            return Err(e);
+        }
+    }
+    if let Err(e) = r {
+        after(sb).await.ok();
+        return Err(e.to_string());
+    }
+    Ok(())
 }
 
-/// After a checkpoint of `sb` (it runs on, or it woke): its agent is not dumpable again.
+/// After a checkpoint of `sb` (it runs on, it woke, or the checkpoint failed): its agent is
+/// not dumpable again before anything else of the sandbox runs. A sandbox the checkpoint left
+/// frozen (a snapshot, a failed dump) has its agent moved out of the frozen group, made not
+/// dumpable, moved back, and then the whole is thawed; a restored one came back with its agent
+/// not dumpable already (`sbx_runtime::criu` restores it so) and is told again.
 pub async fn after(sb: &Sandbox) -> Result<(), String> {
+    let held = match sb.hold_agent_if_frozen() {
+        Ok(h) => h,
+        Err(e) => {
+            // Thawed all the same: a sandbox is never left frozen by a checkpoint.
+            tracing::error!(sandbox = %sb.id, error = %e, "the agent out of its frozen group");
+            None
+        }
+    };
     let r = crate::agent::set_dumpable(&sb.socket, false).await;
+    if let Some(h) = held {
+        if let Err(e) = h.rejoin() {
+            tracing::error!(sandbox = %sb.id, error = %e, "the agent back into its group");
+        }
+    }
+    sb.thaw();
     r.map_err(|e| e.to_string())
 }
 
@@ -153,6 +212,10 @@ pub fn detect(bin: &Path, driver: Arc<NamespaceDriver>) -> Checkpoints {
 impl Checkpointer for Criu {
     fn stop(&self) {
         self.criu.stop_workers();
+    }
+
+    fn set_data_dir(&self, dir: &Path) {
+        self.criu.set_data_dirs(&[dir.to_path_buf()]);
     }
 
     fn describe(&self) -> String {

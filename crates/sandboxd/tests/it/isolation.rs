@@ -414,3 +414,105 @@ fn a_descriptor_the_node_inherits_reaches_no_sandbox() {
     node.delete_sandbox(&id);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A process of the sandbox that tries to ptrace PID 1 (the agent) and read its environment
+/// in a tight loop never succeeds while the sandbox is snapshotted, forked, put to sleep and
+/// woken, and every checkpoint succeeds: the agent is made dumpable (as CRIU needs) only while
+/// everything else of the sandbox is frozen, and comes back from a restore not dumpable.
+#[test]
+fn a_process_racing_checkpoints_never_traces_the_agent() {
+    let node = TestNode::start();
+    let (s, info) = crate::common::get_json(&node, "/internal/node");
+    assert_eq!(s, 200, "{info}");
+    assert_eq!(info["checkpoints"]["available"], true, "{info}");
+    let v = node.create_sandbox(&json!({}));
+    let id = v["id"].as_str().unwrap().to_string();
+    // The attacker: PTRACE_SEIZE(1) and an open of /proc/1/environ, as fast as it can; a
+    // success is written down, and the attacker ends (its trace goes with it).
+    let attack = r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+tries = 0
+while True:
+    tries += 1
+    if libc.ptrace(0x4206, 1, None, None) == 0:
+        open('/tmp/won', 'a').write('ptrace\n')
+        os._exit(0)
+    try:
+        open('/proc/1/environ', 'rb').read()
+        open('/tmp/won', 'a').write('environ\n')
+    except OSError:
+        pass
+    if tries % 2000 == 0:
+        open('/tmp/tries.new', 'w').write(str(tries))
+        os.rename('/tmp/tries.new', '/tmp/tries')
+"#;
+    let v = node.exec(
+        &id,
+        &json!({
+            "command": format!("cat > /tmp/attack.py <<'PY'{attack}PY"),
+            "wait_seconds": 10,
+        }),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let v = node.exec(
+        &id,
+        &json!({
+            "command": "setsid python3 /tmp/attack.py >/dev/null 2>&1 < /dev/null &",
+            "wait_seconds": 10,
+        }),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let tries = |node: &TestNode, id: &str| -> u64 {
+        let v = node.exec(
+            id,
+            &json!({ "command": "cat /tmp/tries 2>/dev/null || echo 0", "wait_seconds": 10 }),
+        );
+        stdout(&v).trim().parse().unwrap_or(0)
+    };
+    let check = |node: &TestNode, id: &str, after: &str| {
+        let v = node.exec(
+            id,
+            &json!({
+                "command": "cat /tmp/won 2>/dev/null; grep TracerPid /proc/1/status",
+                "wait_seconds": 10,
+            }),
+        );
+        let out = stdout(&v);
+        assert_eq!(out.trim(), "TracerPid:\t0", "after {after}: {out}");
+    };
+    let end = Instant::now() + Duration::from_secs(20);
+    while tries(&node, &id) == 0 {
+        assert!(Instant::now() < end, "the attacker never ran");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for round in 0..3 {
+        let r = node.post_json(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
+        assert!(
+            r.status < 300,
+            "snapshot {round}: {} {}",
+            r.status,
+            r.json()
+        );
+        check(&node, &id, "a snapshot");
+        let r = node.post_json(&format!("/v1/sandboxes/{id}/fork"), &json!({ "count": 1 }));
+        assert_eq!(r.status, 201, "fork {round}: {}", r.json());
+        let v = r.json();
+        let fork = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
+        check(&node, &fork, "a fork (the copy)");
+        node.delete_sandbox(&fork);
+        check(&node, &id, "a fork (the original)");
+        let r = node.post_json(&format!("/v1/sandboxes/{id}/sleep"), &json!({}));
+        assert_eq!(r.status, 200, "sleep {round}: {}", r.json());
+        let r = node.post_json(&format!("/v1/sandboxes/{id}/wake"), &json!({}));
+        assert_eq!(r.status, 200, "wake {round}: {}", r.json());
+        check(&node, &id, "a sleep and a wake");
+    }
+    // The attacker went on trying across all of it.
+    let before = tries(&node, &id);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(tries(&node, &id) > before, "the attacker stopped");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
