@@ -6,6 +6,7 @@ mod agent;
 mod config;
 mod e2b;
 mod functions;
+mod guard;
 mod hop;
 mod http;
 mod iii;
@@ -73,8 +74,9 @@ struct Cli {
     /// memory, pids and open files (GET /internal/node `capacity` shows how).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_sandboxes: Option<u64>,
-    /// Free bytes of the data disk under which GET /healthz answers 503 (the node cannot make
-    /// sandboxes).
+    /// Free bytes under which GET /healthz answers 503 (the node cannot make sandboxes): of
+    /// DATA_DIR's filesystem (the database, images), and of the node's disk (DATA_DIR/disk),
+    /// there at most a tenth of its size.
     #[arg(long, default_value_t = 512 << 20, value_name = "BYTES")]
     min_free_disk_bytes: u64,
     /// Host uid that is root in sandboxes (65536 uids from it are theirs).
@@ -90,13 +92,24 @@ struct Cli {
     #[arg(long, default_value_t = 1024)]
     pids_max: u32,
     /// Each sandbox's disk (its writable layer), in bytes: a write past it fails in the
-    /// sandbox (EDQUOT), its neighbours and the node unharmed.
-    #[arg(long, default_value_t = 10 << 30)]
+    /// sandbox (EDQUOT), its neighbours and the node unharmed. Promised in full on the node's
+    /// disk (--disk-overcommit).
+    #[arg(long, default_value_t = 1 << 30, value_name = "BYTES")]
     disk_bytes: u64,
-    /// The size of the node's disk image (DATA_DIR/disk.img, sparse: it takes what is
-    /// written), made once. Default: 90% of what DATA_DIR's filesystem has free then.
-    #[arg(long)]
+    /// The size of the node's disk (DATA_DIR/disk.img, where sandboxes' disks and volumes
+    /// are), made once, its blocks reserved on DATA_DIR's filesystem then (an image made
+    /// sparse by an older node is reserved at start); a host without the room refuses the
+    /// start. Default: half of what DATA_DIR's filesystem has free then (another node on the
+    /// same filesystem finds room too).
+    #[arg(long, value_name = "BYTES")]
     disk_image_bytes: Option<u64>,
+    /// How many times what the node's disk holds (its size less a tenth and 64 MiB kept for
+    /// btrfs's metadata) its sandboxes' disks (--disk-bytes each) and volumes may be
+    /// promised. 1.0: never more than it holds, and a create, volume or restore past it is
+    /// 503 drive_full. Over 1.0 the disk may fill before its sandboxes' disks do: writes then
+    /// fail with ENOSPC. GET /internal/node `disk.promise` shows it.
+    #[arg(long, default_value_t = 1.0, value_name = "RATIO", value_parser = parse_overcommit)]
+    disk_overcommit: f64,
     /// A volume's size when its create gives none, in bytes.
     #[arg(long, default_value_t = 1 << 30)]
     volume_bytes: u64,
@@ -186,6 +199,25 @@ struct Cli {
     /// networks or another node's.
     #[arg(long, value_name = "CIDR")]
     net_range: Option<ipnet::Ipv4Net>,
+    /// Connections one sandbox has at once in the host's conntrack table (which the host and
+    /// every node share); the kernel drops a new one past it. 0: no limit.
+    #[arg(long, default_value_t = sbx_runtime::net::DEFAULT_CT_LIMIT, value_name = "N")]
+    net_ct_per_sandbox: u32,
+    /// Questions of one sandbox the node's DNS forwards at once over UDP (256 for all); one
+    /// more is answered SERVFAIL at once.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    dns_in_flight_per_sandbox: usize,
+    /// TCP connections of one sandbox to the node's DNS at once (256 for all); one more is
+    /// closed at once.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    dns_tcp_per_sandbox: usize,
+    /// A TCP connection to the node's DNS that sends no whole question this long is closed.
+    #[arg(long, default_value_t = 5_000, value_name = "MS")]
+    dns_tcp_idle_ms: u64,
+    /// Connections of one sandbox the egress proxy serves at once (8192 for all); one more is
+    /// closed at once.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    egress_proxy_per_sandbox: usize,
     /// Where the preview listener listens: a request to `{port}-{sandbox}.{domain}` there
     /// reaches that port of the sandbox. `off`: no listener (port 0: one the system picks,
     /// shown in GET /internal/node).
@@ -237,7 +269,61 @@ fn host_memory() -> u64 {
         .unwrap_or(1 << 30)
 }
 
-fn main() -> anyhow::Result<()> {
+/// A node that cannot start says why in one line (its causes joined), not with a backtrace;
+/// an address another process holds names the flag that gives this node another.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sandboxd: {}", one_line(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// A listener of the node, by the flag that places it: the context of its bind's error.
+#[derive(Debug)]
+struct Listener {
+    flag: &'static str,
+    /// Whether `FLAG off` turns it off.
+    can_be_off: bool,
+}
+
+impl std::fmt::Display for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.flag)
+    }
+}
+
+/// An error and its causes in one line; for an address in use, the flag that moves it.
+fn one_line(e: &anyhow::Error) -> String {
+    let listener = e.downcast_ref::<Listener>();
+    let causes: Vec<String> = e
+        .chain()
+        .map(|c| c.to_string())
+        .filter(|c| listener.is_none_or(|l| *c != l.flag))
+        .collect();
+    let mut line = causes.join(": ");
+    let in_use = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::AddrInUse)
+    });
+    if let (true, Some(l)) = (in_use, listener) {
+        line.push_str(&format!(
+            " (another process, another sandboxd maybe, holds it: give this node another \
+             address with {} ADDR:PORT{})",
+            l.flag,
+            if l.can_be_off {
+                format!(", or {} off", l.flag)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    line
+}
+
+fn run() -> anyhow::Result<()> {
     // What the node's caller left open is passed to nothing the node starts (an agent would
     // carry it into its sandbox).
     let inherited = sbx_runtime::hostfs::cloexec_inherited();
@@ -312,6 +398,10 @@ fn main() -> anyhow::Result<()> {
             .unwrap_or_else(|| default_image_bytes(&data_dir));
         match sbx_runtime::diskfs::Disk::open(&data_dir, image_bytes) {
             Ok(d) => Some(Arc::new(d)),
+            // A disk the host has not the room for would fail its sandboxes' writes with EIO.
+            Err(e @ sbx_runtime::diskfs::DiskError::NoRoom { .. }) => {
+                return Err(anyhow::Error::new(e).context("the node's disk"));
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "no disk of the node: sandboxes' disks unbounded, no volumes (--no-disk to say so)");
                 None
@@ -451,6 +541,7 @@ fn main() -> anyhow::Result<()> {
             max_bytes: cli.max_volume_bytes,
             disk_bytes: cli.disk_bytes,
             uid_base: cli.uid_base,
+            overcommit: cli.disk_overcommit,
         })
         .context("the volumes table")?;
     }
@@ -481,6 +572,16 @@ fn main() -> anyhow::Result<()> {
                     let weak = Arc::downgrade(&node);
                     Arc::new(move |name: &str| weak.upgrade()?.secret_for_inject(name))
                 },
+                limits: node::net::NetLimits {
+                    ct_per_sandbox: cli.net_ct_per_sandbox,
+                    dns: node::dns::DnsLimits {
+                        udp_per_sandbox: cli.dns_in_flight_per_sandbox,
+                        tcp_per_sandbox: cli.dns_tcp_per_sandbox,
+                        tcp_idle: std::time::Duration::from_millis(cli.dns_tcp_idle_ms),
+                        ..Default::default()
+                    },
+                    proxy_per_sandbox: cli.egress_proxy_per_sandbox,
+                },
             })
             .context("the sandbox network (--egress-default none runs without one)")?;
             node.set_net(n.clone());
@@ -500,7 +601,7 @@ fn main() -> anyhow::Result<()> {
         gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
         node.start_sleeper();
-        let cors_origins = cli
+        let cors_origins: Vec<String> = cli
             .cors_origins
             .iter()
             .map(|o| o.trim().trim_end_matches('/').to_ascii_lowercase())
@@ -519,14 +620,39 @@ fn main() -> anyhow::Result<()> {
                 .clone()
                 .zip(cli.preview_tls_key.clone()),
         };
-        preview::start(
-            preview,
-            node.clone(),
-            api_keys.clone(),
-            cli.docs_url.clone(),
-        )
-        .await?;
-        e2b::start(cli.e2b_listen, node.clone(), api_keys.clone()).await?;
+        // A listener that cannot start stops the node as a stop would (its disk released,
+        // its runs ended, kept sandboxes left running for the next node).
+        let started = async {
+            preview::start(
+                preview,
+                node.clone(),
+                api_keys.clone(),
+                cli.docs_url.clone(),
+                cors_origins.clone(),
+            )
+            .await
+            .context(Listener {
+                flag: "--preview-listen",
+                can_be_off: true,
+            })?;
+            e2b::start(
+                cli.e2b_listen,
+                node.clone(),
+                api_keys.clone(),
+                cors_origins.clone(),
+            )
+            .await
+            .context(Listener {
+                flag: "--e2b-listen",
+                can_be_off: false,
+            })?;
+            Ok::<(), anyhow::Error>(())
+        }
+        .await;
+        if let Err(e) = started {
+            node.shutdown().await;
+            return Err(e);
+        }
         serve(
             cli.listen,
             node,
@@ -655,9 +781,18 @@ async fn serve(
         .filter(|u| !u.trim().is_empty())
         .map(|u| iii::start(&u, state.node.clone()));
     let app = http::router(state);
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("listen on {listen}"))?;
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            node.shutdown().await;
+            return Err(anyhow::Error::new(e)
+                .context(format!("listen on {listen}"))
+                .context(Listener {
+                    flag: "--listen",
+                    can_be_off: false,
+                }));
+        }
+    };
     tracing::info!(%listen, "sandboxd serves");
     node.refill();
     // The sandboxes are ended as soon as the node is told to stop: the graceful shutdown waits
@@ -689,12 +824,20 @@ async fn stop_signal() {
     }
 }
 
-/// The default size of the node's disk image: 90% of what `dir`'s filesystem has free (a
-/// sparse image larger than its host's room would fail writes with EIO, not ENOSPC), at
-/// least 1 GiB.
+/// The default size of the node's disk image: half of what `dir`'s filesystem has free, at
+/// least 1 GiB (its blocks are reserved: a host with less refuses the start; the other half
+/// is left to the host and to other nodes).
 fn default_image_bytes(dir: &std::path::Path) -> u64 {
     let free = sbx_runtime::diskfs::free_bytes(dir);
-    (free / 10 * 9).max(1 << 30)
+    (free / 2).max(1 << 30)
+}
+
+/// `--disk-overcommit`: a ratio over 0.
+fn parse_overcommit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a ratio over 0 (1.0: no overcommit)")),
+    }
 }
 
 /// `--sleep-after-seconds`: seconds (a number ≥ 0) or `never`.
