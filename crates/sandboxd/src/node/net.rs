@@ -469,6 +469,13 @@ impl NodeNet {
         if let Err(e) = self.network.uninstall() {
             tracing::debug!(error = %e, "network: uninstall");
         }
+        // No sandbox binds the CA bundle any more (a sleeping one is given the next node's at
+        // its wake): its directory (`/run/sbx/<table>`) goes too.
+        if let Some(dir) = self.ca_bundle.as_deref().and_then(std::path::Path::parent) {
+            if let Err(e) = std::fs::remove_dir_all(dir) {
+                tracing::debug!(dir = %dir.display(), error = %e, "network: the CA bundle's directory");
+            }
+        }
     }
 
     /// The gateway: the sandboxes' default route, DNS server and egress proxy.
