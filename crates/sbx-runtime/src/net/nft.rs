@@ -292,35 +292,16 @@ pub(super) fn nfproto(proto: u8) -> Vec<ListAttribute<ExpressionAttribute>> {
 
 /// `ct state established,related`.
 fn ct_established() -> Vec<ListAttribute<ExpressionAttribute>> {
-    vec![
-        other(
-            "ct",
-            vec![
-                DefaultNla::new(NFTA_CT_DREG, be32(Register::Reg1.into())),
-                DefaultNla::new(NFTA_CT_KEY, be32(NFT_CT_STATE)),
-            ],
-        ),
-        expr(Expressions::Bitwise(vec![
-            Bitwise::SourceRegister(Register::Reg1),
-            Bitwise::DestinationRegister(Register::Reg1),
-            Bitwise::Length(4),
-            Bitwise::Mask(DataAttribute::Value(
-                (CT_STATE_ESTABLISHED | CT_STATE_RELATED)
-                    .to_ne_bytes()
-                    .to_vec(),
-            )),
-            Bitwise::Xor(DataAttribute::Value(0u32.to_ne_bytes().to_vec())),
-        ])),
-        cmp(
-            Operator::NotEqual,
-            Register::Reg1,
-            0u32.to_ne_bytes().to_vec(),
-        ),
-    ]
+    ct_state(CT_STATE_ESTABLISHED | CT_STATE_RELATED)
 }
 
 /// `ct state new`.
 fn ct_new() -> Vec<ListAttribute<ExpressionAttribute>> {
+    ct_state(CT_STATE_NEW)
+}
+
+/// `ct state` is one of the states of `mask`.
+fn ct_state(mask: u32) -> Vec<ListAttribute<ExpressionAttribute>> {
     vec![
         other(
             "ct",
@@ -333,7 +314,7 @@ fn ct_new() -> Vec<ListAttribute<ExpressionAttribute>> {
             Bitwise::SourceRegister(Register::Reg1),
             Bitwise::DestinationRegister(Register::Reg1),
             Bitwise::Length(4),
-            Bitwise::Mask(DataAttribute::Value(CT_STATE_NEW.to_ne_bytes().to_vec())),
+            Bitwise::Mask(DataAttribute::Value(mask.to_ne_bytes().to_vec())),
             Bitwise::Xor(DataAttribute::Value(0u32.to_ne_bytes().to_vec())),
         ])),
         cmp(
