@@ -141,11 +141,11 @@ impl Sandbox {
         Ok(Some(self.group.freeze_all_but(self.pid, PAUSE_WAIT)?))
     }
 
-    /// For a sandbox left frozen by a checkpoint: its agent moved out of the frozen group (it
-    /// runs; everything else stays frozen), to be made not dumpable before the thaw. `None`
-    /// when the sandbox is not frozen or has no cgroups.
+    /// For a sandbox left frozen (or being frozen) by a checkpoint: its agent moved out of the
+    /// group (it runs; everything else stays frozen), to be made not dumpable before the
+    /// thaw. `None` when the sandbox is neither frozen nor being frozen, or has no cgroups.
     pub fn hold_agent_if_frozen(&self) -> Result<Option<Held>, RuntimeError> {
-        if self.group.freezer_dir().is_none() || !self.group.is_frozen() {
+        if self.group.freezer_dir().is_none() || !self.group.is_paused() {
             return Ok(None);
         }
         Ok(Some(self.group.hold_out(self.pid)?))
