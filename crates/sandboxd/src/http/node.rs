@@ -59,7 +59,11 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "cgroups": n.driver.placement(),
         "health": health_info(&n.health()),
         "teardowns": n.pending_teardowns(),
-        "warm_pool": { "target": n.cfg.warm_pool, "ready": n.warm_ids() },
+        "warm_pool": {
+            "target": n.cfg.warm_pool,
+            "ready": n.warm_ids(),
+            "making": n.warm_making(),
+        },
         "templates": n.template_objects(),
         "network": n.net.get().map(|net| net.info()),
         "checkpoints": n.checkpoints_info(),

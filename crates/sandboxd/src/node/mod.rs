@@ -92,6 +92,9 @@ pub struct Node {
     pub(crate) managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
     warm: Mutex<Vec<Warm>>,
     refilling: AtomicBool,
+    /// The warm sandbox the refiller is making (its directory and cgroups exist before it is
+    /// ready): the node's own, never a run's leftover.
+    warm_making: Mutex<Option<String>>,
     pub(crate) driver: Arc<dyn Driver>,
     pub(crate) images: ImageStore,
     table: Mutex<Table>,
@@ -207,6 +210,7 @@ impl Node {
             managed: Mutex::new(HashMap::new()),
             warm: Mutex::new(Vec::new()),
             refilling: AtomicBool::new(false),
+            warm_making: Mutex::new(None),
             driver,
             images,
             table: Mutex::new(Table::default()),

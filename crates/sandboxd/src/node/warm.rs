@@ -55,6 +55,11 @@ impl Node {
             .collect()
     }
 
+    /// The id of the warm sandbox being made, if one is.
+    pub fn warm_making(&self) -> Option<String> {
+        self.warm_making.locked().clone()
+    }
+
     /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
     pub fn refill(self: &Arc<Self>) {
         if self.cfg.warm_pool == 0 || self.refilling.swap(true, Ordering::SeqCst) {
@@ -71,9 +76,11 @@ impl Node {
                     break;
                 };
                 let id = sbx_api::new_id("sbx");
+                *node.warm_making.locked() = Some(id.clone());
                 // Its disk is promised until its directory counts it; none when the node's
                 // disk has promised all it may (the next pop tries again).
                 let Ok(_disk) = node.hold_sandbox_disk(&id) else {
+                    *node.warm_making.locked() = None;
                     break;
                 };
                 let limits = Limits {
@@ -105,6 +112,7 @@ impl Node {
                             conn,
                             limits,
                         });
+                        *node.warm_making.locked() = None;
                         if node.is_stopping() {
                             // `shutdown` may have run between the check above and now.
                             node.drain_warm();
@@ -115,6 +123,7 @@ impl Node {
                         if let Some(sb) = sb {
                             node.teardown(sb);
                         }
+                        *node.warm_making.locked() = None;
                         // Do not spin on a node that cannot make sandboxes.
                         tokio::time::sleep(Duration::from_secs(1)).await;
                     }

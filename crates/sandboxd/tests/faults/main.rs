@@ -556,9 +556,9 @@ fn check(
     // Nothing of a sandbox the node neither lists nor keeps warm.
     let end = Instant::now() + Duration::from_secs(30);
     loop {
-        let warm = node.warm_ids();
-        let mut orphans: Vec<String> = node
-            .all_sandbox_traces()
+        let traces = node.all_sandbox_traces();
+        let warm = node.pool_ids();
+        let mut orphans: Vec<String> = traces
             .into_iter()
             .filter(|t| {
                 !known.alive.iter().any(|id| t.contains(id.as_str()))

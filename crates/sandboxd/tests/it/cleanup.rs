@@ -25,22 +25,36 @@ fn two_hundred_runs_leave_nothing() {
     node.assert_clean(Duration::from_secs(30));
     // Nothing of the node's sandboxes is anywhere: each kind checked on its own.
     // (The warm pool's sandboxes are the node's own, made ahead for the next runs.)
-    let warm = node.warm_ids();
-    let is_warm = |e: &std::fs::DirEntry| warm.iter().any(|w| e.file_name().to_str() == Some(w));
-    let sandboxes = std::fs::read_dir(node.data_dir.join("sandboxes"))
+    // The directories are read before the pool's ids: one the refiller starts after them is
+    // not among them.
+    let sandboxes: Vec<_> = std::fs::read_dir(node.data_dir.join("sandboxes"))
         .unwrap()
         .flatten()
-        .filter(|e| !is_warm(e))
-        .count();
-    assert_eq!(sandboxes, 0, "upper directories left");
-    for ctrl in ["memory", "pids"] {
-        let dir = node.cgroup_dir(ctrl).unwrap();
-        let groups = std::fs::read_dir(&dir)
-            .unwrap()
-            .flatten()
-            .filter(|e| e.path().is_dir() && !is_warm(e))
-            .count();
-        assert_eq!(groups, 0, "cgroups left in {}", dir.display());
+        .collect();
+    let groups: Vec<(std::path::PathBuf, Vec<std::fs::DirEntry>)> = ["memory", "pids"]
+        .into_iter()
+        .map(|ctrl| {
+            let dir = node.cgroup_dir(ctrl).unwrap();
+            let subs = std::fs::read_dir(&dir)
+                .unwrap()
+                .flatten()
+                .filter(|e| e.path().is_dir())
+                .collect();
+            (dir, subs)
+        })
+        .collect();
+    let warm = node.pool_ids();
+    let is_warm = |e: &std::fs::DirEntry| warm.iter().any(|w| e.file_name().to_str() == Some(w));
+    let left = sandboxes.iter().filter(|e| !is_warm(e)).count();
+    assert_eq!(left, 0, "upper directories left (warm: {warm:?})");
+    for (dir, subs) in &groups {
+        let left = subs.iter().filter(|e| !is_warm(e)).count();
+        assert_eq!(
+            left,
+            0,
+            "cgroups left in {} (warm: {warm:?})",
+            dir.display()
+        );
     }
 }
 

@@ -610,10 +610,14 @@ fn twenty_cycles_leave_nothing() {
     assert!(list_all(&node, "", 100).is_empty(), "rows are left");
     node.assert_clean(CLEAN);
     // Nothing of them under the data directory either.
-    let warm = node.warm_ids();
-    let left: Vec<_> = std::fs::read_dir(node.data_dir.join("sandboxes"))
+    // (Read before the pool's ids: a warm sandbox started after the read is not in it.)
+    let entries: Vec<_> = std::fs::read_dir(node.data_dir.join("sandboxes"))
         .unwrap()
         .flatten()
+        .collect();
+    let warm = node.pool_ids();
+    let left: Vec<_> = entries
+        .iter()
         .filter(|e| !warm.iter().any(|w| e.file_name().to_str() == Some(w)))
         .map(|e| e.path())
         .collect();

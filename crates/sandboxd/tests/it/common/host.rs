@@ -149,9 +149,18 @@ fn subdirs(dir: &Path) -> Vec<PathBuf> {
 }
 
 impl TestNode {
-    /// Ids of the sandboxes the node keeps made ahead (its warm pool): they are the node's,
-    /// not leftovers of a run. Empty when the node does not answer.
+    /// Ids of the sandboxes ready in the node's warm pool. Empty when the node does not answer.
     pub fn warm_ids(&self) -> Vec<String> {
+        self.warm_pool(false)
+    }
+
+    /// Ids of the sandboxes of the node's warm pool, ready or being made (one being made has
+    /// its directory and cgroups before it is ready): the node's, not leftovers of a run.
+    pub fn pool_ids(&self) -> Vec<String> {
+        self.warm_pool(true)
+    }
+
+    fn warm_pool(&self, making: bool) -> Vec<String> {
         if self.child.is_none() {
             return Vec::new();
         }
@@ -162,20 +171,27 @@ impl TestNode {
         if r.status != 200 {
             return Vec::new();
         }
-        r.json()["warm_pool"]["ready"]
+        let v = r.json();
+        let mut ids: Vec<String> = v["warm_pool"]["ready"]
             .as_array()
             .map(|a| {
                 a.iter()
                     .filter_map(|v| v.as_str().map(String::from))
                     .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if making {
+            ids.extend(v["warm_pool"]["making"].as_str().map(String::from));
+        }
+        ids
     }
 
     /// What is left of runs' sandboxes: everything of the node's sandboxes but its warm pool.
     pub fn leftovers(&self) -> Vec<String> {
-        let warm = self.warm_ids();
+        // Traces first: a warm sandbox started after them is not among them, and one among
+        // them is still the pool's when its ids are read (nothing takes it meanwhile but a run).
         let mut all = self.all_sandbox_traces();
+        let warm = self.pool_ids();
         all.retain(|l| !warm.iter().any(|w| l.contains(w.as_str())));
         all
     }
