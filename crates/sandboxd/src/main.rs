@@ -2,21 +2,15 @@
 
 #![forbid(unsafe_code)]
 
-mod agent;
-mod config;
 mod e2b;
 mod functions;
 mod guard;
-mod hop;
 mod http;
 mod iii;
-mod image;
 mod listen;
-mod node;
 mod preview;
-mod probe;
-mod store;
-mod sync;
+
+use sbx_node::{agent, config, hop, image, node, store, sync};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;

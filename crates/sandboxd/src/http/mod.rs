@@ -8,6 +8,8 @@ pub(crate) mod files;
 pub(crate) mod functions;
 mod images;
 mod node;
+#[cfg(test)]
+mod node_tests;
 mod router;
 mod run;
 mod sandboxes;

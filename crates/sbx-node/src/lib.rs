@@ -1,0 +1,16 @@
+//! `sbx-node`: the node's core as a library. The table of sandboxes and their verbs (run,
+//! create, exec, files, sleep, snapshots, forks, volumes, templates), the agent client, the
+//! store, images, and the node's network side (egress rules, DNS, ready checks). No front end:
+//! the HTTP API, E2B, previews and the functions interface are crates of their own or modules
+//! of `sandboxd`, which depend on this one and never the other way.
+
+#![forbid(unsafe_code)]
+
+pub mod agent;
+pub mod config;
+pub mod hop;
+pub mod image;
+pub mod node;
+pub mod probe;
+pub mod store;
+pub mod sync;

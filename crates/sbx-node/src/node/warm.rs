@@ -1,0 +1,145 @@
+//! The warm pool: sandboxes of the base image made ahead, their agents' hellos read, taken
+//! by runs and boots that fit them, refilled in the background.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sbx_runtime::{Limits, Sandbox, SandboxSpec};
+
+use super::*;
+use crate::agent::AgentConn;
+use crate::sync::LockExt;
+
+/// A sandbox made ahead of the request that will use it, with its agent's hello already read.
+pub(super) struct Warm {
+    pub(super) sandbox: Arc<Sandbox>,
+    pub(super) conn: AgentConn,
+    pub(super) limits: Limits,
+}
+
+impl Node {
+    /// Takes a warm sandbox whose agent still runs; one found dead (killed from outside while
+    /// it waited) is ended, and the next one is tried.
+    pub(super) fn take_live_warm(&self) -> Option<Warm> {
+        loop {
+            let w = self.warm.locked().pop()?;
+            if w.sandbox.is_alive() {
+                return Some(w);
+            }
+            tracing::warn!(sandbox = %w.sandbox.id, "a warm sandbox had died: ended");
+            self.live_remove(&w.sandbox.id);
+            // Its agent is gone already: what is left (cgroups, directory) goes at once.
+            if let Err(e) = self.driver.destroy(&w.sandbox) {
+                tracing::warn!(sandbox = %w.sandbox.id, error = %e, "teardown");
+            }
+            self.release_net(&w.sandbox.id);
+            let _ = sbx_runtime::driver::remove_dir(&w.sandbox.dir);
+        }
+    }
+
+    /// Takes a warm sandbox (out of the node's live table: the caller keeps it).
+    pub fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
+        let w = self.take_live_warm()?;
+        self.live_remove(&w.sandbox.id);
+        self.refill();
+        Some(w.sandbox)
+    }
+
+    /// Ids of the warm sandboxes.
+    pub fn warm_ids(&self) -> Vec<String> {
+        self.warm
+            .locked()
+            .iter()
+            .map(|w| w.sandbox.id.clone())
+            .collect()
+    }
+
+    /// The id of the warm sandbox being made, if one is.
+    pub fn warm_making(&self) -> Option<String> {
+        self.warm_making.locked().clone()
+    }
+
+    /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
+    pub fn refill(self: &Arc<Self>) {
+        if self.cfg.warm_pool == 0 || self.refilling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let have = node.warm.locked().len();
+                if have >= node.cfg.warm_pool || node.is_stopping() {
+                    break;
+                }
+                let Ok(image) = node.images.base() else {
+                    break;
+                };
+                let id = sbx_api::new_id("sbx");
+                *node.warm_making.locked() = Some(id.clone());
+                // Its disk is promised until its directory counts it; none when the node's
+                // disk has promised all it may (the next pop tries again).
+                let Ok(_disk) = node.hold_sandbox_disk(&id) else {
+                    *node.warm_making.locked() = None;
+                    break;
+                };
+                let limits = Limits {
+                    memory_bytes: node.cfg.default_memory_bytes,
+                    vcpus: node.cfg.default_vcpus,
+                    pids: node.cfg.pids_max,
+                };
+                let spec = SandboxSpec {
+                    id: id.clone(),
+                    lowers: image.lowers.clone(),
+                    dir: node.sandboxes_dir().join(&id),
+                    hostname: id.clone(),
+                    limits,
+                    tmp_memory: false,
+                    image_env: image.meta.env.clone(),
+                    image_user: image.meta.user.clone(),
+                    image_workdir: image.meta.workdir.clone(),
+                    netns: None,
+                    resolv_conf: None,
+                    ca_bundle: None,
+                    runtime: Default::default(),
+                    volumes: Vec::new(),
+                };
+                match node.create(spec, node.has_net()).await {
+                    Ok((sandbox, conn)) => {
+                        // `create` put it in `live` too, so that a stopping node ends it.
+                        node.warm.locked().push(Warm {
+                            sandbox,
+                            conn,
+                            limits,
+                        });
+                        *node.warm_making.locked() = None;
+                        if node.is_stopping() {
+                            // `shutdown` may have run between the check above and now.
+                            node.drain_warm();
+                        }
+                    }
+                    Err(_) => {
+                        let sb = node.live.locked().remove(&id);
+                        if let Some(sb) = sb {
+                            node.teardown(sb);
+                        }
+                        *node.warm_making.locked() = None;
+                        // Do not spin on a node that cannot make sandboxes.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+            node.refilling.store(false, Ordering::SeqCst);
+        });
+    }
+
+    pub fn drain_warm(self: &Arc<Self>) {
+        let warm: Vec<Warm> = self.warm.locked().drain(..).collect();
+        for w in warm {
+            let sb = self.live.locked().remove(&w.sandbox.id);
+            if let Some(sb) = sb {
+                self.teardown(sb);
+            }
+        }
+    }
+}
