@@ -10,7 +10,8 @@ mod iii;
 mod listen;
 mod preview;
 
-use sbx_node::{agent, config, hop, image, node, store, sync};
+use sbx_net::hop;
+use sbx_node::{agent, config, image, node, store, sync};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -525,25 +526,28 @@ fn run() -> anyhow::Result<()> {
             tracing::warn!(%why, "sleep, snapshots and forks: not served (no usable CRIU)")
         }
     }
-    let node = node::Node::new(cfg, driver, images, store, templates);
-    node.set_checkpoints(checkpoints);
-    node.set_capacity(capacity);
-    if let Some(d) = &disk {
-        node.set_volumes(node::volume::VolumeSettings {
-            disk: d.clone(),
-            default_bytes: cli.volume_bytes.min(cli.max_volume_bytes),
-            max_bytes: cli.max_volume_bytes,
-            disk_bytes: cli.disk_bytes,
-            uid_base: cli.uid_base,
-            overcommit: cli.disk_overcommit,
-        })
-        .context("the volumes table")?;
-    }
+    let volumes = disk.as_ref().map(|d| node::volume::VolumeSettings {
+        disk: d.clone(),
+        default_bytes: cli.volume_bytes.min(cli.max_volume_bytes),
+        max_bytes: cli.max_volume_bytes,
+        disk_bytes: cli.disk_bytes,
+        uid_base: cli.uid_base,
+        overcommit: cli.disk_overcommit,
+    });
+    let store = Arc::new(store);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("tokio runtime")?;
     rt.block_on(async move {
+        // What the node serves besides sandboxes is made before it is: a failure here gives
+        // back the disk (nothing else of the node runs yet).
+        let release = |e: anyhow::Error| {
+            if let Some(d) = &disk {
+                d.release();
+            }
+            e
+        };
         let net = if cli.egress_default == "none" {
             None
         } else {
@@ -552,7 +556,13 @@ fn run() -> anyhow::Result<()> {
                 .dns_upstreams
                 .iter()
                 .map(|a| parse_upstream(a))
-                .collect::<anyhow::Result<Vec<_>>>()?;
+                .collect::<anyhow::Result<Vec<_>>>()
+                .map_err(release)?;
+            let upstreams = if upstreams.is_empty() {
+                sbx_net::dns::host_upstreams()
+            } else {
+                upstreams
+            };
             let n = node::net::NodeNet::start(node::net::NetSettings {
                 table: format!("sbx_{}", cgroup_name.replace('-', "_")),
                 prefix: net_prefix(&cgroup_name),
@@ -563,12 +573,12 @@ fn run() -> anyhow::Result<()> {
                 data_dir: cli.data_dir.clone(),
                 extra_roots: cli.egress_ca_file.clone(),
                 secrets: {
-                    let weak = Arc::downgrade(&node);
-                    Arc::new(move |name: &str| weak.upgrade()?.secret_for_inject(name))
+                    let store = store.clone();
+                    Arc::new(move |name: &str| node::credentials::secret_for_inject(&store, name))
                 },
                 limits: node::net::NetLimits {
                     ct_per_sandbox: cli.net_ct_per_sandbox,
-                    dns: node::dns::DnsLimits {
+                    dns: node::net::DnsLimits {
                         udp_per_sandbox: cli.dns_in_flight_per_sandbox,
                         tcp_per_sandbox: cli.dns_tcp_per_sandbox,
                         tcp_idle: std::time::Duration::from_millis(cli.dns_tcp_idle_ms),
@@ -576,11 +586,42 @@ fn run() -> anyhow::Result<()> {
                     },
                     proxy_per_sandbox: cli.egress_proxy_per_sandbox,
                 },
+                services: Arc::new(sbx_net::Services),
             })
-            .context("the sandbox network (--egress-default none runs without one)")?;
-            node.set_net(n.clone());
+            .context("the sandbox network (--egress-default none runs without one)")
+            .map_err(release)?;
             Some(n)
         };
+        let preview = preview::bind(preview::Config {
+            listen: cli.preview_listen.0,
+            domain: cli.preview_domain.clone(),
+            tls: cli
+                .preview_tls_cert
+                .clone()
+                .zip(cli.preview_tls_key.clone()),
+        })
+        .await
+        .context(Listener {
+            flag: "--preview-listen",
+            can_be_off: true,
+        })
+        .map_err(release)?;
+        let node = node::Node::builder(
+            cfg,
+            driver,
+            images,
+            store,
+            templates,
+            Arc::new(sbx_net::probe::NetProber),
+        )
+        .checkpoints(checkpoints)
+        .capacity(capacity)
+        .volumes(volumes)
+        .net(net.clone())
+        .preview(preview.as_ref().map(|p| p.settings.clone()))
+        .build()
+        .context("the volumes table")
+        .map_err(release)?;
         let (adopted, lost) = node.recover();
         if adopted + lost > 0 {
             tracing::info!(adopted, lost, "sandboxes of the previous run");
@@ -606,29 +647,18 @@ fn run() -> anyhow::Result<()> {
             keepalive: Duration::from_millis(cli.keepalive_timeout_ms.max(1)),
             max_connections: max_connections(cli.max_connections),
         };
-        let preview = preview::Config {
-            listen: cli.preview_listen.0,
-            domain: cli.preview_domain.clone(),
-            tls: cli
-                .preview_tls_cert
-                .clone()
-                .zip(cli.preview_tls_key.clone()),
-        };
         // A listener that cannot start stops the node as a stop would (its disk released,
         // its runs ended, kept sandboxes left running for the next node).
         let started = async {
-            preview::start(
-                preview,
-                node.clone(),
-                api_keys.clone(),
-                cli.docs_url.clone(),
-                cors_origins.clone(),
-            )
-            .await
-            .context(Listener {
-                flag: "--preview-listen",
-                can_be_off: true,
-            })?;
+            if let Some(p) = preview {
+                preview::serve(
+                    p,
+                    node.clone(),
+                    api_keys.clone(),
+                    cli.docs_url.clone(),
+                    cors_origins.clone(),
+                );
+            }
             e2b::start(
                 cli.e2b_listen,
                 node.clone(),

@@ -1,6 +1,8 @@
 //! `sbx-node`: the node's core as a library. The table of sandboxes and their verbs (run,
 //! create, exec, files, sleep, snapshots, forks, volumes, templates), the agent client, the
-//! store, images, and the node's network side (egress rules, DNS, ready checks). No front end:
+//! store, images, the sandboxes' network (namespaces, rules) and the ready checks' kinds. It
+//! speaks no HTTP, DNS or TLS: the services that do (sbx-net) are given to it when it is built.
+//! No front end:
 //! the HTTP API, E2B, previews and the functions interface are crates of their own or modules
 //! of `sandboxd`, which depend on this one and never the other way.
 
@@ -8,7 +10,6 @@
 
 pub mod agent;
 pub mod config;
-pub mod hop;
 pub mod image;
 pub mod node;
 pub mod probe;

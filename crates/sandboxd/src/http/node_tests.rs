@@ -75,7 +75,7 @@ async fn a_create_retried_with_its_key_makes_one_sandbox() {
     assert_eq!(again["id"], first["id"], "the first answer, replayed");
     assert_eq!(world.creates(), 1);
     assert_eq!(
-        node.list_sandboxes(&&sbx_node::node::sandbox::ListQuery {
+        node.list_sandboxes(&sbx_node::node::sandbox::ListQuery {
             limit: 100,
             ..Default::default()
         })

@@ -87,15 +87,17 @@ struct Shared {
     cors_origins: Vec<String>,
 }
 
-/// Binds the listener (when it is on), tells the node its settings and serves in the
-/// background. The address bound (its port, when 0 was asked, the one given).
-pub async fn start(
-    cfg: Config,
-    node: Arc<Node>,
-    api_keys: Option<HashSet<String>>,
-    docs_url: Option<String>,
-    cors_origins: Vec<String>,
-) -> anyhow::Result<Option<SocketAddr>> {
+/// The preview listener bound, not serving yet: the node is told its settings when it is
+/// built ([`serve`] then serves).
+pub struct Bound {
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The address bound (its port, when 0 was asked, the one given), the domain, HTTPS.
+    pub settings: PreviewSettings,
+}
+
+/// Binds the listener, when it is on.
+pub async fn bind(cfg: Config) -> anyhow::Result<Option<Bound>> {
     let Some(listen) = cfg.listen else {
         tracing::info!("preview listener off");
         return Ok(None);
@@ -116,22 +118,41 @@ pub async fn start(
     let bound = listener
         .local_addr()
         .context("preview listener's address")?;
-    node.set_preview(PreviewSettings {
+    let settings = PreviewSettings {
         listen: bound,
-        domain: domain.clone(),
+        domain,
         tls: tls.is_some(),
-    });
-    tracing::info!(listen = %bound, %domain, tls = tls.is_some(), "preview listener serves");
+    };
+    Ok(Some(Bound {
+        listener,
+        tls,
+        settings,
+    }))
+}
+
+/// Serves the bound listener in the background.
+pub fn serve(
+    bound: Bound,
+    node: Arc<Node>,
+    api_keys: Option<HashSet<String>>,
+    docs_url: Option<String>,
+    cors_origins: Vec<String>,
+) {
+    let Bound {
+        listener,
+        tls,
+        settings,
+    } = bound;
+    tracing::info!(listen = %settings.listen, domain = %settings.domain, tls = settings.tls, "preview listener serves");
     let shared = Arc::new(Shared {
         node,
-        domain,
-        https: tls.is_some(),
+        domain: settings.domain,
+        https: settings.tls,
         api_keys,
         docs_url,
         cors_origins,
     });
     tokio::spawn(accept_loop(listener, tls, shared));
-    Ok(Some(bound))
 }
 
 /// The TLS settings of `--preview-tls-cert` and `--preview-tls-key`: ALPN h2 and http/1.1.

@@ -381,34 +381,18 @@ impl Node {
     }
 
     pub fn secret_row(&self, name: &str) -> Result<Option<SecretRow>, ApiError> {
-        self.store
-            .with_conn(|c| {
-                c.query_row(
-                    &format!("SELECT {COLS} FROM secrets WHERE name=?1"),
-                    params![name],
-                    row_of,
-                )
-                .optional()
-            })
-            .map_err(store_failed)
+        secret_row(&self.store, name)
     }
 
     /// The value of secret `name` for the egress proxy's inject (never for an answer);
     /// `None` when there is no such secret (or it does not open).
     pub fn secret_for_inject(&self, name: &str) -> Option<String> {
-        let row = self.secret_row(name).ok()??;
-        self.secret_value(&row).ok()
+        secret_for_inject(&self.store, name)
     }
 
     /// The value of a secret, opened (for the node's own use: never for an answer).
     fn secret_value(&self, row: &SecretRow) -> Result<String, ApiError> {
-        let key = node_key()?;
-        key.open(&row.sealed, row.name.as_bytes())
-            .and_then(|b| String::from_utf8(b).ok())
-            .ok_or_else(|| {
-                tracing::error!(secret = %row.name, "a secret does not open with the node key");
-                ApiError::internal()
-            })
+        secret_value(row)
     }
 
     /// Makes or replaces a secret; true when it is new.
@@ -599,6 +583,39 @@ pub mod sealed_env {
         }
         Ok(out)
     }
+}
+
+/// Secret `name`'s row in `store`.
+fn secret_row(store: &Store, name: &str) -> Result<Option<SecretRow>, ApiError> {
+    store
+        .with_conn(|c| {
+            c.query_row(
+                &format!("SELECT {COLS} FROM secrets WHERE name=?1"),
+                params![name],
+                row_of,
+            )
+            .optional()
+        })
+        .map_err(store_failed)
+}
+
+/// The value of secret `name` in `store` for the egress proxy's inject (never for an answer);
+/// `None` when there is no such secret (or it does not open). The node's network reads
+/// secrets through this, before the node is built.
+pub fn secret_for_inject(store: &Store, name: &str) -> Option<String> {
+    let row = secret_row(store, name).ok()??;
+    secret_value(&row).ok()
+}
+
+/// A secret's value, opened with the node key.
+fn secret_value(row: &SecretRow) -> Result<String, ApiError> {
+    let key = node_key()?;
+    key.open(&row.sealed, row.name.as_bytes())
+        .and_then(|b| String::from_utf8(b).ok())
+        .ok_or_else(|| {
+            tracing::error!(secret = %row.name, "a secret does not open with the node key");
+            ApiError::internal()
+        })
 }
 
 #[cfg(test)]

@@ -895,7 +895,16 @@ pub fn node_in(dir: &Path, world: &Arc<World>, tweak: impl FnOnce(&mut NodeConfi
     crate::node::credentials::init(dir, &store).expect("the node key");
     let templates = crate::node::templates::Templates::open(&store).expect("templates");
     let driver = Arc::new(FakeDriver::new(world.clone()));
-    Node::new(cfg, driver, images(dir), store, templates)
+    Node::builder(
+        cfg,
+        driver,
+        images(dir),
+        Arc::new(store),
+        templates,
+        Arc::new(NoProbes),
+    )
+    .build()
+    .expect("the node")
 }
 
 /// `POST /v1/sandboxes` with `body`.
@@ -913,5 +922,25 @@ pub async fn until(what: &str, mut done: impl FnMut() -> bool) {
             "waited in vain: {what}"
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The fake node's prober: a sandbox of the fake driver has no network namespace to try a
+/// port in, so every check fails, saying so (its tests check ready commands).
+pub struct NoProbes;
+
+impl crate::probe::Prober for NoProbes {
+    fn try_once<'a>(
+        &'a self,
+        check: &'a crate::probe::Probe,
+        _ns: std::os::fd::OwnedFd,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = crate::probe::ProbeResult> + Send + 'a>>
+    {
+        Box::pin(async move {
+            Err(format!(
+                "port {}: the fake driver's sandboxes have no network",
+                check.port()
+            ))
+        })
     }
 }

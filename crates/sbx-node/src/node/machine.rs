@@ -206,7 +206,7 @@ impl Node {
             .and_then(|r| r.get("dns"))
             .filter(|d| !d.is_null())?;
         let dns = sbx_api::run::RuntimeDns::parse(dns).ok()?;
-        let fallback: Vec<std::net::IpAddr> = match self.net.get() {
+        let fallback: Vec<std::net::IpAddr> = match self.net.as_ref() {
             Some(n) if network => vec![n.gateway().into()],
             _ => Vec::new(),
         };
@@ -221,7 +221,7 @@ impl Node {
     ) -> Result<(Arc<Sandbox>, AgentConn), ApiError> {
         let id = spec.id.clone();
         let driver = self.driver.clone();
-        let net = self.net.get().filter(|_| network).cloned();
+        let net = self.net.as_ref().filter(|_| network).cloned();
         // On a blocking thread: a lease is one netlink message, but an empty pool makes a
         // namespace then and there (milliseconds).
         let made = tokio::task::spawn_blocking(move || {

@@ -4,8 +4,6 @@
 pub mod capacity;
 pub mod checkpoint;
 pub mod credentials;
-pub mod dns;
-pub mod egress;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
 pub mod files;
@@ -87,7 +85,7 @@ struct Table {
 
 pub struct Node {
     pub cfg: NodeConfig,
-    pub store: crate::store::Store,
+    pub store: Arc<crate::store::Store>,
     pub templates: crate::node::templates::Templates,
     pub managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
     warm: Mutex<Vec<Warm>>,
@@ -106,16 +104,18 @@ pub struct Node {
     teardowns: AtomicUsize,
     /// Set when the node stops: no sandbox is made from then on.
     stopping: AtomicBool,
-    /// The node's network (none: every sandbox has `lo` only); set once at start.
-    pub net: std::sync::OnceLock<Arc<net::NodeNet>>,
-    /// The preview listener (none: it is off); set once, when it is bound.
-    pub preview: std::sync::OnceLock<crate::node::sandbox::PreviewSettings>,
-    /// Whether (and with what) the node checkpoints sandboxes; set once at start.
-    pub checkpoints: std::sync::OnceLock<checkpoint::Checkpoints>,
+    /// The node's network (none: every sandbox has `lo` only).
+    pub net: Option<Arc<net::NodeNet>>,
+    /// The preview listener (none: it is off).
+    pub preview: Option<crate::node::sandbox::PreviewSettings>,
+    /// Whether (and with what) the node checkpoints sandboxes (none: not served).
+    pub checkpoints: Option<checkpoint::Checkpoints>,
+    /// What tries the `ready.tcp` and `ready.http` checks.
+    pub prober: Arc<dyn crate::probe::Prober>,
     /// The last answer of the health checks (`health.rs`).
     health: health::HealthCache,
-    /// Where `max_sandboxes` comes from (`capacity.rs`); set once at start.
-    pub capacity: std::sync::OnceLock<capacity::Capacity>,
+    /// Where `max_sandboxes` comes from (`capacity.rs`; none: given as it is).
+    pub capacity: Option<capacity::Capacity>,
     /// The node's disk and the runs' volumes (none: no volumes).
     pub volumes: volume::Volumes,
 }
@@ -154,17 +154,88 @@ fn not_served(param: &str, what: &str) -> ApiError {
     .with_param(param)
 }
 
-impl Node {
-    /// Gives the node its network (once, at start): sandboxes made from then on that have
-    /// network get a namespace of it.
-    pub fn set_net(&self, net: Arc<net::NodeNet>) {
-        let _ = self.net.set(net);
+/// Builds a [`Node`]: its parts ([`Node::builder`]), then what it serves besides sandboxes,
+/// each given at most once (a second call replaces the first before anything runs).
+pub struct NodeBuilder {
+    cfg: NodeConfig,
+    driver: Arc<dyn Driver>,
+    images: ImageStore,
+    store: Arc<crate::store::Store>,
+    templates: crate::node::templates::Templates,
+    prober: Arc<dyn crate::probe::Prober>,
+    net: Option<Arc<net::NodeNet>>,
+    preview: Option<crate::node::sandbox::PreviewSettings>,
+    checkpoints: Option<checkpoint::Checkpoints>,
+    capacity: Option<capacity::Capacity>,
+    volumes: Option<volume::VolumeSettings>,
+}
+
+impl NodeBuilder {
+    /// The node's network: sandboxes that have network get a namespace of it.
+    pub fn net(mut self, net: Option<Arc<net::NodeNet>>) -> Self {
+        self.net = net;
+        self
     }
 
+    /// The preview listener's settings (its bound address), when it is on.
+    pub fn preview(mut self, p: Option<crate::node::sandbox::PreviewSettings>) -> Self {
+        self.preview = p;
+        self
+    }
+
+    /// What the node checkpoints sandboxes with.
+    pub fn checkpoints(mut self, c: checkpoint::Checkpoints) -> Self {
+        c.set_data_dir(&self.cfg.data_dir);
+        self.checkpoints = Some(c);
+        self
+    }
+
+    /// Where `max_sandboxes` comes from, for `GET /internal/node`.
+    pub fn capacity(mut self, c: capacity::Capacity) -> Self {
+        self.capacity = Some(c);
+        self
+    }
+
+    /// The node's disk and its volumes' settings (none: no volumes).
+    pub fn volumes(mut self, v: Option<volume::VolumeSettings>) -> Self {
+        self.volumes = v;
+        self
+    }
+
+    /// The node (its volumes' table made when it has volumes).
+    pub fn build(self) -> Result<Arc<Node>, crate::store::StoreError> {
+        let volumes = volume::Volumes::open(&self.store, self.volumes)?;
+        Ok(Arc::new(Node {
+            cfg: self.cfg,
+            store: self.store,
+            templates: self.templates,
+            managed: Mutex::new(HashMap::new()),
+            warm: Mutex::new(Vec::new()),
+            refilling: AtomicBool::new(false),
+            warm_making: Mutex::new(None),
+            driver: self.driver,
+            images: self.images,
+            table: Mutex::new(Table::default()),
+            admission: Mutex::new(()),
+            live: Mutex::new(HashMap::new()),
+            teardowns: AtomicUsize::new(0),
+            stopping: AtomicBool::new(false),
+            net: self.net,
+            preview: self.preview,
+            checkpoints: self.checkpoints,
+            prober: self.prober,
+            health: health::HealthCache::default(),
+            capacity: self.capacity,
+            volumes,
+        }))
+    }
+}
+
+impl Node {
     /// Gives back sandbox `id`'s network namespace, if it has one (after its processes are
     /// gone).
     pub fn release_net(&self, id: &str) {
-        if let Some(n) = self.net.get() {
+        if let Some(n) = self.net.as_ref() {
             n.release(id, false);
         }
     }
@@ -172,59 +243,46 @@ impl Node {
     /// [`Node::release_net`] of a sandbox the driver destroyed: its namespace may be used
     /// again.
     pub fn recycle_net(&self, id: &str) {
-        if let Some(n) = self.net.get() {
+        if let Some(n) = self.net.as_ref() {
             n.release(id, true);
         }
     }
 
-    /// Whether sandboxes of the HTTP API have network (the node has one).
-    /// Sets what the node checkpoints sandboxes with (once, at start).
-    pub fn set_checkpoints(&self, c: checkpoint::Checkpoints) {
-        c.set_data_dir(&self.cfg.data_dir);
-        let _ = self.checkpoints.set(c);
-    }
-
     /// For `GET /internal/node`.
     pub fn checkpoints_info(&self) -> serde_json::Value {
-        match self.checkpoints.get() {
+        match self.checkpoints.as_ref() {
             Some(c) => c.info(),
             None => serde_json::json!({ "available": false, "reason": "not checked yet" }),
         }
     }
 
+    /// Whether sandboxes of the HTTP API have network (the node has one).
     pub fn has_net(&self) -> bool {
-        self.net.get().is_some()
+        self.net.as_ref().is_some()
     }
 
-    pub fn new(
+    /// A node of these parts; the rest is given to the [`NodeBuilder`] before it is built.
+    pub fn builder(
         cfg: NodeConfig,
         driver: Arc<dyn Driver>,
         images: ImageStore,
-        store: crate::store::Store,
+        store: Arc<crate::store::Store>,
         templates: crate::node::templates::Templates,
-    ) -> Arc<Node> {
-        Arc::new(Node {
+        prober: Arc<dyn crate::probe::Prober>,
+    ) -> NodeBuilder {
+        NodeBuilder {
             cfg,
-            store,
-            templates,
-            managed: Mutex::new(HashMap::new()),
-            warm: Mutex::new(Vec::new()),
-            refilling: AtomicBool::new(false),
-            warm_making: Mutex::new(None),
             driver,
             images,
-            table: Mutex::new(Table::default()),
-            admission: Mutex::new(()),
-            live: Mutex::new(HashMap::new()),
-            teardowns: AtomicUsize::new(0),
-            stopping: AtomicBool::new(false),
-            net: std::sync::OnceLock::new(),
-            preview: std::sync::OnceLock::new(),
-            checkpoints: std::sync::OnceLock::new(),
-            health: health::HealthCache::default(),
-            capacity: std::sync::OnceLock::new(),
-            volumes: volume::Volumes::default(),
-        })
+            store,
+            templates,
+            prober,
+            net: None,
+            preview: None,
+            checkpoints: None,
+            capacity: None,
+            volumes: None,
+        }
     }
 
     pub fn sandboxes_dir(&self) -> PathBuf {
@@ -307,11 +365,6 @@ impl Node {
         self.sandbox_count() + self.managed.locked().len()
     }
 
-    /// Sets where `max_sandboxes` comes from (once, at start), for `GET /internal/node`.
-    pub fn set_capacity(&self, c: capacity::Capacity) {
-        let _ = self.capacity.set(c);
-    }
-
     /// Teardowns still under way.
     pub fn pending_teardowns(&self) -> usize {
         self.teardowns.load(Ordering::SeqCst)
@@ -377,11 +430,11 @@ impl Node {
         // and the network's table keeps them fenced in. With none, nothing of the node stays.
         self.driver.release();
         // criu's workers hold copies of the node's mounts (its disk among them).
-        if let Some(c) = self.checkpoints.get() {
+        if let Some(c) = self.checkpoints.as_ref() {
             c.stop();
         }
         self.release_disk();
-        if let Some(net) = self.net.get() {
+        if let Some(net) = self.net.as_ref() {
             let kept_running = self
                 .managed
                 .locked()

@@ -102,6 +102,7 @@ pub struct NetSettings {
     pub prefix: String,
     pub range: ipnet::Ipv4Net,
     pub allow: Vec<ipnet::Ipv4Net>,
+    /// Where the node's DNS asks (the caller resolves the host's own when none is given).
     pub dns_upstreams: Vec<SocketAddr>,
     pub pool: usize,
     /// Where the node's egress CA and the sandboxes' CA bundle are kept.
@@ -112,6 +113,8 @@ pub struct NetSettings {
     pub secrets: SecretLookup,
     /// What one sandbox may take of the node's DNS, its proxy and the conntrack table.
     pub limits: NetLimits,
+    /// The DNS forwarder and the egress proxy (sbx-net's).
+    pub services: Arc<dyn GatewayServices>,
 }
 
 /// What one sandbox may hold at once of what the sandboxes share: the host's conntrack table
@@ -123,7 +126,7 @@ pub struct NetLimits {
     /// Connections in the host's conntrack table (`--net-ct-per-sandbox`; 0: no limit).
     pub ct_per_sandbox: u32,
     /// The node's DNS.
-    pub dns: super::dns::DnsLimits,
+    pub dns: DnsLimits,
     /// Connections at the egress proxy (`--egress-proxy-per-sandbox`).
     pub proxy_per_sandbox: usize,
 }
@@ -132,14 +135,93 @@ impl Default for NetLimits {
     fn default() -> Self {
         NetLimits {
             ct_per_sandbox: sbx_runtime::net::DEFAULT_CT_LIMIT,
-            dns: super::dns::DnsLimits::default(),
-            proxy_per_sandbox: super::egress::PER_SANDBOX,
+            dns: DnsLimits::default(),
+            proxy_per_sandbox: PROXY_PER_SANDBOX,
         }
     }
 }
 
 /// A secret's value by name (`None`: no such secret).
 pub type SecretLookup = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
+/// What one sandbox, and all of them, may have of the node's DNS at once.
+#[derive(Clone, Debug)]
+pub struct DnsLimits {
+    /// Questions over UDP waiting for an upstream, of one sandbox (`--dns-in-flight-per-sandbox`).
+    pub udp_per_sandbox: usize,
+    /// The same, of all (each is a socket of the node's).
+    pub udp_total: usize,
+    /// TCP connections of one sandbox (`--dns-tcp-per-sandbox`).
+    pub tcp_per_sandbox: usize,
+    /// TCP connections of all.
+    pub tcp_total: usize,
+    /// A TCP connection that sends no whole question this long is closed (`--dns-tcp-idle-ms`).
+    pub tcp_idle: std::time::Duration,
+}
+
+impl Default for DnsLimits {
+    fn default() -> Self {
+        DnsLimits {
+            udp_per_sandbox: 32,
+            udp_total: 256,
+            tcp_per_sandbox: 16,
+            tcp_total: 256,
+            tcp_idle: std::time::Duration::from_secs(5),
+        }
+    }
+}
+
+/// Most connections the egress proxy serves at once (more are closed at once).
+pub const PROXY_MAX_CONNECTIONS: usize = 8192;
+/// Most connections of one sandbox it serves at once (`--egress-proxy-per-sandbox`).
+pub const PROXY_PER_SANDBOX: usize = 1024;
+
+/// What the egress proxy asks of the node.
+pub trait EgressView: Send + Sync + 'static {
+    /// The sandbox at this address: its id and its rules; None: not a sandbox of the node
+    /// (refuse the connection).
+    fn rules_of(&self, addr: Ipv4Addr) -> Option<(String, Arc<Egress>)>;
+    /// A secret's value by name (None: there is no such secret any more).
+    fn secret(&self, name: &str) -> Option<String>;
+    /// Whether the node refuses this address whatever a sandbox's rules say (the host, other
+    /// sandboxes, loopback, link-local, private ranges not opened by the operator...).
+    fn refused(&self, ip: IpAddr) -> bool;
+}
+
+/// The DNS forwarder's start: its sockets on the gateway, where it asks, the rules it reads.
+pub struct DnsStart {
+    pub udp: std::net::UdpSocket,
+    pub tcp: std::net::TcpListener,
+    pub upstreams: Vec<SocketAddr>,
+    pub policies: Arc<Policies>,
+    pub limits: DnsLimits,
+}
+
+/// The egress proxy's start: its listener on the gateway and its settings.
+pub struct ProxyStart {
+    pub listener: std::net::TcpListener,
+    pub view: Arc<dyn EgressView>,
+    /// Where names are resolved (the node's DNS upstreams).
+    pub upstream_dns: Vec<SocketAddr>,
+    /// `--egress-ca-file`: PEM CAs trusted besides the real roots, for upstream TLS.
+    pub extra_roots: Option<PathBuf>,
+    /// Where the node's CA is kept (DATA_DIR).
+    pub ca_dir: PathBuf,
+    /// Most connections of one sandbox served at once.
+    pub per_sandbox: usize,
+    /// Most connections served at once.
+    pub max_connections: usize,
+}
+
+/// The services the node runs on its sandboxes' gateway, which speak DNS, HTTP and TLS: made
+/// outside the core (sbx-net) and given to [`NodeNet::start`]. Both serve on the current tokio
+/// runtime until it ends.
+pub trait GatewayServices: Send + Sync + 'static {
+    /// Starts the DNS forwarder.
+    fn serve_dns(&self, dns: DnsStart) -> anyhow::Result<()>;
+    /// Starts the egress proxy; the PEM of its CA, which sandboxes are to trust.
+    fn start_proxy(&self, proxy: ProxyStart) -> anyhow::Result<String>;
+}
 
 /// What the egress proxy asks of the node.
 struct View {
@@ -148,7 +230,7 @@ struct View {
     refused: Arc<dyn Fn(IpAddr) -> bool + Send + Sync>,
 }
 
-impl super::egress::EgressView for View {
+impl EgressView for View {
     fn rules_of(&self, addr: Ipv4Addr) -> Option<(String, Arc<Egress>)> {
         self.policies.get(addr)
     }
@@ -244,43 +326,35 @@ impl NodeNet {
         })?;
         let gw = network.gateway();
         let (udp, tcp) = sbx_runtime::net::bind_gateway(SocketAddrV4::new(gw, 53))?;
-        let upstreams = if s.dns_upstreams.is_empty() {
-            super::dns::host_upstreams()
-        } else {
-            s.dns_upstreams
-        };
+        let upstreams = s.dns_upstreams;
         tracing::info!(gateway = %gw, ?upstreams, "network: DNS on the gateway");
         let policies = Arc::new(Policies::default());
-        super::dns::serve(
+        s.services.serve_dns(DnsStart {
             udp,
             tcp,
-            upstreams.clone(),
-            policies.clone(),
-            s.limits.dns.clone(),
-        )?;
-        // The egress proxy, with the node's CA (made once, kept in the data directory).
-        let ca = Arc::new(super::egress::NodeCa::load_or_create(&s.data_dir)?);
-        // Outside the node's private data directory: a checkpoint's restore binds it into the
-        // sandbox again from inside the sandbox's user namespace, which must reach it.
-        let ca_bundle = write_bundle(&public, ca.cert_pem())?;
+            upstreams: upstreams.clone(),
+            policies: policies.clone(),
+            limits: s.limits.dns.clone(),
+        })?;
         let (_, proxy) = sbx_runtime::net::bind_gateway(SocketAddrV4::new(gw, PROXY_PORT))?;
         let view = Arc::new(View {
             policies: policies.clone(),
             secrets: s.secrets.clone(),
             refused: network.refusals(),
         });
-        super::egress::start(
-            proxy,
+        // The egress proxy, with the node's CA (made once, kept in the data directory).
+        let ca_pem = s.services.start_proxy(ProxyStart {
+            listener: proxy,
             view,
-            ca,
-            super::egress::ProxyConfig {
-                upstream_dns: upstreams,
-                extra_roots: s.extra_roots.clone(),
-                ca_dir: s.data_dir.clone(),
-                per_sandbox: s.limits.proxy_per_sandbox,
-                max_connections: super::egress::MAX_CONNECTIONS,
-            },
-        )?;
+            upstream_dns: upstreams,
+            extra_roots: s.extra_roots.clone(),
+            ca_dir: s.data_dir.clone(),
+            per_sandbox: s.limits.proxy_per_sandbox,
+            max_connections: PROXY_MAX_CONNECTIONS,
+        })?;
+        // Outside the node's private data directory: a checkpoint's restore binds it into the
+        // sandbox again from inside the sandbox's user namespace, which must reach it.
+        let ca_bundle = write_bundle(&public, &ca_pem)?;
         Ok(Arc::new(NodeNet {
             network,
             leases: Mutex::new(HashMap::new()),
@@ -502,7 +576,7 @@ impl NodeNet {
                 "dns_tcp": l.dns.tcp_total,
                 "dns_tcp_idle_ms": l.dns.tcp_idle.as_millis() as u64,
                 "proxy_per_sandbox": l.proxy_per_sandbox,
-                "proxy": super::egress::MAX_CONNECTIONS,
+                "proxy": PROXY_MAX_CONNECTIONS,
             },
             "gateway": self.network.gateway().to_string(),
             "range": self.network.config().range.to_string(),

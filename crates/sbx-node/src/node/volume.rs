@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use rusqlite::params;
 use sbx_api::{ApiError, ErrorCode, SandboxVolume, VolumeCreate, VolumeMount, VolumeObject};
@@ -58,9 +58,8 @@ pub struct StoredVolume {
     pub copy: bool,
 }
 
-#[derive(Default)]
 pub struct Volumes {
-    settings: OnceLock<VolumeSettings>,
+    settings: Option<VolumeSettings>,
     /// Runs' sandboxes -> the volumes they mount.
     runs: Mutex<HashMap<String, Vec<StoredVolume>>>,
     /// Disk promised and not yet counted otherwise: a sandbox's or a volume's id -> bytes.
@@ -156,18 +155,29 @@ fn no_disk() -> ApiError {
     )
 }
 
-impl Node {
-    /// Gives the node its disk (once, at start) and makes the volumes' table.
-    pub fn set_volumes(&self, settings: VolumeSettings) -> Result<(), crate::store::StoreError> {
-        self.store.with_conn(|c| c.execute_batch(SCHEMA))?;
-        let _ = self.volumes.settings.set(settings);
-        Ok(())
+impl Volumes {
+    /// The node's volumes over its disk (none: no volumes); the volumes' table made when it has
+    /// a disk.
+    pub fn open(
+        store: &crate::store::Store,
+        settings: Option<VolumeSettings>,
+    ) -> Result<Volumes, crate::store::StoreError> {
+        if settings.is_some() {
+            store.with_conn(|c| c.execute_batch(SCHEMA))?;
+        }
+        Ok(Volumes {
+            settings,
+            runs: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
+        })
     }
+}
 
+impl Node {
     /// The node's disk, for `GET /internal/node`: each sandbox's size, what the disk
     /// filesystem has, and what it has promised ([`Promise`]).
     pub fn disk_info(&self) -> serde_json::Value {
-        match self.volumes.settings.get() {
+        match self.volumes.settings.as_ref() {
             Some(s) => {
                 let space = s.disk.space();
                 let promise = self.disk_promise().ok().flatten();
@@ -195,20 +205,20 @@ impl Node {
     /// At a stop: the node's mount of its disk goes (lazily: sandboxes that run on keep
     /// theirs, and the next node mounts the same device again).
     pub fn release_disk(&self) {
-        if let Some(s) = self.volumes.settings.get() {
+        if let Some(s) = self.volumes.settings.as_ref() {
             s.disk.release();
         }
     }
 
     /// The node's disk's mount point and what its filesystem has (none: no disk).
     pub fn disk_space(&self) -> Option<(PathBuf, sbx_runtime::diskfs::DiskSpace)> {
-        let s = self.volumes.settings.get()?;
+        let s = self.volumes.settings.as_ref()?;
         Some((s.disk.root().to_path_buf(), s.disk.space()))
     }
 
     /// What the node's disk has promised (none: the node has no disk).
     pub fn disk_promise(&self) -> Result<Option<Promise>, ApiError> {
-        let Some(s) = self.volumes.settings.get() else {
+        let Some(s) = self.volumes.settings.as_ref() else {
             return Ok(None);
         };
         let mut ids: HashMap<String, u64> = HashMap::new();
@@ -270,7 +280,7 @@ impl Node {
     pub fn hold_sandbox_disk(self: &Arc<Self>, id: &str) -> Result<Option<DiskHold>, ApiError> {
         let _admission = self.admission.locked();
         self.check_sandbox_disk()?;
-        match self.volumes.settings.get() {
+        match self.volumes.settings.as_ref() {
             Some(s) => Ok(Some(self.hold_disk(id, s.disk_bytes))),
             None => Ok(None),
         }
@@ -285,7 +295,7 @@ impl Node {
     }
 
     fn volume_settings(&self) -> Result<&VolumeSettings, ApiError> {
-        self.volumes.settings.get().ok_or_else(no_disk)
+        self.volumes.settings.as_ref().ok_or_else(no_disk)
     }
 
     fn volume_rows(&self) -> Result<Vec<VolumeRow>, ApiError> {
@@ -582,7 +592,7 @@ impl Node {
 
     /// What init binds for `vols`.
     pub fn volume_binds(&self, vols: &[StoredVolume]) -> Vec<VolumeBind> {
-        let Some(s) = self.volumes.settings.get() else {
+        let Some(s) = self.volumes.settings.as_ref() else {
             return Vec::new();
         };
         vols.iter()

@@ -153,14 +153,9 @@ impl PreviewTarget {
 }
 
 impl Node {
-    /// Gives the node its preview listener's settings (once, when it is bound).
-    pub fn set_preview(&self, settings: PreviewSettings) {
-        let _ = self.preview.set(settings);
-    }
-
     /// The preview listener's settings; `None` when it is off.
     pub fn preview(&self) -> Option<&PreviewSettings> {
-        self.preview.get()
+        self.preview.as_ref()
     }
 
     /// The preview URL (with `{port}`) of sandbox `id`, when the listener is on.

@@ -292,7 +292,7 @@ impl Node {
             let got = match check {
                 Check::Command(line) => self.ready_command_once(m, sb, line, n).await?,
                 Check::Probe(p) => match sb.netns_handle() {
-                    Ok(ns) => p.try_once(ns).await,
+                    Ok(ns) => self.prober.try_once(p, ns).await,
                     Err(e) => Err(format!("no handle on the sandbox: {e}")),
                 },
             };

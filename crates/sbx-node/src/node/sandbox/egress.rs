@@ -73,7 +73,7 @@ impl Node {
     /// Puts sandbox `id`'s rules in force (its namespace leased already); a failure is a 500
     /// (the sandbox must not run without its rules).
     pub fn apply_egress(&self, id: &str, e: Option<Arc<Egress>>) -> Result<(), ApiError> {
-        let Some(net) = self.net.get() else {
+        let Some(net) = self.net.as_ref() else {
             return Ok(());
         };
         net.set_egress(id, e).map_err(|err| {

@@ -728,7 +728,7 @@ impl Node {
                         *mm = Some(sb.clone());
                     }
                     self.watch_agent(&m, &sb);
-                    if let Some(n) = self.net.get() {
+                    if let Some(n) = self.net.as_ref() {
                         n.adopt(&m.id, &sb);
                         if crate::node::runtime_settings::sets_net_sysctls(m.spec.runtime.as_ref())
                         {

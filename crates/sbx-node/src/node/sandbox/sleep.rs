@@ -124,6 +124,12 @@ pub struct Idle {
     asking: bool,
 }
 
+impl Default for Idle {
+    fn default() -> Self {
+        Idle::new()
+    }
+}
+
 impl Idle {
     pub fn new() -> Idle {
         Idle {
@@ -382,7 +388,7 @@ impl Node {
 
     /// The node's checkpointer, or 503 not_served_here saying why it has none.
     pub fn checkpointer(&self) -> Result<Arc<dyn Checkpointer>, ApiError> {
-        match self.checkpoints.get() {
+        match self.checkpoints.as_ref() {
             Some(c) => c.get(),
             None => crate::node::checkpoint::Checkpoints::Off("not checked yet".into()).get(),
         }
@@ -445,7 +451,7 @@ impl Node {
         let started = Instant::now();
         let images = images_dir(&self.cfg.data_dir, &m.id);
         let sb2 = sb.clone();
-        let network = m.spec.network && self.net.get().is_some();
+        let network = m.spec.network && self.net.as_ref().is_some();
         // Held from now until it is awake again.
         if let Err(e) = self.hold_traffic(m, true) {
             self.unquiesce(m, sb).await;
@@ -505,7 +511,7 @@ impl Node {
         let mut fresh_network = false;
         let mut place = None;
         if m.spec.network {
-            if let Some(net) = self.net.get() {
+            if let Some(net) = self.net.as_ref() {
                 let (p, fresh) = net.keep_or_take(&m.id, &mut spec).map_err(|e| {
                     ApiError::new(
                         ErrorCode::Unavailable,
@@ -540,7 +546,7 @@ impl Node {
         };
         crate::node::checkpoint::after(&sb).await.ok();
         *m.machine.locked() = Some(sb.clone());
-        if let Some(net) = self.net.get().filter(|_| m.spec.network) {
+        if let Some(net) = self.net.as_ref().filter(|_| m.spec.network) {
             if let Err(e) = net.follow(&m.id, &sb) {
                 tracing::error!(sandbox = %m.id, error = %e, "the network of a woken sandbox");
             }
@@ -591,7 +597,7 @@ impl Node {
     /// through again (CRIU skips its own lock). Nothing for a sandbox off the network. A
     /// failure is logged and, for a hold, answered 503: no checkpoint is taken unlocked.
     pub fn hold_traffic(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
-        let Some(net) = self.net.get().filter(|_| m.spec.network) else {
+        let Some(net) = self.net.as_ref().filter(|_| m.spec.network) else {
             return Ok(());
         };
         net.hold(&m.id, held).map_err(|e| {

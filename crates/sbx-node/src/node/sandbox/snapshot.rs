@@ -177,7 +177,7 @@ impl Node {
             })
             .collect();
         let (sb2, dir2) = (sb.clone(), dir.clone());
-        let network = m.spec.network && self.net.get().is_some();
+        let network = m.spec.network && self.net.as_ref().is_some();
         if let Err(e) = self.hold_traffic(&m, true) {
             self.unquiesce(&m, &sb).await;
             return Err(e);
@@ -358,7 +358,7 @@ impl Node {
         let (mut spec, resolved) = self.machine_spec(m).await.map_err(|(_, e)| e)?;
         let mut place = None;
         if m.spec.network {
-            if let Some(net) = self.net.get() {
+            if let Some(net) = self.net.as_ref() {
                 let (p, _) = net.keep_or_take(&m.id, &mut spec).map_err(|e| {
                     ApiError::new(
                         ErrorCode::Unavailable,
@@ -385,7 +385,7 @@ impl Node {
         };
         crate::node::checkpoint::after(&sb).await.ok();
         *m.machine.locked() = Some(sb.clone());
-        if let Some(net) = self.net.get().filter(|_| m.spec.network) {
+        if let Some(net) = self.net.as_ref().filter(|_| m.spec.network) {
             if let Err(e) = net.follow(&m.id, &sb) {
                 tracing::error!(sandbox = %m.id, error = %e, "the network of a restored sandbox");
             }

@@ -40,7 +40,7 @@ mod tls;
 #[cfg(test)]
 mod tests;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,17 +51,7 @@ use tracing::{debug, warn};
 
 pub use ca::NodeCa;
 
-/// What the proxy asks the node.
-pub trait EgressView: Send + Sync + 'static {
-    /// The sandbox at this address: its id and its rules; None: not a sandbox of the node
-    /// (refuse the connection).
-    fn rules_of(&self, addr: Ipv4Addr) -> Option<(String, Arc<Egress>)>;
-    /// A secret's value by name (None: there is no such secret any more).
-    fn secret(&self, name: &str) -> Option<String>;
-    /// Whether the node refuses this address whatever a sandbox's rules say (the host, other
-    /// sandboxes, loopback, link-local, private ranges not opened by the operator...).
-    fn refused(&self, ip: IpAddr) -> bool;
-}
+pub use sbx_node::node::net::EgressView;
 
 /// The proxy's settings.
 #[derive(Clone, Debug)]
@@ -109,9 +99,9 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most bytes of a request head or a ClientHello.
 pub const MAX_HEAD: usize = 64 * 1024;
 /// Most connections served at once (more are closed at once).
-pub const MAX_CONNECTIONS: usize = 8192;
+pub const MAX_CONNECTIONS: usize = sbx_node::node::net::PROXY_MAX_CONNECTIONS;
 /// Most connections of one sandbox served at once (`--egress-proxy-per-sandbox`).
-pub const PER_SANDBOX: usize = 1024;
+pub const PER_SANDBOX: usize = sbx_node::node::net::PROXY_PER_SANDBOX;
 
 /// Starts serving on `listener` (already bound by the node, on the gateway address) on the
 /// current tokio runtime. The original destination is read with

@@ -17,8 +17,10 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::egress::share::Shares;
-use super::net::Policies;
+pub use sbx_node::node::net::DnsLimits;
+use sbx_node::node::net::Policies;
+
+use crate::egress::share::Shares;
 
 /// How long an upstream server has to answer before the next is asked.
 const UPSTREAM_WAIT: Duration = Duration::from_secs(2);
@@ -26,33 +28,6 @@ const UPSTREAM_WAIT: Duration = Duration::from_secs(2);
 const MAX_UDP: usize = 4096;
 /// How long a TCP session lasts at most.
 const TCP_SESSION: Duration = Duration::from_secs(30);
-
-/// What one sandbox, and all of them, may have of the node's DNS at once.
-#[derive(Clone, Debug)]
-pub struct DnsLimits {
-    /// Questions over UDP waiting for an upstream, of one sandbox (`--dns-in-flight-per-sandbox`).
-    pub udp_per_sandbox: usize,
-    /// The same, of all (each is a socket of the node's).
-    pub udp_total: usize,
-    /// TCP connections of one sandbox (`--dns-tcp-per-sandbox`).
-    pub tcp_per_sandbox: usize,
-    /// TCP connections of all.
-    pub tcp_total: usize,
-    /// A TCP connection that sends no whole question this long is closed (`--dns-tcp-idle-ms`).
-    pub tcp_idle: Duration,
-}
-
-impl Default for DnsLimits {
-    fn default() -> Self {
-        DnsLimits {
-            udp_per_sandbox: 32,
-            udp_total: 256,
-            tcp_per_sandbox: 16,
-            tcp_total: 256,
-            tcp_idle: Duration::from_secs(5),
-        }
-    }
-}
 
 /// The upstream servers of the host's /etc/resolv.conf (port 53).
 pub fn host_upstreams() -> Vec<SocketAddr> {

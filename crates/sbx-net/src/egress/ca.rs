@@ -19,7 +19,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::sign::CertifiedKey;
 
 use super::EgressError;
-use crate::sync::LockExt;
+use sbx_node::sync::LockExt;
 
 /// The CA's certificate's file name in the CA directory.
 pub const CA_CERT_FILE: &str = "egress-ca.pem";
