@@ -4,13 +4,11 @@
 
 mod e2b;
 mod functions;
-mod guard;
 mod http;
 mod iii;
-mod listen;
 mod preview;
 
-use sbx_net::hop;
+use sbx_front::{guard, listen};
 use sbx_node::{agent, config, image, node, store, sync};
 
 use std::collections::HashSet;
@@ -650,16 +648,7 @@ fn run() -> anyhow::Result<()> {
         // A listener that cannot start stops the node as a stop would (its disk released,
         // its runs ended, kept sandboxes left running for the next node).
         let started = async {
-            if let Some(p) = preview {
-                preview::serve(
-                    p,
-                    node.clone(),
-                    api_keys.clone(),
-                    cli.docs_url.clone(),
-                    cors_origins.clone(),
-                );
-            }
-            e2b::start(
+            let envd = e2b::start(
                 cli.e2b_listen,
                 node.clone(),
                 api_keys.clone(),
@@ -670,6 +659,20 @@ fn run() -> anyhow::Result<()> {
                 flag: "--e2b-listen",
                 can_be_off: false,
             })?;
+            if let Some(p) = preview {
+                let ports: Vec<Arc<dyn sbx_front::PortFront>> = envd
+                    .map(|e| Arc::new(e) as Arc<dyn sbx_front::PortFront>)
+                    .into_iter()
+                    .collect();
+                preview::serve(
+                    p,
+                    node.clone(),
+                    api_keys.clone(),
+                    cli.docs_url.clone(),
+                    cors_origins.clone(),
+                    ports,
+                );
+            }
             Ok::<(), anyhow::Error>(())
         }
         .await;

@@ -20,7 +20,7 @@ pub(crate) mod interp;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -61,20 +61,34 @@ pub(crate) struct Shared {
     pub envd: envd::State,
 }
 
-static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
+/// envd's port of every sandbox, which this front end serves when the preview listener hands
+/// it `49983-{id}.{domain}`.
+pub struct EnvdPort(Arc<Shared>);
 
-/// The E2B front end, when it is on (the preview listener hands it `49983-{id}.…`).
-pub(crate) fn shared() -> Option<&'static Arc<Shared>> {
-    SHARED.get()
+impl sbx_front::PortFront for EnvdPort {
+    fn port(&self) -> u16 {
+        ENVD_PORT
+    }
+
+    fn serve(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        sandbox: String,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + 'static>> {
+        let shared = self.0.clone();
+        Box::pin(async move { sandbox_side(req, peer, &shared, &sandbox, ENVD_PORT).await })
+    }
 }
 
-/// Binds `--e2b-listen` and serves it in the background; the address bound.
+/// Binds `--e2b-listen` and serves it in the background; envd's port of every sandbox, for
+/// the preview listener (none when the listener is off).
 pub async fn start(
     listen: Option<SocketAddr>,
     node: Arc<Node>,
     api_keys: Option<HashSet<String>>,
     cors_origins: Vec<String>,
-) -> anyhow::Result<Option<SocketAddr>> {
+) -> anyhow::Result<Option<EnvdPort>> {
     let Some(listen) = listen else {
         return Ok(None);
     };
@@ -89,10 +103,9 @@ pub async fn start(
         cors_origins,
         envd: envd::State::default(),
     });
-    let _ = SHARED.set(shared.clone());
     tracing::info!(listen = %bound, "E2B listener serves (E2B_API_URL and E2B_SANDBOX_URL)");
-    tokio::spawn(accept_loop(listener, shared));
-    Ok(Some(bound))
+    tokio::spawn(accept_loop(listener, shared.clone()));
+    Ok(Some(EnvdPort(shared)))
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -181,7 +194,7 @@ fn caller_may(shared: &Shared, headers: &hyper::HeaderMap, peer: SocketAddr) -> 
                         .and_then(|v| v.strip_prefix("Bearer "))
                 })
                 .map(str::trim);
-            given.is_some_and(|k| crate::http::is_api_key(keys, k))
+            given.is_some_and(|k| sbx_front::guard::is_api_key(keys, k))
         }
     }
 }
@@ -328,7 +341,7 @@ pub(crate) struct Access {
 
 /// A request for a port of sandbox `id`: envd's is the node's, any other the sandbox's. The
 /// node's credentials are taken out of it first, whichever.
-pub(crate) async fn sandbox_side(
+async fn sandbox_side(
     req: Request<Incoming>,
     peer: SocketAddr,
     shared: &Arc<Shared>,
@@ -360,7 +373,7 @@ pub(crate) async fn sandbox_side(
         proxy(req, peer, shared, &access, id, port).await
     };
     match held {
-        Some(h) => crate::http::hold_while_sent(resp, h),
+        Some(h) => sbx_front::held::hold_while_sent(resp, h),
         None => resp,
     }
 }
@@ -401,7 +414,7 @@ async fn proxy(
         Err(e) => return e2b_error(StatusCode::BAD_GATEWAY, e.message),
     };
     let host = header_str(&req, "host").unwrap_or("localhost").to_string();
-    match crate::preview::forward_to(req, ns, port, peer, host, None).await {
+    match sbx_front::upstream::forward_to(req, ns, port, peer, host, None).await {
         Ok(r) => r,
         Err(e) => e2b_error(
             StatusCode::BAD_GATEWAY,

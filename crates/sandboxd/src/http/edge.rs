@@ -1,7 +1,7 @@
 //! What every request goes through: its request id, where it comes from (Host, Origin, CORS
 //! preflights), its key, its URI and body type; and every refusal as the one error body.
 
-use std::collections::HashSet;
+use sbx_front::guard::is_api_key;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -103,57 +103,6 @@ fn used_sandbox(path: &str) -> Option<&str> {
     let (id, sub) = rest.split_once('/')?;
     // A sleep asked for does not wake it first.
     (!id.is_empty() && !sub.is_empty() && sub != "sleep").then_some(id)
-}
-
-/// `resp` with `held` kept until its body has been sent (or dropped). Its size (and so its
-/// Content-Length) is the body's own.
-pub(crate) fn hold_while_sent(
-    resp: Response,
-    held: crate::node::sandbox::sleep::InUse,
-) -> Response {
-    let (parts, body) = resp.into_parts();
-    let cut = Box::pin(held.cut());
-    Response::from_parts(
-        parts,
-        axum::body::Body::new(Held {
-            body,
-            cut,
-            _held: held,
-        }),
-    )
-}
-
-/// A body that holds a sandbox awake while it is sent, and ends where a sleep asked for cuts
-/// it.
-struct Held {
-    body: axum::body::Body,
-    cut: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
-    _held: crate::node::sandbox::sleep::InUse,
-}
-
-impl http_body::Body for Held {
-    type Data = axum::body::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        if self.cut.as_mut().poll(cx).is_ready() {
-            return std::task::Poll::Ready(Some(Err(axum::Error::new(
-                "the sandbox was put to sleep",
-            ))));
-        }
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
 }
 
 /// The headers every answer gets: its request id, CORS headers for an origin `--cors-origin`
@@ -432,14 +381,6 @@ pub(super) fn authenticate(st: &AppState, req: &Request, peer: SocketAddr) -> Re
             "that API key is not valid",
         )),
     }
-}
-
-/// Whether `given` is one of `keys`: each compared in constant time, all of them every time.
-pub(crate) fn is_api_key(keys: &HashSet<String>, given: &str) -> bool {
-    use subtle::ConstantTimeEq;
-    keys.iter().fold(false, |found, k| {
-        found | bool::from(k.as_bytes().ct_eq(given.as_bytes()))
-    })
 }
 
 /// What the token of sandbox `id` may call: `GET /v1/sandboxes/{it}`, its commands

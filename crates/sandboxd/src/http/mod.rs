@@ -30,8 +30,9 @@ use crate::node::Node;
 
 pub(crate) use crate::node::internal;
 pub(crate) use crate::node::output::{ExecMeta, Started};
-pub(crate) use edge::{accepts_event_stream, hold_while_sent, is_api_key};
+pub(crate) use edge::accepts_event_stream;
 pub use router::router;
+pub(crate) use sbx_front::held::hold_while_sent;
 pub(crate) use sse::{event_stream, event_stream_answer};
 
 /// The most a request body may hold.

@@ -22,7 +22,7 @@
 //! `Node::sandbox_netns`): no HTTP type goes into the core.
 
 mod auth;
-mod upstream;
+use sbx_front::upstream;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -85,6 +85,8 @@ struct Shared {
     docs_url: Option<String>,
     /// `--cors-origin`: origins besides a preview host's own whose pages it serves.
     cors_origins: Vec<String>,
+    /// Ports of every sandbox that front ends serve themselves.
+    ports: Vec<Arc<dyn sbx_front::PortFront>>,
 }
 
 /// The preview listener bound, not serving yet: the node is told its settings when it is
@@ -137,6 +139,7 @@ pub fn serve(
     api_keys: Option<HashSet<String>>,
     docs_url: Option<String>,
     cors_origins: Vec<String>,
+    ports: Vec<Arc<dyn sbx_front::PortFront>>,
 ) {
     let Bound {
         listener,
@@ -151,6 +154,7 @@ pub fn serve(
         api_keys,
         docs_url,
         cors_origins,
+        ports,
     });
     tokio::spawn(accept_loop(listener, tls, shared));
 }
@@ -275,12 +279,10 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Re
             );
         }
     }
-    // envd's port is the E2B front end's (when it is on): E2B's SDK, given E2B_DOMAIN,
-    // calls `49983-{id}.{domain}`.
-    if port == crate::e2b::ENVD_PORT {
-        if let Some(e2b) = crate::e2b::shared() {
-            return crate::e2b::sandbox_side(req, peer, e2b, &sandbox, port).await;
-        }
+    // A port a front end serves itself (envd's, when E2B's front end is on: E2B's SDK, given
+    // E2B_DOMAIN, calls `49983-{id}.{domain}`).
+    if let Some(front) = shared.ports.iter().find(|f| f.port() == port) {
+        return front.serve(req, peer, sandbox).await;
     }
     let target = match shared.node.preview_target(&sandbox, port) {
         Ok(t) => t,
@@ -360,30 +362,6 @@ fn same_sandbox_origin(shared: &Shared, origin: &str, scheme: &str, sandbox: &st
     };
     let id = |s: &str| shared.node.preview_target(s, port).ok().map(|t| t.id);
     other == sandbox || matches!((id(&other), id(sandbox)), (Some(a), Some(b)) if a == b)
-}
-
-/// Forwards `req` to port `port` in the network namespace `ns` names (for the E2B front
-/// end's requests of a sandbox's port).
-pub(crate) async fn forward_to(
-    req: Request<Incoming>,
-    ns: std::os::fd::OwnedFd,
-    port: u16,
-    client: SocketAddr,
-    host: String,
-    held: Option<crate::node::sandbox::sleep::InUse>,
-) -> Result<Response<Body>, String> {
-    let stream = upstream::connect(ns, port)
-        .await
-        .map_err(|e| e.to_string())?;
-    let fwd = upstream::Forwarded {
-        client,
-        host,
-        proto: "http",
-        held,
-    };
-    upstream::forward(req, stream, fwd)
-        .await
-        .map_err(|e| e.to_string())
 }
 
 fn not_a_preview_host(host: &str) -> ApiError {

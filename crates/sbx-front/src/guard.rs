@@ -9,17 +9,17 @@ use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::http::request::Parts;
 use hyper::{Method, Uri};
 
-use crate::node::sandbox::TOKEN_PREFIX;
+use sbx_node::node::sandbox::TOKEN_PREFIX;
 
 /// The header of the preview's sandbox token.
-pub(crate) const SBX_TOKEN_HEADER: &str = "x-sbx-token";
+pub const SBX_TOKEN_HEADER: &str = "x-sbx-token";
 
 /// The query parameter of the preview's sandbox token, and its cookie.
-pub(crate) const SBX_TOKEN_PARAM: &str = "sbx_token";
+pub const SBX_TOKEN_PARAM: &str = "sbx_token";
 
 /// Whether `host` (a `Host` value: a name or address, maybe with a port) is loopback:
 /// `localhost`, a name under `.localhost`, 127.0.0.0/8 or ::1.
-pub(crate) fn is_loopback_host(host: &str) -> bool {
+pub fn is_loopback_host(host: &str) -> bool {
     let name = if let Some(rest) = host.strip_prefix('[') {
         match rest.split_once(']') {
             Some((v6, port)) if port.is_empty() || port.starts_with(':') => v6,
@@ -40,7 +40,7 @@ pub(crate) fn is_loopback_host(host: &str) -> bool {
 
 /// Why a request's origin is refused.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Refusal {
+pub enum Refusal {
     /// A node without keys serves loopback names only; the `Host` given.
     Host(String),
     /// A page of another origin (lowercase, without a trailing `/`).
@@ -51,7 +51,7 @@ pub(crate) enum Refusal {
 /// `Host` (a page that rebinds its own name to 127.0.0.1 still sends that name); an `Origin`
 /// (a browser's request) only the listener's own (`{scheme}://{host}`) or one of `cors`
 /// (`--cors-origin`, lowercase). The origin returned is one `cors` allows.
-pub(crate) fn check_origin(
+pub fn check_origin(
     loopback_only: bool,
     host: Option<&str>,
     origin: Option<&HeaderValue>,
@@ -97,7 +97,7 @@ const PREFLIGHTED: [&str; 6] = [
 /// application/x-www-form-urlencoded (an empty or unparsable one counted with them); none of
 /// the headers a page cannot set so ([`PREFLIGHTED`]). Such a request proves nothing about
 /// who sent it: on a node without keys, a loopback peer may be the user's browser.
-pub(crate) fn browser_simple(method: &Method, headers: &HeaderMap) -> bool {
+pub fn browser_simple(method: &Method, headers: &HeaderMap) -> bool {
     if !(method == Method::GET || method == Method::HEAD || method == Method::POST) {
         return false;
     }
@@ -122,7 +122,7 @@ pub(crate) fn browser_simple(method: &Method, headers: &HeaderMap) -> bool {
 
 /// The node's credentials a request carried, taken out of it.
 #[derive(Debug, Default)]
-pub(crate) struct Credentials {
+pub struct Credentials {
     /// `X-API-KEY`, or `Authorization` (`Bearer KEY` or `KEY`), held one of the node's keys.
     pub api_key: bool,
     /// Sandbox tokens (`sbt_…`) by the header that held them (lowercase names):
@@ -159,12 +159,9 @@ const CREDENTIAL_HEADERS: [&str; 4] = [
 /// and `E2B-Traffic-Access-Token` when they hold one of the node's keys or a sandbox token (any
 /// `sbt_…`; any other value is the service's own, and stays: `Authorization: Basic` names
 /// envd's user); the preview's `X-Sbx-Token`, `sbx_token` cookie and query parameter always.
-pub(crate) fn take_credentials(
-    parts: &mut Parts,
-    api_keys: Option<&HashSet<String>>,
-) -> Credentials {
+pub fn take_credentials(parts: &mut Parts, api_keys: Option<&HashSet<String>>) -> Credentials {
     let mut c = Credentials::default();
-    let is_key = |v: &str| api_keys.is_some_and(|keys| crate::http::is_api_key(keys, v));
+    let is_key = |v: &str| api_keys.is_some_and(|keys| is_api_key(keys, v));
     for name in CREDENTIAL_HEADERS {
         let mut node_s = false;
         for v in parts.headers.get_all(name) {
@@ -263,9 +260,17 @@ fn take_query(uri: &mut Uri, c: &mut Credentials) {
 
 /// `path_and_query` as a redirect's `Location` that stays on the same host: a leading run of
 /// `/` and `\` (which a browser reads as `//host`, another host) becomes one `/`.
-pub(crate) fn same_host_location(path_and_query: &str) -> String {
+pub fn same_host_location(path_and_query: &str) -> String {
     let rest = path_and_query.trim_start_matches(['/', '\\']);
     format!("/{rest}")
+}
+
+/// Whether `given` is one of `keys`: each compared in constant time, all of them every time.
+pub fn is_api_key(keys: &HashSet<String>, given: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    keys.iter().fold(false, |found, k| {
+        found | bool::from(k.as_bytes().ct_eq(given.as_bytes()))
+    })
 }
 
 #[cfg(test)]

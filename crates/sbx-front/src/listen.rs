@@ -22,7 +22,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::sync::LockExt;
+use sbx_node::sync::LockExt;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 

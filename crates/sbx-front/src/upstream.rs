@@ -17,14 +17,14 @@ use hyper_util::rt::TokioIo;
 use sbx_api::{ApiError, ErrorCode};
 use tokio::net::TcpStream;
 
-use super::Body;
+use axum::body::Body;
 
 /// How long a connection to the sandbox's port may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why no connection to the sandbox's port was made.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum ConnectError {
+pub enum ConnectError {
     #[error("no socket in the sandbox's network: {0}")]
     Socket(std::io::Error),
     #[error("nothing listens on it ({0})")]
@@ -38,7 +38,7 @@ pub(super) enum ConnectError {
 impl ConnectError {
     /// 502 port_not_open when nothing listens (or it does not answer); 502 upstream_failed
     /// otherwise.
-    pub(super) fn api_error(&self, sandbox: &str, port: u16) -> ApiError {
+    pub fn api_error(&self, sandbox: &str, port: u16) -> ApiError {
         let code = match self {
             ConnectError::Refused(_) | ConnectError::Timeout(_) => ErrorCode::PortNotOpen,
             ConnectError::Socket(_) | ConnectError::Other(_) => ErrorCode::UpstreamFailed,
@@ -52,7 +52,7 @@ impl ConnectError {
 
 /// A connection to 127.0.0.1:`port` in the network namespace `ns` names (a handle on the
 /// sandbox's agent).
-pub(super) async fn connect(ns: OwnedFd, port: u16) -> Result<TcpStream, ConnectError> {
+pub async fn connect(ns: OwnedFd, port: u16) -> Result<TcpStream, ConnectError> {
     let socket = tokio::task::spawn_blocking(move || {
         sbx_runtime::netns::in_netns_of_handle(ns, tokio::net::TcpSocket::new_v4)
     })
@@ -74,18 +74,18 @@ pub(super) async fn connect(ns: OwnedFd, port: u16) -> Result<TcpStream, Connect
 }
 
 /// Where a request came from, for the `X-Forwarded-*` headers.
-pub(super) struct Forwarded {
+pub struct Forwarded {
     pub client: SocketAddr,
     /// The preview host the client asked for.
     pub host: String,
     pub proto: &'static str,
     /// Holds the sandbox awake until the answer is sent (or the upgraded connection ends).
-    pub held: Option<crate::node::sandbox::sleep::InUse>,
+    pub held: Option<sbx_node::node::sandbox::sleep::InUse>,
 }
 
 /// Why a request did not get the service's answer.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum ForwardError {
+pub enum ForwardError {
     #[error("HTTP/1.1 with the service: {0}")]
     Handshake(hyper::Error),
     #[error("the service did not answer: {0}")]
@@ -108,7 +108,7 @@ fn wants_upgrade(req: &Request<Incoming>) -> bool {
 }
 
 /// Sends `req` to the service over `stream` and answers with its answer, streamed.
-pub(super) async fn forward(
+pub async fn forward(
     mut req: Request<Incoming>,
     stream: TcpStream,
     fwd: Forwarded,
@@ -116,7 +116,7 @@ pub(super) async fn forward(
     let upgrading = wants_upgrade(&req);
     let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    crate::hop::strip_hop_by_hop(&mut parts.headers, upgrading);
+    sbx_net::hop::strip_hop_by_hop(&mut parts.headers, upgrading);
     // HTTP/1.1 to the service: the target in origin form, a Host (an HTTP/2 request has its
     // :authority instead).
     let pq = parts
@@ -178,12 +178,32 @@ pub(super) async fn forward(
             return Ok(Response::from_parts(parts, Body::empty()));
         }
     }
-    crate::hop::strip_hop_by_hop(resp.headers_mut(), false);
+    sbx_net::hop::strip_hop_by_hop(resp.headers_mut(), false);
     let resp = resp.map(Body::new);
     Ok(match fwd.held {
-        Some(h) => crate::http::hold_while_sent(resp, h),
+        Some(h) => crate::held::hold_while_sent(resp, h),
         None => resp,
     })
+}
+
+/// Forwards `req` to port `port` in the network namespace `ns` names (for the E2B front
+/// end's requests of a sandbox's port).
+pub async fn forward_to(
+    req: Request<Incoming>,
+    ns: std::os::fd::OwnedFd,
+    port: u16,
+    client: SocketAddr,
+    host: String,
+    held: Option<sbx_node::node::sandbox::sleep::InUse>,
+) -> Result<Response<Body>, String> {
+    let stream = connect(ns, port).await.map_err(|e| e.to_string())?;
+    let fwd = Forwarded {
+        client,
+        host,
+        proto: "http",
+        held,
+    };
+    forward(req, stream, fwd).await.map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -202,10 +222,10 @@ mod tests {
         h.insert("upgrade", HeaderValue::from_static("websocket"));
         h.insert("x-kept", HeaderValue::from_static("2"));
         let mut up = h.clone();
-        crate::hop::strip_hop_by_hop(&mut h, false);
+        sbx_net::hop::strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
-        crate::hop::strip_hop_by_hop(&mut up, true);
+        sbx_net::hop::strip_hop_by_hop(&mut up, true);
         assert_eq!(
             up.get("connection").map(|v| v.as_bytes()),
             Some(&b"upgrade"[..])

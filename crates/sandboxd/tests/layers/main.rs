@@ -1,0 +1,157 @@
+//! The layers of the workspace, as ARCHITECTURE.md draws them, checked on the crates'
+//! manifests: a crate depends on the workspace's crates its layer allows and on no other, and
+//! the core (sbx-node) and the wire types (sbx-api) on no HTTP or TLS crate. A dependency that
+//! breaks a layer fails here, before any code of it is read.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Each crate of the workspace and the workspace's crates it may depend on (normal
+/// dependencies; tests may use more). A crate missing here fails the test: say where it goes.
+const ALLOWED: &[(&str, &[&str])] = &[
+    ("sbx-api", &[]),
+    ("sbx-proto", &[]),
+    ("sbx-runtime", &[]),
+    ("sbx-image", &[]),
+    ("sbx-testreg", &[]),
+    ("sbx-agent", &["sbx-proto", "sbx-runtime"]),
+    (
+        "sbx-node",
+        &["sbx-api", "sbx-proto", "sbx-runtime", "sbx-image"],
+    ),
+    ("sbx-net", &["sbx-api", "sbx-node", "sbx-runtime"]),
+    (
+        "sbx-front",
+        &["sbx-api", "sbx-node", "sbx-net", "sbx-runtime"],
+    ),
+    ("sbx-client", &["sbx-api"]),
+    ("sbx-cli", &["sbx-api", "sbx-client"]),
+    (
+        "sandboxd",
+        &[
+            "sbx-api",
+            "sbx-proto",
+            "sbx-runtime",
+            "sbx-image",
+            "sbx-node",
+            "sbx-net",
+            "sbx-front",
+        ],
+    ),
+    (
+        "sbx-bench",
+        &["sbx-api", "sbx-client", "sbx-runtime", "sbx-testreg"],
+    ),
+];
+
+/// Crates that speak HTTP, TLS or serve a front end: never a dependency of these.
+const NO_FRONT: &[&str] = &["sbx-api", "sbx-node", "sbx-proto", "sbx-runtime"];
+const FRONT_CRATES: &[&str] = &[
+    "axum",
+    "hyper",
+    "hyper-util",
+    "tower",
+    "tungstenite",
+    "rustls",
+    "tokio-rustls",
+    "iii-sdk",
+    "reqwest",
+    "ureq",
+];
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("the workspace root")
+        .to_path_buf()
+}
+
+/// Each member's name and its normal dependencies' names.
+fn members() -> BTreeMap<String, BTreeSet<String>> {
+    let root = workspace_root();
+    let text = std::fs::read_to_string(root.join("Cargo.toml")).expect("the workspace manifest");
+    let ws: toml::Value = text.parse().expect("the workspace manifest is TOML");
+    let list = ws["workspace"]["members"]
+        .as_array()
+        .expect("workspace members");
+    let mut out = BTreeMap::new();
+    for m in list {
+        let dir = root.join(m.as_str().expect("a member path"));
+        let text = std::fs::read_to_string(dir.join("Cargo.toml")).expect("a member's manifest");
+        let v: toml::Value = text.parse().expect("a member's manifest is TOML");
+        let name = v["package"]["name"]
+            .as_str()
+            .expect("a package name")
+            .to_string();
+        let deps = v
+            .get("dependencies")
+            .and_then(|d| d.as_table())
+            .map(|t| {
+                t.iter()
+                    .map(|(k, v)| {
+                        // `foo = { package = "bar" }` depends on bar.
+                        v.get("package")
+                            .and_then(|p| p.as_str())
+                            .unwrap_or(k)
+                            .to_string()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.insert(name, deps);
+    }
+    out
+}
+
+#[test]
+fn each_crate_depends_only_on_what_its_layer_allows() {
+    let members = members();
+    let allowed: BTreeMap<&str, &[&str]> = ALLOWED.iter().copied().collect();
+    let mut broken = Vec::new();
+    for (name, deps) in &members {
+        let Some(ok) = allowed.get(name.as_str()) else {
+            broken.push(format!("{name}: not in the layers' table (tests/layers)"));
+            continue;
+        };
+        for d in deps.iter().filter(|d| members.contains_key(*d)) {
+            if !ok.contains(&d.as_str()) {
+                broken.push(format!("{name} -> {d}"));
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "layers broken:\n  {}",
+        broken.join("\n  ")
+    );
+}
+
+#[test]
+fn the_core_and_the_wire_types_speak_no_http() {
+    let members = members();
+    let mut broken = Vec::new();
+    for name in NO_FRONT {
+        let deps = members.get(*name).expect("a member of the workspace");
+        for d in deps.iter().filter(|d| FRONT_CRATES.contains(&d.as_str())) {
+            broken.push(format!("{name} -> {d}"));
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "front-end crates in the core:\n  {}",
+        broken.join("\n  ")
+    );
+}
+
+/// The table checks what it says: a rule it has is one a manifest could break.
+#[test]
+fn every_crate_of_the_table_is_a_member() {
+    let members = members();
+    let missing: Vec<_> = ALLOWED
+        .iter()
+        .map(|(n, _)| *n)
+        .filter(|n| !members.contains_key(*n) && *n != "sbx-client")
+        .collect();
+    assert!(missing.is_empty(), "not members: {missing:?}");
+}
