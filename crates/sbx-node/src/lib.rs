@@ -10,6 +10,7 @@
 
 pub mod agent;
 pub mod config;
+pub mod fail;
 pub mod image;
 pub mod node;
 pub mod probe;

@@ -121,30 +121,20 @@ async fn pause(State(node): St, Path(id): Path<String>) -> Response {
             format!("sandbox {id} is already paused"),
         );
     }
-    let Ok(m) = node.managed(&o.id) else {
-        return sandbox_not_found(&id);
-    };
-    if let Err(e) = node.set_held(&m, true) {
-        return api_error(e);
-    }
-    match node.sleep_managed(&m, true).await {
+    match node.sleep_held(&o.id).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => {
-            let _ = node.set_held(&m, false);
-            api_error(e)
-        }
+        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => sandbox_not_found(&id),
+        Err(e) => api_error(e),
     }
 }
 
 /// Wakes a paused (sleeping) sandbox and lifts its hold; true when it was paused.
 async fn resume_if_paused(node: &Arc<Node>, id: &str) -> Result<bool, Response> {
-    let m = node.managed(id).map_err(|_| sandbox_not_found(id))?;
-    let paused = m.status() == SandboxStatus::Sleeping;
-    if paused {
-        node.wake_managed(&m).await.map_err(api_error)?;
+    match node.wake_and_release(id).await {
+        Ok(asleep) => Ok(asleep),
+        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => Err(sandbox_not_found(id)),
+        Err(e) => Err(api_error(e)),
     }
-    node.set_held(&m, false).map_err(api_error)?;
-    Ok(paused)
 }
 
 /// `POST /sandboxes/{id}/resume` (the older call; connect does the same): 201 with the
@@ -500,8 +490,7 @@ fn listed_json(node: &Node, o: &SandboxObject, detail: bool) -> Value {
 async fn wait_running(node: &Arc<Node>, id: &str) -> Result<SandboxObject, String> {
     let end = tokio::time::Instant::now() + CREATE_WAIT;
     loop {
-        let m = node.managed(id).map_err(|e| e.message)?;
-        let o = node.sandbox_object(&m);
+        let o = node.sandbox(id).map_err(|e| e.message)?;
         match o.status {
             SandboxStatus::Running => return Ok(o),
             SandboxStatus::Starting if tokio::time::Instant::now() < end => {
@@ -565,8 +554,7 @@ async fn create(State(node): St, body: Bytes) -> Response {
 }
 
 fn find(node: &Node, id: &str) -> Result<SandboxObject, Response> {
-    let m = node.managed(id).map_err(|_| sandbox_not_found(id))?;
-    let o = node.sandbox_object(&m);
+    let o = node.sandbox(id).map_err(|_| sandbox_not_found(id))?;
     if state_of(&o).is_none() {
         return Err(sandbox_not_found(id));
     }

@@ -25,10 +25,10 @@ pub(super) fn resolve(node: &Node, f: &Fns, id: &str) -> Result<String, FnError>
             format!("the sandbox {id} is stopped; create a new one"),
         )
     };
-    match node.managed(id) {
+    match node.sandbox(id) {
         // Stopped with wait: false, and not gone yet.
-        Ok(m) if f.was_stopped(&m.id) => Err(stopped()),
-        Ok(m) => Ok(m.id.clone()),
+        Ok(o) if f.was_stopped(&o.id) => Err(stopped()),
+        Ok(o) => Ok(o.id),
         Err(_) if f.was_stopped(id) => Err(stopped()),
         Err(e) => Err(e.into()),
     }

@@ -7,8 +7,6 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use sbx_api::{ApiError, ErrorCode};
 
-use crate::sync::LockExt;
-
 use super::*;
 
 /// 200 `ok` when the node can make a sandbox; else 503 `unavailable` (the error body, nothing
@@ -53,7 +51,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
         "pids_max": n.cfg.pids_max,
         "sandboxes": n.held_sandboxes(),
         "runs": n.sandbox_count(),
-        "kept": n.managed.locked().len(),
+        "kept": n.kept_count(),
         "max_sandboxes": n.cfg.max_sandboxes,
         "capacity": n.capacity.as_ref(),
         "cgroups": n.driver.placement(),

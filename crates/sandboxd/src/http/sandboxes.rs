@@ -366,15 +366,10 @@ pub(super) async fn get_one(
     Extension(rid): Rid,
     Path(id): Path<String>,
 ) -> Response {
-    let r = st
-        .node
-        .managed(&id)
-        .map(|m| st.node.sandbox_object(&m))
-        .and_then(to_json)
-        .map(|mut v| {
-            with_token(&st, &mut v);
-            v
-        });
+    let r = st.node.sandbox(&id).and_then(to_json).map(|mut v| {
+        with_token(&st, &mut v);
+        v
+    });
     reply(&st, &rid, StatusCode::OK, r)
 }
 
@@ -425,9 +420,8 @@ pub(super) async fn restart(
 /// sandbox later is another scope. The path as it is when no sandbox has it (a 404).
 fn sandbox_key(st: &AppState, id_or_name: &str) -> String {
     st.node
-        .managed(id_or_name)
-        .map(|m| m.id.clone())
-        .unwrap_or_else(|_| id_or_name.to_string())
+        .sandbox_id(id_or_name)
+        .unwrap_or_else(|| id_or_name.to_string())
 }
 
 /// The exec id a request with an Idempotency-Key gets: derived from the sandbox, the call and

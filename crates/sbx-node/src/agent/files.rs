@@ -183,7 +183,7 @@ where
     let (mtx, mut mrx) = mpsc::channel(4);
     let _reader = TaskGuard(tokio::spawn(read_msgs(rd, mtx)));
     let start = sbx_proto::encode_msg(&HostMsg::Fs { id: OP.into(), op })
-        .map_err(crate::node::internal("encoding a file operation"))?;
+        .map_err(crate::fail::internal("encoding a file operation"))?;
     let broke = |e: std::io::Error, mrx: &mut mpsc::Receiver<Result<AgentMsg, String>>| {
         // The agent's own answer says more than a broken pipe, when it sent one.
         match mrx.try_recv() {
@@ -236,7 +236,7 @@ where
         }
     }
     let end = sbx_proto::encode_msg(&HostMsg::FsEnd { id: OP.into() })
-        .map_err(crate::node::internal("encoding an upload's end"))?;
+        .map_err(crate::fail::internal("encoding an upload's end"))?;
     let finish = async {
         write_frames(&mut wr, &buf, &mut pos).await?;
         wr.write_all(&end).await?;

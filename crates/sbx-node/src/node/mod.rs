@@ -137,14 +137,7 @@ pub fn pull_refused(reference: &str, e: &PullError) -> ApiError {
     .with_param("image")
 }
 
-/// `map_err` for a failure the caller can do nothing about: logged with its cause (`what`
-/// failed), answered 500 internal, whose message sends the reader to the log.
-pub fn internal<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> ApiError {
-    move |e| {
-        tracing::error!(error = %e, "{what}");
-        ApiError::internal()
-    }
-}
+pub use crate::fail::internal;
 
 fn not_served(param: &str, what: &str) -> ApiError {
     ApiError::new(

@@ -24,8 +24,8 @@ use sbx_api::{ApiError, ErrorCode, SandboxVolume, VolumeCreate, VolumeMount, Vol
 use sbx_runtime::diskfs::Disk;
 use sbx_runtime::volume::VolumeBind;
 
-use super::sandbox::store_err;
 use super::Node;
+use crate::fail::store_err;
 use crate::sync::LockExt;
 
 /// The most volumes that are not shared a sandbox mounts (too_many_volumes past it).

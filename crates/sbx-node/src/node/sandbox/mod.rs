@@ -388,10 +388,7 @@ pub fn wrong_state(status: SandboxStatus, what: &str) -> ApiError {
     )
 }
 
-pub fn store_err(e: crate::store::StoreError) -> ApiError {
-    tracing::error!(error = %e, "state database");
-    ApiError::internal()
-}
+pub use crate::fail::store_err;
 
 fn agent_lost(e: AgentError) -> ApiError {
     if let Some(too_large) = e.too_large("command") {
@@ -423,6 +420,16 @@ impl Node {
             .find(|s| s.name().as_deref() == Some(id_or_name))
             .cloned()
             .ok_or_else(|| not_found(id_or_name))
+    }
+
+    /// How many sandboxes the node keeps (made by creates, running or asleep).
+    pub fn kept_count(&self) -> usize {
+        self.managed.locked().len()
+    }
+
+    /// Sandbox `id_or_name`'s object (404 `sandbox_not_found` when the node has none).
+    pub fn sandbox(&self, id_or_name: &str) -> Result<SandboxObject, ApiError> {
+        self.managed(id_or_name).map(|m| self.sandbox_object(&m))
     }
 
     pub fn sandbox_object(&self, m: &Managed) -> SandboxObject {

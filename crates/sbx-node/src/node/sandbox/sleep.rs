@@ -609,6 +609,30 @@ impl Node {
         })
     }
 
+    /// Puts sandbox `id` to sleep held asleep (a request to one of its ports does not wake
+    /// it; a wake does): E2B's pause. Its hold is lifted again when the sleep fails.
+    pub async fn sleep_held(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
+        let m = self.managed(id)?;
+        self.set_held(&m, true)?;
+        let r = self.sleep_managed(&m, true).await;
+        if r.is_err() {
+            let _ = self.set_held(&m, false);
+        }
+        r
+    }
+
+    /// Wakes sandbox `id` when it sleeps and lifts its hold: E2B's resume and connect. True
+    /// when it was asleep.
+    pub async fn wake_and_release(self: &Arc<Self>, id: &str) -> Result<bool, ApiError> {
+        let m = self.managed(id)?;
+        let asleep = m.status() == SandboxStatus::Sleeping;
+        if asleep {
+            self.wake_managed(&m).await?;
+        }
+        self.set_held(&m, false)?;
+        Ok(asleep)
+    }
+
     /// Sets `held_asleep` of `m`, kept across restarts.
     pub fn set_held(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
         let egress = m.egress.locked();

@@ -274,8 +274,8 @@ async fn follow(
 fn lost(ctx: &Ctx, e: ApiError) -> RpcError {
     let node = ctx.node();
     let running = node
-        .managed(&ctx.sandbox)
-        .is_ok_and(|m| node.sandbox_object(&m).status.can_exec());
+        .sandbox(&ctx.sandbox)
+        .is_ok_and(|o| o.status.can_exec());
     if running {
         RpcError::new(
             Code::Unavailable,
@@ -344,8 +344,7 @@ async fn list(ctx: &Ctx, headers: &HeaderMap, body: Body) -> Result<serde_json::
     let _: serde_json::Value = read_unary(headers, body).await?;
     // A sandbox that is not running has no processes: said so.
     let node = ctx.node();
-    let m = node.managed(&ctx.sandbox)?;
-    let status = node.sandbox_object(&m).status;
+    let status = node.sandbox(&ctx.sandbox)?.status;
     if !status.can_exec() {
         return Err(RpcError::from(ApiError::new(
             ErrorCode::SandboxNotRunning,
