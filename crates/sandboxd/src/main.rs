@@ -2,14 +2,12 @@
 
 #![forbid(unsafe_code)]
 
-mod e2b;
-mod functions;
-mod http;
-mod iii;
-mod preview;
-
-use sbx_front::{guard, listen};
-use sbx_node::{agent, config, image, node, store, sync};
+use sbx_e2b as e2b;
+use sbx_front::listen;
+use sbx_functions::{self as functions, iii};
+use sbx_http as http;
+use sbx_node::{config, image, node, store};
+use sbx_preview as preview;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;

@@ -346,9 +346,14 @@ mod tests {
     #[tokio::test]
     async fn questions_are_forwarded_and_answers_come_back() {
         // The upstream: answers each message with itself, its QR bit set.
-        let up_udp = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let port = up_udp.local_addr().unwrap().port();
-        let up_tcp = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        // (A UDP port whose TCP twin is free: another test may hold that one.)
+        let (up_udp, up_tcp, port) = loop {
+            let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let port = udp.local_addr().unwrap().port();
+            if let Ok(tcp) = TcpListener::bind(("127.0.0.1", port)) {
+                break (udp, tcp, port);
+            }
+        };
         std::thread::spawn(move || {
             let mut b = [0u8; 512];
             while let Ok((n, from)) = up_udp.recv_from(&mut b) {

@@ -14,6 +14,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("sbx-runtime", &[]),
     ("sbx-image", &[]),
     ("sbx-testreg", &[]),
+    ("sbx-guest", &[]),
     ("sbx-agent", &["sbx-proto", "sbx-runtime"]),
     (
         "sbx-node",
@@ -24,18 +25,45 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "sbx-front",
         &["sbx-api", "sbx-node", "sbx-net", "sbx-runtime"],
     ),
+    // The front ends: each on the core and what they share, never on another front end.
+    (
+        "sbx-e2b",
+        &[
+            "sbx-api",
+            "sbx-proto",
+            "sbx-runtime",
+            "sbx-node",
+            "sbx-front",
+            "sbx-guest",
+        ],
+    ),
+    ("sbx-preview", &["sbx-api", "sbx-node", "sbx-front"]),
+    ("sbx-functions", &["sbx-api", "sbx-proto", "sbx-node"]),
+    // The HTTP API serves the functions interface's calls (POST /v1/functions/{id}).
+    (
+        "sbx-http",
+        &[
+            "sbx-api",
+            "sbx-proto",
+            "sbx-image",
+            "sbx-node",
+            "sbx-front",
+            "sbx-functions",
+        ],
+    ),
     ("sbx-client", &["sbx-api"]),
     ("sbx-cli", &["sbx-api", "sbx-client"]),
     (
         "sandboxd",
         &[
-            "sbx-api",
-            "sbx-proto",
             "sbx-runtime",
-            "sbx-image",
             "sbx-node",
             "sbx-net",
             "sbx-front",
+            "sbx-e2b",
+            "sbx-preview",
+            "sbx-functions",
+            "sbx-http",
         ],
     ),
     (

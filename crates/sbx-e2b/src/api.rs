@@ -1,0 +1,925 @@
+//! E2B's control plane over the node's core: sandboxes made (`POST /v2/sandboxes`, the older
+//! `POST /sandboxes`), connected to, listed (`GET /v2/sandboxes` with its metadata and state
+//! filters and `X-Next-Token` paging, the older `GET /sandboxes`), found, timed (`…/timeout`,
+//! `…/refreshes`), measured (`…/metrics`) and killed, with E2B's field names, statuses and
+//! error body `{code, message}`. What the node does not do (pause, snapshots, forks, volumes,
+//! MCP, IAM, templates built through the API) is refused with a message that says so.
+
+// A refusal here is the answer itself (E2B's error body), made once per request: returned
+// as it is rather than boxed.
+#![allow(clippy::result_large_err)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use axum::{Json, Router};
+use sbx_api::{ApiError, SandboxObject, SandboxStatus};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use super::{e2b_error, interp, ENVD_PORT, ENVD_VERSION};
+use crate::node::sandbox::ListQuery;
+use crate::node::Node;
+
+/// The `clientID` of every sandbox (E2B's cluster client; one node here).
+const CLIENT_ID: &str = "sbx";
+/// E2B's default timeout of a sandbox, in seconds, when a create gives none.
+const DEFAULT_TIMEOUT_S: u64 = 15;
+/// The longest timeout a call may set (E2B's Pro plan's: 24 hours).
+const MAX_TIMEOUT_S: u64 = 24 * 3600;
+/// How long a create waits for its sandbox to run (a pull, a ready check).
+const CREATE_WAIT: Duration = Duration::from_secs(300);
+/// The most sandboxes a list page holds, and its default.
+const MAX_PAGE: usize = 100;
+
+type St = State<Arc<Node>>;
+
+pub fn router(node: Arc<Node>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/sandboxes", post(create).get(list_v1))
+        .route("/v2/sandboxes", post(create).get(list_v2))
+        .route("/sandboxes/{id}", get(get_one).delete(kill))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/metrics", get(metrics_many))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/snapshots", post(not_yet_snapshot))
+        .route("/sandboxes/{id}/fork", post(not_yet_snapshot))
+        .route("/sandboxes/{id}/logs", get(not_yet_logs))
+        .route("/v2/sandboxes/{id}/logs", get(not_yet_logs))
+        .route("/templates", any(not_yet_templates))
+        .route("/templates/{*rest}", any(not_yet_templates))
+        .route("/v2/templates", any(not_yet_templates))
+        .route("/v2/templates/{*rest}", any(not_yet_templates))
+        .route("/v3/templates", any(not_yet_templates))
+        .route("/v3/templates/{*rest}", any(not_yet_templates))
+        .fallback(not_served)
+        .with_state(node)
+}
+
+/// The node's error as E2B's: its status where E2B's clients know it, its message and code.
+fn api_error(e: ApiError) -> Response {
+    let status = match e.status() {
+        s @ (400 | 401 | 403 | 404 | 409 | 429 | 500 | 503 | 504) => s,
+        413 | 422 => 400,
+        _ => 500,
+    };
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    e2b_error(status, format!("{} ({})", e.message, e.code.as_str()))
+}
+
+fn sandbox_not_found(id: &str) -> Response {
+    e2b_error(
+        StatusCode::NOT_FOUND,
+        format!("sandbox {id} not found on this node"),
+    )
+}
+
+/// A refusal of what the node does not serve (yet): 501 (E2B's SDKs raise their
+/// SandboxException with the message; a 503 would read "please retry").
+fn not_served_yet(what: &str) -> Response {
+    let mut r = e2b_error(
+        StatusCode::NOT_IMPLEMENTED,
+        format!("{what} is not served by this sbx node yet"),
+    );
+    r.headers_mut()
+        .insert("should-retry", HeaderValue::from_static("false"));
+    r
+}
+
+/// A node without checkpoints (no CRIU) cannot pause: 501 as for anything not served.
+fn pausing_refused(node: &Node) -> Option<Response> {
+    node.checkpointer()
+        .err()
+        .map(|e| not_served_yet(&format!("pausing and resuming a sandbox ({})", e.message)))
+}
+
+/// `POST /sandboxes/{id}/pause`: E2B's pause is the node's sleep, held asleep (a request to
+/// one of its ports does not wake it; connect does). 409 when it is paused already.
+async fn pause(State(node): St, Path(id): Path<String>) -> Response {
+    if let Some(r) = pausing_refused(&node) {
+        return r;
+    }
+    let o = match find(&node, &id) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    if o.status == SandboxStatus::Sleeping {
+        return e2b_error(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        );
+    }
+    match node.sleep_held(&o.id).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => sandbox_not_found(&id),
+        Err(e) => api_error(e),
+    }
+}
+
+/// Wakes a paused (sleeping) sandbox and lifts its hold; true when it was paused.
+async fn resume_if_paused(node: &Arc<Node>, id: &str) -> Result<bool, Response> {
+    match node.wake_and_release(id).await {
+        Ok(asleep) => Ok(asleep),
+        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => Err(sandbox_not_found(id)),
+        Err(e) => Err(api_error(e)),
+    }
+}
+
+/// `POST /sandboxes/{id}/resume` (the older call; connect does the same): 201 with the
+/// sandbox, 409 when it is not paused.
+async fn resume(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
+    if let Some(r) = pausing_refused(&node) {
+        return r;
+    }
+    let (b, o) = match timeout_and_sandbox(&node, &id, &body) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    if o.status != SandboxStatus::Sleeping {
+        return e2b_error(StatusCode::CONFLICT, format!("sandbox {id} is not paused"));
+    }
+    if let Err(r) = resume_if_paused(&node, &o.id).await {
+        return r;
+    }
+    if let Some(secs) = b.timeout {
+        if let Err(r) = set_end(&node, &o, secs, false) {
+            return r;
+        }
+    }
+    match find(&node, &id) {
+        Ok(o) => (StatusCode::CREATED, Json(sandbox_json(&node, &o))).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn not_yet_snapshot() -> Response {
+    not_served_yet("snapshots and forks of a sandbox")
+}
+
+async fn not_yet_logs() -> Response {
+    not_served_yet("a sandbox's logs (its commands' output is kept by each command)")
+}
+
+async fn not_yet_templates() -> Response {
+    not_served_yet(
+        "building templates through E2B's API (a templateID is an OCI image reference or \
+         a template key of the node: POST /internal/templates of its own API builds one)",
+    )
+}
+
+async fn not_served(uri: axum::http::Uri) -> Response {
+    e2b_error(
+        StatusCode::NOT_FOUND,
+        format!(
+            "{} is not a route of this sbx node's E2B API (sandboxes only: templates are the \
+             node's images)",
+            uri.path()
+        ),
+    )
+}
+
+fn parse_body<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        body
+    };
+    serde_json::from_slice(body)
+        .map_err(|e| e2b_error(StatusCode::BAD_REQUEST, format!("the body: {e}")))
+}
+
+/// `POST /v2/sandboxes`'s body (and the older `POST /sandboxes`'s).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<u64>,
+    auto_pause: Option<bool>,
+    auto_pause_memory: Option<Value>,
+    auto_resume: Option<Value>,
+    #[allow(dead_code)]
+    secure: Option<bool>,
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
+    allow_internet_access: Option<bool>,
+    network: Option<NetworkConfig>,
+    metadata: Option<BTreeMap<String, String>>,
+    env_vars: Option<BTreeMap<String, String>>,
+    mcp: Option<Value>,
+    iam: Option<Value>,
+    volume_mounts: Option<Vec<Value>>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NetworkConfig {
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    allow_public_traffic: Option<bool>,
+    mask_request_host: Option<String>,
+    rules: Option<Value>,
+    egress_proxy: Option<Value>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// Whether a value asks for something: not null, false, empty or `{enabled: false}`.
+fn set(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => {
+            !o.is_empty() && o.get("enabled").is_none_or(|e| e != &Value::Bool(false))
+        }
+        Some(_) => true,
+    }
+}
+
+/// E2B's create as the node's: the body of `POST /v1/sandboxes`, or the refusal of what the
+/// node does not do.
+fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Value, Response> {
+    let refuse = |what: &str| Err(not_served_yet(what));
+    if let Some((k, _)) = n.rest.iter().find(|(_, v)| set(&Some((*v).clone()))) {
+        return Err(e2b_error(
+            StatusCode::BAD_REQUEST,
+            format!("{k} is not a field this node takes"),
+        ));
+    }
+    if set(&n.auto_pause_memory) {
+        return refuse("autoPauseMemory");
+    }
+    // autoPause: at its timeout the sandbox is paused (the node's sleep), not killed; held
+    // asleep unless autoResume lets a request to it wake it.
+    let auto_pause = n.auto_pause == Some(true);
+    if (auto_pause || set(&n.auto_resume)) && !can_pause {
+        return refuse("autoPause / autoResume (this node has no CRIU to pause a sandbox)");
+    }
+    if set(&n.mcp) {
+        return refuse("mcp (an MCP gateway in the sandbox)");
+    }
+    if set(&n.iam) {
+        return refuse("iam");
+    }
+    if n.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
+        return refuse("volumeMounts (volumes)");
+    }
+    let net = n.network.as_ref();
+    if let Some(net) = net {
+        if let Some((k, _)) = net.rest.iter().find(|(_, v)| set(&Some((*v).clone()))) {
+            return Err(e2b_error(
+                StatusCode::BAD_REQUEST,
+                format!("network.{k} is not a field this node takes"),
+            ));
+        }
+        if net
+            .mask_request_host
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+        {
+            return refuse("network.maskRequestHost");
+        }
+        if set(&net.rules) {
+            return refuse(
+                "network.rules (header transforms; the node's own API has egress.inject)",
+            );
+        }
+        if set(&net.egress_proxy) {
+            return refuse("network.egressProxy");
+        }
+    }
+    let timeout = n.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
+    if timeout == 0 || timeout > MAX_TIMEOUT_S {
+        return Err(e2b_error(
+            StatusCode::BAD_REQUEST,
+            format!("timeout must be 1 to {MAX_TIMEOUT_S} seconds"),
+        ));
+    }
+    let mut body = Map::new();
+    let template = n.template_id.trim();
+    match template {
+        "" | "base" => {}
+        t if t == interp::TEMPLATE || t == "code-interpreter" => {
+            body.insert("start_command".into(), json!(interp::start_command()));
+            body.insert("ready".into(), json!(interp::ready_check()));
+        }
+        t if t.starts_with("img-") => {
+            body.insert("template".into(), json!(t));
+        }
+        t => {
+            body.insert("image".into(), json!(t));
+        }
+    }
+    let mut env = n.env_vars.clone().unwrap_or_default();
+    if template == interp::TEMPLATE || template == "code-interpreter" {
+        for (k, v) in interp::start_env() {
+            env.entry(k).or_insert(v);
+        }
+    }
+    if !env.is_empty() {
+        body.insert("env".into(), json!(env));
+    }
+    if let Some(m) = &n.metadata {
+        if !m.is_empty() {
+            body.insert("metadata".into(), json!(m));
+        }
+    }
+    if auto_pause {
+        let on = if set(&n.auto_resume) { "sleep" } else { "hold" };
+        body.insert("on_expiry".into(), json!(on));
+    }
+    body.insert(
+        "expires_at".into(),
+        json!(sbx_api::format_rfc3339_millis(
+            now_ns + i128::from(timeout) * 1_000_000_000
+        )),
+    );
+    // Every port is public but envd's (E2B's default); allowPublicTraffic: false makes every
+    // port need the traffic access token.
+    if net.and_then(|n| n.allow_public_traffic) == Some(false) {
+        body.insert("public_ports".into(), json!([]));
+    } else {
+        body.insert("public_ports_except".into(), json!([ENVD_PORT]));
+    }
+    // Egress: allow_internet_access false is default deny; denyOut's 0.0.0.0/0 too; the
+    // rest of allowOut and denyOut are the node's allow and deny (a more specific rule wins,
+    // allow at a tie: E2B's "allow over deny").
+    let mut deny: Vec<String> = net.and_then(|n| n.deny_out.clone()).unwrap_or_default();
+    let allow: Vec<String> = net.and_then(|n| n.allow_out.clone()).unwrap_or_default();
+    let all = deny.iter().any(|d| d == "0.0.0.0/0" || d == "*");
+    deny.retain(|d| d != "0.0.0.0/0" && d != "*");
+    let closed = n.allow_internet_access == Some(false) || all;
+    if closed || !allow.is_empty() || !deny.is_empty() {
+        let mut e = Map::new();
+        e.insert(
+            "default".into(),
+            json!(if closed { "deny" } else { "allow" }),
+        );
+        if !allow.is_empty() {
+            e.insert("allow".into(), json!(allow));
+        }
+        if !deny.is_empty() {
+            e.insert("deny".into(), json!(deny));
+        }
+        body.insert("egress".into(), Value::Object(e));
+    }
+    Ok(Value::Object(body))
+}
+
+/// The sandbox's token (the envd access token).
+fn token_of(node: &Node, id: &str) -> Option<String> {
+    node.sandbox_token(id)
+        .ok()
+        .flatten()
+        .map(|t| t.reveal().to_string())
+}
+
+/// The template a sandbox is of, as E2B names it.
+fn template_of(o: &SandboxObject) -> String {
+    if o.metadata.contains_key(TEMPLATE_KEY) {
+        return o.metadata[TEMPLATE_KEY].clone();
+    }
+    match o.image.as_str() {
+        "base" | "" => "base".into(),
+        i => i.to_string(),
+    }
+}
+
+/// The metadata key where the E2B template id of a sandbox is kept (not shown to E2B's
+/// callers).
+const TEMPLATE_KEY: &str = "e2b.template";
+
+fn user_metadata(o: &SandboxObject) -> BTreeMap<String, String> {
+    o.metadata
+        .iter()
+        .filter(|(k, _)| k.as_str() != TEMPLATE_KEY)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// The domain E2B's SDK builds a port's host from (`{port}-{id}.{domain}`, `get_host`): the
+/// preview listener's, with its port when it is not the scheme's own; none when it is off.
+fn domain_of(node: &Node) -> Value {
+    let Some(p) = node.preview() else {
+        return Value::Null;
+    };
+    let port = p.listen.port();
+    if port == if p.tls { 443 } else { 80 } {
+        json!(p.domain)
+    } else {
+        json!(format!("{}:{port}", p.domain))
+    }
+}
+
+/// E2B's `Sandbox` (the create and connect answer).
+fn sandbox_json(node: &Node, o: &SandboxObject) -> Value {
+    let public = o.public_ports_except.is_some();
+    let token = token_of(node, &o.id);
+    json!({
+        "sandboxID": o.id,
+        "templateID": template_of(o),
+        "alias": template_of(o),
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": token,
+        "trafficAccessToken": if public { None } else { token_of(node, &o.id) },
+        "domain": domain_of(node),
+    })
+}
+
+/// E2B's state of a sandbox: the node's running (and starting) are `running`, sleeping is
+/// E2B's `paused`.
+fn state_of(o: &SandboxObject) -> Option<&'static str> {
+    match o.status {
+        SandboxStatus::Running | SandboxStatus::Starting => Some("running"),
+        SandboxStatus::Sleeping => Some("paused"),
+        _ => None,
+    }
+}
+
+/// E2B's `ListedSandbox` (and, with `detail`, `SandboxDetail`).
+fn listed_json(node: &Node, o: &SandboxObject, detail: bool) -> Value {
+    let started = o.started_at.clone().unwrap_or_else(|| o.created_at.clone());
+    let end = o
+        .expires_at
+        .clone()
+        .unwrap_or_else(|| "9999-12-31T23:59:59.000Z".into());
+    let mut v = json!({
+        "sandboxID": o.id,
+        "templateID": template_of(o),
+        "alias": template_of(o),
+        "clientID": CLIENT_ID,
+        "startedAt": started,
+        "endAt": end,
+        "cpuCount": o.limits.vcpus,
+        "memoryMB": o.limits.memory_bytes >> 20,
+        "diskSizeMB": 0,
+        "state": state_of(o).unwrap_or("running"),
+        "envdVersion": ENVD_VERSION,
+        "metadata": user_metadata(o),
+    });
+    if detail {
+        if let Some(m) = v.as_object_mut() {
+            m.insert("envdAccessToken".into(), json!(token_of(node, &o.id)));
+            m.insert("domain".into(), domain_of(node));
+            let closed = o
+                .egress
+                .as_ref()
+                .and_then(|e| e.get("default"))
+                .is_some_and(|d| d == "deny");
+            m.insert("allowInternetAccess".into(), json!(!closed));
+        }
+    }
+    v
+}
+
+/// Waits until a sandbox just made runs: `Err` with why when it failed or did not in time.
+async fn wait_running(node: &Arc<Node>, id: &str) -> Result<SandboxObject, String> {
+    let end = tokio::time::Instant::now() + CREATE_WAIT;
+    loop {
+        let o = node.sandbox(id).map_err(|e| e.message)?;
+        match o.status {
+            SandboxStatus::Running => return Ok(o),
+            SandboxStatus::Starting if tokio::time::Instant::now() < end => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            SandboxStatus::Starting => return Err("it did not start in time".into()),
+            _ => {
+                return Err(o
+                    .failure
+                    .unwrap_or_else(|| format!("it is {}", o.status.as_str())))
+            }
+        }
+    }
+}
+
+async fn create(State(node): St, body: Bytes) -> Response {
+    let n: NewSandbox = match parse_body(&body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let can_pause = node.checkpointer().is_ok();
+    let mut create_body = match node_create_body(&n, crate::image::now_ns(), can_pause) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    // The template as E2B named it, for the answers (kept with the sandbox).
+    if let Some(obj) = create_body.as_object_mut() {
+        let t = n.template_id.trim();
+        if !matches!(t, "" | "base") {
+            let meta = obj
+                .entry("metadata")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if let Some(m) = meta.as_object_mut() {
+                m.insert(TEMPLATE_KEY.into(), json!(t));
+            }
+        }
+    }
+    let bytes = create_body.to_string();
+    let c = match sbx_api::parse_sandbox_create(bytes.as_bytes()) {
+        Ok(c) => c,
+        Err(e) => return api_error(e),
+    };
+    let o = match node.create_sandbox(c).await {
+        Ok(o) => o,
+        Err(e) => return api_error(e),
+    };
+    let o = match wait_running(&node, &o.id).await {
+        Ok(o) => o,
+        Err(why) => {
+            let _ = node.delete_sandbox(&o.id).await;
+            return e2b_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "the sandbox of template {:?} did not start: {why}",
+                    n.template_id
+                ),
+            );
+        }
+    };
+    (StatusCode::CREATED, Json(sandbox_json(&node, &o))).into_response()
+}
+
+fn find(node: &Node, id: &str) -> Result<SandboxObject, Response> {
+    let o = node.sandbox(id).map_err(|_| sandbox_not_found(id))?;
+    if state_of(&o).is_none() {
+        return Err(sandbox_not_found(id));
+    }
+    Ok(o)
+}
+
+async fn get_one(State(node): St, Path(id): Path<String>) -> Response {
+    match find(&node, &id) {
+        Ok(o) => Json(listed_json(&node, &o, true)).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn kill(State(node): St, Path(id): Path<String>) -> Response {
+    if let Err(r) = find(&node, &id) {
+        return r;
+    }
+    match node.delete_sandbox(&id).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => api_error(e),
+    }
+}
+
+/// A call's `TimeoutBody` and the sandbox it names.
+fn timeout_and_sandbox(
+    node: &Node,
+    id: &str,
+    body: &Bytes,
+) -> Result<(TimeoutBody, SandboxObject), Response> {
+    let b: TimeoutBody = parse_body(body)?;
+    Ok((b, find(node, id)?))
+}
+
+#[derive(Debug, Deserialize)]
+struct TimeoutBody {
+    timeout: Option<u64>,
+    /// `…/refreshes`' name of it.
+    duration: Option<u64>,
+}
+
+/// Sets the sandbox to end `secs` from now; `only_extend`: never earlier than it would.
+fn set_end(
+    node: &Arc<Node>,
+    o: &SandboxObject,
+    secs: u64,
+    only_extend: bool,
+) -> Result<(), Response> {
+    if secs > MAX_TIMEOUT_S {
+        return Err(e2b_error(
+            StatusCode::BAD_REQUEST,
+            format!("timeout must be at most {MAX_TIMEOUT_S} seconds"),
+        ));
+    }
+    let at_ns = crate::image::now_ns() + i128::from(secs.max(1)) * 1_000_000_000;
+    if only_extend {
+        let now_end = o.expires_at.as_deref().and_then(sbx_api::parse_rfc3339);
+        if now_end.is_none_or(|e| e >= at_ns) {
+            return Ok(());
+        }
+    }
+    let at = sbx_api::format_rfc3339_millis(at_ns);
+    node.patch_sandbox(&o.id, &json!({ "expires_at": at }))
+        .map(|_| ())
+        .map_err(api_error)
+}
+
+async fn set_timeout(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
+    let b: TimeoutBody = match parse_body(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let Some(secs) = b.timeout else {
+        return e2b_error(StatusCode::BAD_REQUEST, "timeout is required (seconds)");
+    };
+    let o = match find(&node, &id) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    match set_end(&node, &o, secs, false) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn refresh(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
+    let (b, o) = match timeout_and_sandbox(&node, &id, &body) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    match set_end(
+        &node,
+        &o,
+        b.duration.or(b.timeout).unwrap_or(DEFAULT_TIMEOUT_S),
+        true,
+    ) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn connect(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
+    let (b, o) = match timeout_and_sandbox(&node, &id, &body) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    // A paused sandbox is resumed (201), a running one connected to (200).
+    let resumed = match resume_if_paused(&node, &o.id).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let Some(secs) = b.timeout {
+        if let Err(r) = set_end(&node, &o, secs, true) {
+            return r;
+        }
+    }
+    let o = match find(&node, &id) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(sandbox_json(&node, &o))).into_response()
+}
+
+/// The query's pairs (`metadata`, `state`, `nextToken`, `limit`; `state` may repeat).
+fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
+    super::url_pairs(q.unwrap_or(""))
+}
+
+/// `metadata=k1%3Dv1%26k2%3Dv2` (one query parameter holding a query of its own).
+fn metadata_filter(pairs: &[(String, String)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .filter(|(k, _)| k == "metadata")
+        .flat_map(|(_, v)| query_pairs(Some(v)))
+        .collect()
+}
+
+async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
+    let pairs = query_pairs(q.as_deref());
+    let states: Vec<String> = pairs
+        .iter()
+        .filter(|(k, _)| k == "state")
+        .flat_map(|(_, v)| v.split(',').map(|s| s.trim().to_string()))
+        .collect();
+    for s in &states {
+        if s != "running" && s != "paused" {
+            return e2b_error(
+                StatusCode::BAD_REQUEST,
+                format!("state {s:?} is not running or paused"),
+            );
+        }
+    }
+    let limit = match pairs.iter().find(|(k, _)| k == "limit") {
+        None => MAX_PAGE,
+        Some((_, v)) => match v.parse::<usize>() {
+            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
+            _ => {
+                return e2b_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("limit must be 1 to {MAX_PAGE}"),
+                )
+            }
+        },
+    };
+
+    let cursor = pairs
+        .iter()
+        .find(|(k, _)| k == "nextToken")
+        .map(|(_, v)| v.clone())
+        .filter(|v| !v.is_empty());
+    let q = ListQuery {
+        status: None,
+        metadata: metadata_filter(&pairs),
+        limit,
+        cursor,
+    };
+    let (list, next) = node.list_sandboxes(&q);
+    let items: Vec<Value> = list
+        .iter()
+        .filter(|o| {
+            state_of(o).is_some_and(|st| states.is_empty() || states.iter().any(|s| s == st))
+        })
+        .map(|o| listed_json(&node, o, false))
+        .collect();
+    let mut r = Json(Value::Array(items)).into_response();
+    if let Some(Ok(v)) = next.map(|n| HeaderValue::from_str(&n)) {
+        r.headers_mut().insert("x-next-token", v);
+    }
+    r
+}
+
+async fn list_v1(State(node): St, RawQuery(q): RawQuery) -> Response {
+    let pairs = query_pairs(q.as_deref());
+    let mut items = Vec::new();
+    let mut cursor = None;
+    loop {
+        let q = ListQuery {
+            status: None,
+            metadata: metadata_filter(&pairs),
+            limit: MAX_PAGE,
+            cursor: cursor.take(),
+        };
+        let (list, next) = node.list_sandboxes(&q);
+        items.extend(
+            list.iter()
+                .filter(|o| state_of(o).is_some())
+                .map(|o| listed_json(&node, o, false)),
+        );
+        match next {
+            Some(n) => cursor = Some(n),
+            None => break,
+        }
+    }
+    Json(Value::Array(items)).into_response()
+}
+
+/// One sample of a sandbox's use now (E2B's `SandboxMetric`).
+fn metric_of(node: &Node, o: &SandboxObject) -> Value {
+    let now = crate::image::now_ns();
+    let (mem_used, cpu_ns) = node.sandbox_usage(&o.id).unwrap_or((0, 0));
+    let cpus = o.limits.vcpus.max(1);
+    // The share of its CPUs it has used since it started (one sample: no window).
+    let up_ns = o
+        .started_at
+        .as_deref()
+        .and_then(sbx_api::parse_rfc3339)
+        .map(|s| (now - s).max(1))
+        .unwrap_or(1);
+    let pct = (cpu_ns as f64 / (up_ns as f64 * f64::from(cpus)) * 100.0).clamp(0.0, 100.0);
+    json!({
+        "timestamp": sbx_api::format_rfc3339_millis(now),
+        "timestampUnix": (now / 1_000_000_000) as i64,
+        "cpuCount": cpus,
+        "cpuUsedPct": (pct * 100.0).round() / 100.0,
+        "memUsed": mem_used,
+        "memTotal": o.limits.memory_bytes,
+        // Not measured (yet): the page cache apart, and disk (sandboxes have no disk of a
+        // fixed size yet).
+        "memCache": 0,
+        "diskUsed": 0,
+        "diskTotal": 0,
+    })
+}
+
+async fn metrics(State(node): St, Path(id): Path<String>) -> Response {
+    match find(&node, &id) {
+        Ok(o) => Json(json!([metric_of(&node, &o)])).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn metrics_many(State(node): St, RawQuery(q): RawQuery) -> Response {
+    let pairs = query_pairs(q.as_deref());
+    let mut out = Map::new();
+    for id in pairs
+        .iter()
+        .filter(|(k, _)| k == "sandbox_ids")
+        .flat_map(|(_, v)| v.split(',').map(|s| s.trim().to_string()))
+    {
+        if let Ok(o) = find(&node, &id) {
+            out.insert(id, metric_of(&node, &o));
+        }
+    }
+    Json(json!({ "sandboxes": out })).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new(v: Value) -> NewSandbox {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_create_becomes_the_node_s_with_its_expiry_ports_and_rules() {
+        let n = new(json!({
+            "templateID": "base", "timeout": 60, "autoPause": false, "secure": true,
+            "allow_internet_access": true, "metadata": {"k": "v"}, "envVars": {"A": "1"},
+            "network": {"denyOut": ["0.0.0.0/0"], "allowOut": ["example.com"]},
+        }));
+        let b = node_create_body(&n, 0, false).unwrap();
+        assert_eq!(b["expires_at"], "1970-01-01T00:01:00.000Z");
+        assert_eq!(b["public_ports_except"], json!([ENVD_PORT]));
+        assert_eq!(b["env"], json!({"A": "1"}));
+        assert_eq!(b["metadata"], json!({"k": "v"}));
+        assert_eq!(
+            b["egress"],
+            json!({"default": "deny", "allow": ["example.com"]})
+        );
+        assert!(b.get("image").is_none());
+        // The node's parser takes it.
+        sbx_api::parse_sandbox_create(b.to_string().as_bytes()).unwrap();
+    }
+
+    #[test]
+    fn templates_map_to_images_keys_and_the_interpreter() {
+        let b = node_create_body(&new(json!({"templateID": "python:3.12"})), 0, false).unwrap();
+        assert_eq!(b["image"], "python:3.12");
+        let b = node_create_body(&new(json!({"templateID": "img-abc"})), 0, false).unwrap();
+        assert_eq!(b["template"], "img-abc");
+        let b = node_create_body(&new(json!({"templateID": interp::TEMPLATE})), 0, false).unwrap();
+        assert!(b["start_command"].is_array());
+        assert_eq!(b["ready"], interp::ready_check());
+        let b = node_create_body(
+            &new(json!({"templateID": "base", "allow_internet_access": false,
+                        "network": {"allowPublicTraffic": false}})),
+            0,
+            false,
+        )
+        .unwrap();
+        assert_eq!(b["egress"], json!({"default": "deny"}));
+        assert_eq!(b["public_ports"], json!([]));
+    }
+
+    #[test]
+    fn what_the_node_does_not_do_is_refused_not_ignored() {
+        for body in [
+            json!({"templateID": "base", "autoPause": true}),
+            json!({"templateID": "base", "mcp": {"x": {}}}),
+            json!({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/v"}]}),
+            json!({"templateID": "base", "network": {"maskRequestHost": "x"}}),
+            json!({"templateID": "base", "brandNew": 1}),
+            json!({"templateID": "base", "timeout": 0}),
+        ] {
+            assert!(
+                node_create_body(&new(body.clone()), 0, false).is_err(),
+                "{body}"
+            );
+        }
+        // Defaults the SDK sends are no request.
+        let ok = json!({"templateID": "base", "autoPause": false, "mcp": null,
+                        "autoResume": {"enabled": false}, "volumeMounts": []});
+        assert!(node_create_body(&new(ok), 0, false).is_ok());
+        // A node that checkpoints takes autoPause: held asleep at the timeout, or asleep
+        // with autoResume.
+        let b = node_create_body(
+            &new(json!({"templateID": "base", "autoPause": true})),
+            0,
+            true,
+        )
+        .unwrap();
+        assert_eq!(b["on_expiry"], "hold");
+        let b = node_create_body(
+            &new(json!({"templateID": "base", "autoPause": true, "autoResume": {"enabled": true}})),
+            0,
+            true,
+        )
+        .unwrap();
+        assert_eq!(b["on_expiry"], "sleep");
+    }
+
+    #[test]
+    fn the_metadata_filter_is_a_query_in_a_parameter() {
+        let pairs = query_pairs(Some("metadata=a%3D1%26b%3Dx%2520y&state=running&limit=5"));
+        assert_eq!(
+            metadata_filter(&pairs),
+            vec![
+                ("a".to_string(), "1".to_string()),
+                ("b".into(), "x y".into())
+            ]
+        );
+    }
+}

@@ -1,0 +1,219 @@
+//! Terminals: `GET /v1/sandboxes/{id}/exec/{exec_id}/terminal` upgrades to a WebSocket bound to
+//! a command that runs on a PTY (`tty: true`). Client to node: binary messages are input;
+//! text messages are JSON controls, `{"type":"resize","rows":R,"cols":C}` or
+//! `{"type":"input","data":"..."}`. Node to client: binary messages are output (from `from`,
+//! default 0, so the screen so far is replayed; the output is kept in the command's ring like
+//! any command's), then a text message `{"type":"exit", ...the exec object's status, exit_code,
+//! signal}` and a close.
+//!
+//! The agent's frames are read by a task of their own that feeds the session a channel: a read
+//! is never cut midway by a message from the client, so output bytes are never taken for a
+//! frame's header. A client message (fragments included) is at most [`MAX_MESSAGE`] bytes; a
+//! longer one ends the session with a close frame 1009 (message too big).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::response::Response;
+use axum::Extension;
+use futures_util::{SinkExt, StreamExt};
+use sbx_api::{ApiError, ErrorCode};
+use sbx_proto::{AgentMsg, Frame, HostMsg};
+use serde_json::{json, Value};
+
+use crate::agent::AgentConn;
+use crate::{error_response, AppState, RequestId};
+
+/// The most bytes of one message from the client, all its fragments together.
+pub const MAX_MESSAGE: usize = 4 << 20;
+/// Frames of the agent read ahead of the client.
+const OUTPUT_QUEUE: usize = 8;
+
+pub(super) async fn terminal(
+    State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+    Path((id, exec_id)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let fail = |e: ApiError| error_response(&e, &rid.0, st.docs_url.as_deref());
+    let from = match q.get("from").map(|v| v.parse::<u64>()) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => return fail(ApiError::invalid_field("from", "from must be a position")),
+    };
+    let socket = match st.node.terminal_socket(&id, &exec_id) {
+        Ok(s) => s,
+        Err(e) => return fail(e),
+    };
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(e) => {
+            return fail(
+                ApiError::new(
+                    ErrorCode::InvalidField,
+                    format!("this route is a WebSocket: {e}"),
+                )
+                .with_param("Upgrade"),
+            )
+        }
+    };
+    let held = match st.node.use_sandbox(&id).await {
+        Some(Ok(h)) => Some(h),
+        Some(Err(e)) => return fail(e),
+        None => None,
+    };
+    ws.max_message_size(MAX_MESSAGE)
+        .max_frame_size(MAX_MESSAGE)
+        .on_upgrade(move |ws| async move {
+            // The sandbox stays awake while its terminal is open, unless a sleep asked for
+            // cuts it.
+            let cut = held.as_ref().map(|h| h.cut());
+            let _held = held;
+            let cut = async move {
+                match cut {
+                    Some(c) => c.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = session(ws, socket, exec_id, from) => {
+                    if let Err(e) = r {
+                        tracing::info!(error = %e, "terminal session ended");
+                    }
+                }
+                () = cut => tracing::info!("terminal closed: the sandbox was put to sleep"),
+            }
+        })
+}
+
+/// Aborts the task it holds when dropped: the reader of the agent's frames ends with its
+/// session.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the agent's frames on `output` whole and hands them to the session, until the agent
+/// ends the connection (its error goes last) or the session is gone.
+fn read_output(
+    mut output: AgentConn,
+) -> (
+    AbortOnDrop,
+    tokio::sync::mpsc::Receiver<Result<Frame<AgentMsg>, crate::agent::AgentError>>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(OUTPUT_QUEUE);
+    let task = tokio::spawn(async move {
+        loop {
+            let frame = output.recv().await;
+            let end = frame.is_err();
+            if tx.send(frame).await.is_err() || end {
+                return;
+            }
+        }
+    });
+    (AbortOnDrop(task), rx)
+}
+
+pub(super) async fn session(
+    ws: WebSocket,
+    socket: PathBuf,
+    exec_id: String,
+    from: u64,
+) -> Result<(), crate::agent::AgentError> {
+    let mut output = AgentConn::connect(&socket, Duration::from_secs(5)).await?;
+    let mut input = AgentConn::connect(&socket, Duration::from_secs(5)).await?;
+    output
+        .send(&HostMsg::Attach {
+            exec_id: exec_id.clone(),
+            from,
+        })
+        .await?;
+    let (_reader, mut frames) = read_output(output);
+    let (mut tx, mut rx) = ws.split();
+    loop {
+        tokio::select! {
+            msg = rx.next() => {
+                let msg = match msg {
+                    Some(Ok(msg)) => msg,
+                    Some(Err(e)) => {
+                        // A message over the cap (or a broken one): said with a close frame.
+                        let too_big = matches!(
+                            std::error::Error::source(&e)
+                                .and_then(|s| s.downcast_ref::<tungstenite::Error>()),
+                            Some(tungstenite::Error::Capacity(_))
+                        );
+                        let (code, reason) = if too_big {
+                            (close_code::SIZE, "message over 4 MiB")
+                        } else {
+                            (close_code::PROTOCOL, "invalid message")
+                        };
+                        tracing::info!(error = %e, "terminal: client message refused");
+                        let _ = tx
+                            .send(Message::Close(Some(CloseFrame {
+                                code,
+                                reason: reason.into(),
+                            })))
+                            .await;
+                        return Ok(());
+                    }
+                    None => return Ok(()),
+                };
+                match msg {
+                    Message::Binary(b) => {
+                        for chunk in b.chunks(sbx_proto::MAX_DATA) {
+                            input.send_stdin(&exec_id, chunk).await?;
+                        }
+                    }
+                    Message::Text(t) => {
+                        let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
+                        match v["type"].as_str() {
+                            Some("resize") => {
+                                let rows = v["rows"].as_u64().unwrap_or(24).clamp(1, 1000) as u16;
+                                let cols = v["cols"].as_u64().unwrap_or(80).clamp(1, 1000) as u16;
+                                input.send(&HostMsg::Resize { exec_id: exec_id.clone(), rows, cols }).await?;
+                            }
+                            Some("input") => {
+                                let data = v["data"].as_str().unwrap_or("");
+                                input.send_stdin(&exec_id, data.as_bytes()).await?;
+                            }
+                            _ => {}
+                        }
+                    }
+                    Message::Close(_) => return Ok(()),
+                    _ => {}
+                }
+            }
+            frame = frames.recv() => {
+                let Some(frame) = frame else { return Err(crate::agent::AgentError::Closed) };
+                match frame? {
+                    Frame::Data { bytes, .. } => {
+                        if tx.send(Message::Binary(bytes.into())).await.is_err() {
+                            return Ok(());
+                        }
+                    }
+                    Frame::Msg(AgentMsg::Exited { exit, .. }) => {
+                        let end = json!({
+                            "type": "exit",
+                            "status": exit.status,
+                            "exit_code": exit.exit_code,
+                            "signal": exit.signal.map(sbx_api::signal_name),
+                        });
+                        let _ = tx.send(Message::Text(end.to_string().into())).await;
+                        let _ = tx.send(Message::Close(None)).await;
+                        return Ok(());
+                    }
+                    Frame::Msg(_) => {}
+                }
+            }
+        }
+    }
+}
