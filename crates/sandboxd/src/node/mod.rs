@@ -7,7 +7,7 @@ pub mod credentials;
 pub mod dns;
 pub mod egress;
 #[cfg(test)]
-mod fake;
+pub(crate) mod fake;
 pub mod files;
 pub mod health;
 mod machine;
