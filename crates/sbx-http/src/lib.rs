@@ -1,6 +1,7 @@
 //! The HTTP edge: the node's API over axum. Each resource's routes parse a request into typed
 //! values, call the node (`crate::node`), and answer; `router.rs` is the one table of routes;
-//! `edge.rs` checks every request (where it comes from, its key, its body's type).
+//! `edge.rs` checks every request (where it comes from, its key, its body's type);
+//! `openapi.rs` serves the API's document, which its tests hold to the routes.
 
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,7 @@ mod images;
 mod node_routes;
 #[cfg(test)]
 mod node_tests;
+mod openapi;
 mod router;
 mod run;
 mod sandboxes;
