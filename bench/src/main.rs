@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use sbx_api::{Command as Cmdline, ExecObject, ExecRequest, GapData, RunRequest, SandboxCreate};
+use sbx_client::sse::FrameReader;
+use sbx_client::Client;
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
@@ -104,33 +107,35 @@ fn measure(
     })
 }
 
-fn sbx_one(agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
-    let resp: Value = agent
-        .post(&format!("{url}/v1/run"))
-        .send_json(json!({"command": ["echo", "hi"]}))
-        .context("POST /v1/run")?
-        .into_json()?;
-    if resp["stdout"] != "hi\n" || resp["exit_code"] != 0 {
-        bail!("unexpected answer: {resp}");
+fn sbx_one(node: &Client) -> anyhow::Result<()> {
+    let cmd = Cmdline::Argv(vec!["echo".into(), "hi".into()]);
+    let resp = node.run(&RunRequest::new(cmd)).context("POST /v1/run")?;
+    if resp.stdout != "hi\n" || resp.exit_code != Some(0) {
+        bail!("unexpected answer: {}", serde_json::to_string(&resp)?);
     }
     Ok(())
 }
 
+/// A create of the node's base template.
+fn bare_create() -> SandboxCreate {
+    SandboxCreate {
+        spec: RunRequest::new(Cmdline::Argv(Vec::new())),
+        network: None,
+    }
+}
+
 /// A kept sandbox made (`POST /v1/sandboxes` until it answers running), then deleted (not
 /// timed: `measure` times the whole call, so the delete goes on a thread of its own).
-fn sbx_create(agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
-    let resp: Value = agent
-        .post(&format!("{url}/v1/sandboxes"))
-        .send_json(json!({}))
-        .context("POST /v1/sandboxes")?
-        .into_json()?;
-    if resp["status"] != "running" {
-        bail!("unexpected answer: {resp}");
+fn sbx_create(node: &Client) -> anyhow::Result<()> {
+    let resp = node
+        .create_sandbox(&bare_create())
+        .context("POST /v1/sandboxes")?;
+    if resp.status != sbx_api::SandboxStatus::Running {
+        bail!("unexpected answer: {}", serde_json::to_string(&resp)?);
     }
-    let id = resp["id"].as_str().unwrap_or_default().to_string();
-    let (agent, url) = (agent.clone(), url.to_string());
+    let (node, id) = (node.clone(), resp.object.id);
     std::thread::spawn(move || {
-        let _ = agent.delete(&format!("{url}/v1/sandboxes/{id}")).call();
+        let _ = node.delete_sandbox(&id);
     });
     Ok(())
 }
@@ -182,34 +187,29 @@ fn main() -> anyhow::Result<()> {
         run_suite(&args, &agent, &url)?;
     }
     if args.suite == "exec" || args.suite == "all" {
-        exec_suite(&args, &agent, &url)?;
+        exec_suite(&args, &Client::with_agent(&url, agent.clone()))?;
     }
     Ok(())
 }
 
 /// A command in a live sandbox against fork+exec on the host; then the event stream's
 /// throughput.
-fn exec_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
-    let sb: Value = agent
-        .post(&format!("{url}/v1/sandboxes"))
-        .send_json(json!({}))
-        .context("create a sandbox")?
-        .into_json()?;
-    let id = sb["id"].as_str().unwrap_or_default().to_string();
-    let result = exec_cells(args, agent, url, &id);
-    let _ = agent.delete(&format!("{url}/v1/sandboxes/{id}")).call();
+fn exec_suite(args: &Args, node: &Client) -> anyhow::Result<()> {
+    let sb = node
+        .create_sandbox(&bare_create())
+        .context("create a sandbox")?;
+    let result = exec_cells(args, node, &sb.id);
+    let _ = node.delete_sandbox(&sb.id);
     result
 }
 
-fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::Result<()> {
-    let exec_url = format!("{url}/v1/sandboxes/{id}/exec");
-    let exec_true = move |a: &ureq::Agent| -> anyhow::Result<()> {
-        let v: Value = a
-            .post(&exec_url)
-            .send_json(json!({"command": ["true"], "wait_seconds": 10}))?
-            .into_json()?;
-        if v["status"] != "exited" || v["exit_code"] != 0 {
-            bail!("unexpected answer: {v}");
+fn exec_cells(args: &Args, node: &Client, id: &str) -> anyhow::Result<()> {
+    let mut exec = ExecRequest::new(Cmdline::Argv(vec!["true".into()]));
+    exec.wait_seconds = 10.0;
+    let exec_true = || -> anyhow::Result<()> {
+        let v = node.exec(id, &exec)?;
+        if v.status != sbx_api::ExecStatus::Exited || v.exit_code != Some(0) {
+            bail!("unexpected answer: {}", serde_json::to_string(&v)?);
         }
         Ok(())
     };
@@ -221,7 +221,7 @@ fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::
         Ok(())
     };
     for _ in 0..10 {
-        exec_true(agent)?;
+        exec_true()?;
         host_true()?;
     }
     // Interleaved, one of each in turn: a machine whose speed drifts (a shared host) moves
@@ -229,7 +229,7 @@ fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::
     let (mut sbx, mut host) = (Cell::default(), Cell::default());
     for _ in 0..args.runs {
         let t = Instant::now();
-        exec_true(agent)?;
+        exec_true()?;
         sbx.lat.push(t.elapsed());
         let t = Instant::now();
         host_true()?;
@@ -259,46 +259,31 @@ fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::
         "yes abcdefghijklmnopqrstuvwxyz0123456789 | head -c {}",
         args.stream_bytes
     );
-    let v: Value = agent
-        .post(&format!("{url}/v1/sandboxes/{id}/exec"))
-        .send_json(json!({"command": cmd, "wait_for_reader": true}))?
-        .into_json()?;
-    let exec = v["id"].as_str().unwrap_or_default().to_string();
+    let mut writer = ExecRequest::new(Cmdline::Shell(cmd));
+    writer.wait_for_reader = true;
+    let started = node.exec(id, &writer)?;
     let t = Instant::now();
-    let resp = agent
-        .get(&format!("{url}/v1/sandboxes/{id}/exec/{exec}/output"))
-        .set("accept", "text/event-stream")
-        .call()?;
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, resp.into_reader());
-    let (mut data_bytes, mut gap_bytes, mut wire) = (0u64, 0u64, 0u64);
-    let mut line = String::new();
-    let mut event = String::new();
-    loop {
-        line.clear();
-        let n = std::io::BufRead::read_line(&mut reader, &mut line)?;
-        if n == 0 {
-            break;
-        }
-        wire += n as u64;
-        if let Some(e) = line.strip_prefix("event: ") {
-            event = e.trim().to_string();
-        } else if let Some(d) = line.strip_prefix("data: ") {
-            // Output events are counted, not parsed: the client must not be what is measured.
-            match event.as_str() {
-                "gap" => {
-                    let v: Value = serde_json::from_str(d)?;
-                    gap_bytes += v["to"].as_u64().unwrap_or(0) - v["from"].as_u64().unwrap_or(0);
-                }
-                "exit" => {
-                    let v: Value = serde_json::from_str(d)?;
-                    data_bytes = v["output"]["end"].as_u64().unwrap_or(0) - gap_bytes;
-                    break;
-                }
-                "error" => bail!("the stream ended with an error: {d}"),
-                _ => {}
+    let body = node.output_events_raw(id, &started.id, None, sbx_api::Encoding::Utf8)?;
+    // The client's frame reader: output events are counted, not parsed (the client must not
+    // be what is measured); only the gaps and the exit are read.
+    let mut frames = FrameReader::new(std::io::BufReader::with_capacity(1 << 20, body));
+    let (mut data_bytes, mut gap_bytes) = (0u64, 0u64);
+    while let Some(f) = frames.next_frame()? {
+        match f.event.as_str() {
+            "gap" => {
+                let g: GapData = serde_json::from_str(&f.data)?;
+                gap_bytes += g.to - g.from;
             }
+            "exit" => {
+                let o: ExecObject = serde_json::from_str(&f.data)?;
+                data_bytes = o.output.end - gap_bytes;
+                break;
+            }
+            "error" => bail!("the stream ended with an error: {}", f.data),
+            _ => {}
         }
     }
+    let wire = frames.bytes_read();
     let secs = t.elapsed().as_secs_f64();
     println!();
     println!(
@@ -315,33 +300,29 @@ fn exec_cells(args: &Args, agent: &ureq::Agent, url: &str, id: &str) -> anyhow::
 }
 
 fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> {
-    let url = url.to_string();
-    let agent = agent.clone();
+    let node = Client::with_agent(url, agent.clone());
     // Warm up: the first runs pay for page cache and allocator growth.
     for _ in 0..10 {
-        sbx_one(&agent, &url)?;
+        sbx_one(&node)?;
     }
     let mut rows = Vec::new();
     for conc in [1, 8] {
-        let (a, u) = (agent.clone(), url.clone());
-        let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&a, &u)))?;
+        let n = node.clone();
+        let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&n)))?;
         rows.push(("sbx POST /v1/run", conc, cell));
     }
     if let Some(lo) = &args.url_no_net {
+        let no_net = Client::with_agent(lo, agent.clone());
         for _ in 0..10 {
-            sbx_one(&agent, lo)?;
+            sbx_one(&no_net)?;
         }
         for conc in [1, 8] {
-            let (a, u) = (agent.clone(), lo.clone());
-            let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&a, &u)))?;
+            let n = no_net.clone();
+            let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&n)))?;
             rows.push(("sbx run, no net", conc, cell));
         }
-        for (what, u) in [
-            ("sbx create", url.clone()),
-            ("sbx create, no net", lo.clone()),
-        ] {
-            let a = agent.clone();
-            let cell = measure(args.runs / 2, 1, Arc::new(move |_| sbx_create(&a, &u)))?;
+        for (what, n) in [("sbx create", node.clone()), ("sbx create, no net", no_net)] {
+            let cell = measure(args.runs / 2, 1, Arc::new(move |_| sbx_create(&n)))?;
             rows.push((what, 1, cell));
         }
     }

@@ -369,6 +369,56 @@ impl Egress {
         Ok(e)
     }
 
+    /// These rules as the JSON a call gives (`egress` of a create, a run or a PATCH) that
+    /// [`Egress::parse`] reads back to them: each target as text (`*`, `203.0.113.0/24`,
+    /// `api.example.com`, `*.example.com`), the parts that say nothing left out.
+    pub fn to_json(&self) -> Value {
+        let target = |t: &Target| match t {
+            Target::Any => "*".to_string(),
+            Target::Net(n) => n.to_string(),
+            Target::Name(n) => n.clone(),
+            Target::Suffix(s) => format!("*.{s}"),
+        };
+        let mut o = Map::new();
+        if self.default_deny {
+            o.insert("default".into(), Value::String("deny".into()));
+        }
+        for (key, list) in [("allow", &self.allow), ("deny", &self.deny)] {
+            if !list.is_empty() {
+                o.insert(key.into(), list.iter().map(target).collect());
+            }
+        }
+        if !self.http.is_empty() {
+            let rules = self.http.iter().map(|r| {
+                let mut rule = Map::new();
+                rule.insert("host".into(), Value::String(r.host.as_text()));
+                if !r.methods.is_empty() {
+                    rule.insert("methods".into(), r.methods.clone().into());
+                }
+                if !r.paths.is_empty() {
+                    rule.insert("paths".into(), r.paths.clone().into());
+                }
+                Value::Object(rule)
+            });
+            o.insert("http".into(), rules.collect());
+        }
+        if !self.inject.is_empty() {
+            let rules = self.inject.iter().map(|r| {
+                serde_json::json!({
+                    "host": r.host.as_text(),
+                    "secret": r.secret,
+                    "header": r.header,
+                    "value": r.value,
+                })
+            });
+            o.insert("inject".into(), rules.collect());
+        }
+        if !self.deny_ports.is_empty() {
+            o.insert("deny_ports".into(), self.deny_ports.clone().into());
+        }
+        Value::Object(o)
+    }
+
     /// The verdict for a DNS name (any case, a trailing dot or not).
     pub fn name(&self, host: &str) -> Verdict {
         let host = normal_host(host);

@@ -628,9 +628,79 @@ pub fn error_body(err: &ApiError, request_id: &str, docs_base: Option<&str>) -> 
     body
 }
 
+/// An error answer as a client reads it back: the `error` object of [`error_body`] and the keys
+/// the answer carries beside it (`allowed_hosts` of secret_host_not_allowed, ...). The
+/// functions interface answers the same shape without `param` and `request_id`, its `code` an
+/// S-code (`S210`): `code` is kept as text, [`ErrorDetail::error_code`] reads the API's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+    /// Keys of the answer beside `error`.
+    #[serde(flatten)]
+    pub beside: serde_json::Map<String, Value>,
+}
+
+/// The `error` object of an error answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// The kind of failure (`invalid_request`, `not_found`, ...), which decides the status.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Which failure: an [`ErrorCode`]'s name, or an S-code of the functions interface.
+    pub code: String,
+    /// For people. English.
+    pub message: String,
+    /// The field or query parameter at fault.
+    #[serde(default)]
+    pub param: Option<String>,
+    /// Whether the same request may succeed later.
+    #[serde(default)]
+    pub retryable: bool,
+    /// The request's id (absent in the functions interface's answers).
+    #[serde(default)]
+    pub request_id: Option<String>,
+    /// The node's docs page of the code, or null.
+    #[serde(default)]
+    pub docs_url: Option<String>,
+}
+
+impl ErrorDetail {
+    /// The code as one of this API's, when it is one.
+    pub fn error_code(&self) -> Option<ErrorCode> {
+        ErrorCode::from_code(&self.code)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_body_reads_back() {
+        let e = ApiError::new(ErrorCode::SecretHostNotAllowed, "no")
+            .with_param("image_pull_secret")
+            .with_beside("allowed_hosts", json!(["a.com"]));
+        let body: ErrorBody =
+            serde_json::from_value(error_body(&e, "req-1", Some("https://d/"))).unwrap();
+        assert_eq!(
+            body.error.error_code(),
+            Some(ErrorCode::SecretHostNotAllowed)
+        );
+        assert_eq!(body.error.kind, "forbidden");
+        assert_eq!(body.error.param.as_deref(), Some("image_pull_secret"));
+        assert_eq!(body.error.request_id.as_deref(), Some("req-1"));
+        assert_eq!(
+            body.error.docs_url.as_deref(),
+            Some("https://d/secret_host_not_allowed")
+        );
+        assert!(!body.error.retryable);
+        assert_eq!(body.beside["allowed_hosts"], json!(["a.com"]));
+        // The functions interface's shape: no param, no request_id, an S-code.
+        let f: ErrorBody = serde_json::from_value(json!({"error": {"code": "S211",
+            "type": "filesystem", "message": "m", "retryable": false, "docs_url": null}}))
+        .unwrap();
+        assert_eq!((f.error.error_code(), f.error.param), (None, None));
+    }
 
     #[test]
     fn codes_round_trip_through_serde_and_as_str() {

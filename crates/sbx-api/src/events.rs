@@ -62,6 +62,21 @@ impl fmt::Display for EventKind {
     }
 }
 
+/// The data of a `stdout` or `stderr` event: the text (or base64) of the bytes from
+/// `position` on. The event's id is the position after them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputData {
+    pub data: String,
+    pub position: u64,
+}
+
+/// The data of a `gap` event: output from `from` to `to` is no longer kept. Its id is `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GapData {
+    pub from: u64,
+    pub to: u64,
+}
+
 /// The content type of an event stream.
 pub const SSE_CONTENT_TYPE: &str = "text/event-stream";
 

@@ -5,7 +5,12 @@
 //! - [`error`]: [`ErrorCode`] (code -> type, status, retryable), [`ApiError`], [`error_body`].
 //! - [`run`]: `POST /v1/run`'s body, parsed and validated: [`parse_run_request`].
 //! - [`exec`]: the exec object a run answers with, signal names, RFC 3339 times.
-//! - [`events`]: the kinds of a command's event stream and their framing.
+//! - [`events`]: the kinds of a command's event stream, their data and their framing.
+//! - [`sandbox`], [`volume`], [`secret`], [`egress`]: the other calls' bodies and objects.
+//!
+//! Each request type the node parses is written back by its `to_json` (`RunRequest`,
+//! `SandboxCreate`, `ExecRequest`, `SandboxPatch`, `VolumeCreate`, `SecretPut`, `Egress`) as
+//! the body that parses to the same value: what a client (sbx-client) sends.
 
 #![forbid(unsafe_code)]
 
@@ -17,10 +22,11 @@ pub mod functions;
 pub mod ids;
 pub mod run;
 pub mod sandbox;
+pub mod secret;
 pub mod volume;
 
-pub use error::{error_body, ApiError, ErrorCode};
-pub use events::{sse, sse_event, EventKind};
+pub use error::{error_body, ApiError, ErrorBody, ErrorCode, ErrorDetail};
+pub use events::{sse, sse_event, EventKind, GapData, OutputData};
 pub use exec::{
     format_rfc3339_millis, parse_rfc3339, signal_field, signal_name, signal_number, ExecObject,
     ExecObjectKind, ExecStatus, ExecUsage, OutputInfo,
@@ -30,11 +36,13 @@ pub use ids::{
     derived_id, is_id, new_id, new_request_id, request_id_or_new, valid_name, valid_request_id,
 };
 pub use run::{
-    parse_run_request, parse_run_value, seconds_to_ms, validate_idempotency_key, Command, Encoding,
-    Init, Limits, OnExpiry, Ready, Region, RunRequest, SecretEnv, Stop, Tmp, VolumeMount,
+    ms_to_seconds, parse_run_request, parse_run_value, run_timeout, seconds_to_ms,
+    validate_idempotency_key, Command, Encoding, Init, Limits, OnExpiry, Ready, Region, RunRequest,
+    SecretEnv, Stop, Tmp, VolumeMount,
 };
 pub use sandbox::{
-    parse_exec_request, parse_sandbox_create, ExecRequest, SandboxCreate, SandboxLimits,
-    SandboxObject, SandboxStatus, SnapshotObject,
+    exec_timeout, parse_exec_request, parse_sandbox_create, parse_sandbox_patch, ExecRequest,
+    SandboxCreate, SandboxLimits, SandboxObject, SandboxPatch, SandboxStatus, SnapshotObject,
 };
+pub use secret::{parse_secret_put, SecretObject, SecretPut};
 pub use volume::{parse_volume_create, SandboxVolume, VolumeCreate, VolumeObject};

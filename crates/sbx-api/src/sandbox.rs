@@ -134,10 +134,8 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
     let user = opt_str(&obj, "user")?.map(String::from);
     let timeout = given(&obj, "timeout_seconds")
         .map(|v| match v.as_f64() {
-            Some(t) if (crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&t) => Ok(
-                std::time::Duration::from_millis(crate::run::seconds_to_ms(t)),
-            ),
-            _ => Err(invalid(TIMEOUT, TIMEOUT_RANGE)),
+            Some(t) => exec_timeout(t),
+            None => Err(invalid(TIMEOUT, TIMEOUT_RANGE)),
         })
         .transpose()?;
     let encoding = match opt_str(&obj, "encoding")? {
@@ -191,6 +189,18 @@ pub fn parse_exec_request(body: &[u8]) -> Result<ExecRequest, ApiError> {
 const TIMEOUT: &str = "timeout_seconds";
 const TIMEOUT_RANGE: &str = "timeout_seconds must be a number of seconds from 0.001 (1 ms) to 1e9";
 
+/// A command's `timeout_seconds` as its deadline: 0.001 to 1e9 seconds, else 400 invalid_field
+/// (param `timeout_seconds`), the answer the node gives to the same number in a body.
+pub fn exec_timeout(seconds: f64) -> Result<std::time::Duration, ApiError> {
+    if (crate::run::MIN_TIMEOUT_SECONDS..=1e9).contains(&seconds) {
+        Ok(std::time::Duration::from_millis(crate::run::seconds_to_ms(
+            seconds,
+        )))
+    } else {
+        Err(invalid(TIMEOUT, TIMEOUT_RANGE))
+    }
+}
+
 impl ExecRequest {
     /// A request to run `command` with every other field at its default (as a body of only
     /// `{"command": …}` gives): for callers that build a request by type (the functions
@@ -236,6 +246,177 @@ impl ExecRequest {
             ));
         }
         crate::run::check_exec_size(&self.command, self.env.iter(), "env", self.cwd.as_deref())
+    }
+}
+
+impl SandboxCreate {
+    /// This create as the JSON body of `POST /v1/sandboxes` that parses back to it: the
+    /// fields of [`RunRequest::to_json`] that describe a sandbox (`network` is not on the wire:
+    /// it is the functions interface's, and reads back as `None`).
+    pub fn to_json(&self) -> Value {
+        let mut v = self.spec.to_json();
+        if let Some(o) = v.as_object_mut() {
+            for k in COMMAND_ONLY_FIELDS {
+                o.remove(k);
+            }
+        }
+        v
+    }
+}
+
+impl ExecRequest {
+    /// This request as the JSON body of `POST /v1/sandboxes/{id}/exec` (or `…/run`) that
+    /// parses back to it; fields at their defaults are left out.
+    pub fn to_json(&self) -> Value {
+        use crate::run::{command_value, seconds_value, stdin_value};
+        let mut o = Map::new();
+        o.insert("command".into(), command_value(&self.command));
+        if !self.env.is_empty() {
+            o.insert("env".into(), serde_json::json!(self.env));
+        }
+        if let Some(c) = &self.cwd {
+            o.insert("cwd".into(), Value::String(c.clone()));
+        }
+        if let Some(u) = &self.user {
+            o.insert("user".into(), Value::String(u.clone()));
+        }
+        if let Some(t) = self.timeout {
+            o.insert("timeout_seconds".into(), seconds_value(t));
+        }
+        if let Some(s) = &self.stdin {
+            o.insert("stdin".into(), stdin_value(s, self.encoding));
+        }
+        if self.stdin_open {
+            o.insert("stdin_open".into(), Value::Bool(true));
+        }
+        if self.encoding != Encoding::Utf8 {
+            o.insert(
+                "encoding".into(),
+                Value::String(self.encoding.as_str().into()),
+            );
+        }
+        if self.tty {
+            o.insert("tty".into(), Value::Bool(true));
+        }
+        if self.rows != 24 {
+            o.insert("rows".into(), serde_json::json!(self.rows));
+        }
+        if self.cols != 80 {
+            o.insert("cols".into(), serde_json::json!(self.cols));
+        }
+        if self.wait_seconds != 0.0 {
+            o.insert("wait_seconds".into(), serde_json::json!(self.wait_seconds));
+        }
+        if self.wait_for_reader {
+            o.insert("wait_for_reader".into(), Value::Bool(true));
+        }
+        if let Some(b) = self.stream {
+            o.insert("stream".into(), Value::Bool(b));
+        }
+        Value::Object(o)
+    }
+}
+
+/// The fields `PATCH /v1/sandboxes/{id}` takes.
+pub const PATCH_FIELDS: [&str; 3] = ["egress", "expires_at", "held_asleep"];
+
+/// A `PATCH /v1/sandboxes/{id}` body: what changes of a kept sandbox. `None`: the field is not
+/// given, and that part is left as it is.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SandboxPatch {
+    /// Its egress rules: `Some(None)` (null) removes every rule; `Some(Some(keys))` replaces
+    /// each key given (`allow`, `deny`, ...) and removes each key given as null, the others
+    /// kept ([`crate::egress::merge`]).
+    pub egress: Option<Option<Map<String, Value>>>,
+    /// When it expires: `Some(None)` (null): never; an RFC 3339 time.
+    pub expires_at: Option<Option<String>>,
+    /// Held asleep (null reads as false).
+    pub held_asleep: Option<bool>,
+}
+
+/// Parses a `PATCH /v1/sandboxes/{id}` body: 400 invalid_json, unknown_field, invalid_field
+/// (expires_at, held_asleep), invalid_egress (the egress keys given, each as the rules take
+/// it; the rules as merged are the node's to check).
+pub fn parse_sandbox_patch(body: &[u8]) -> Result<SandboxPatch, ApiError> {
+    let obj = object(body)?;
+    if let Some(k) = obj.keys().find(|k| !PATCH_FIELDS.contains(&k.as_str())) {
+        return Err(ApiError::new(
+            ErrorCode::UnknownField,
+            format!("{k} is not a field this call takes (egress, expires_at and held_asleep are)"),
+        )
+        .with_param(k.clone()));
+    }
+    let held_asleep = match obj.get("held_asleep") {
+        None => None,
+        Some(Value::Null) => Some(false),
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => {
+            return Err(invalid(
+                "held_asleep",
+                "held_asleep must be true, false or null",
+            ))
+        }
+    };
+    let expires_at = match obj.get("expires_at") {
+        None => None,
+        Some(Value::Null) => Some(None),
+        Some(Value::String(s)) => Some(Some(s.clone())),
+        Some(_) => {
+            return Err(invalid(
+                "expires_at",
+                "expires_at must be an RFC 3339 time or null",
+            ))
+        }
+    };
+    let egress = match obj.get("egress") {
+        None => None,
+        Some(Value::Null) => Some(None),
+        Some(Value::Object(keys)) => {
+            let given: Map<String, Value> = keys
+                .iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            crate::egress::Egress::parse(&Value::Object(given))?;
+            Some(Some(keys.clone()))
+        }
+        Some(_) => {
+            return Err(
+                ApiError::new(ErrorCode::InvalidEgress, "egress must be an object or null")
+                    .with_param("egress"),
+            )
+        }
+    };
+    Ok(SandboxPatch {
+        egress,
+        expires_at,
+        held_asleep,
+    })
+}
+
+impl SandboxPatch {
+    /// This patch as the JSON body that parses back to it.
+    pub fn to_json(&self) -> Value {
+        let mut o = Map::new();
+        match &self.egress {
+            None => {}
+            Some(None) => {
+                o.insert("egress".into(), Value::Null);
+            }
+            Some(Some(keys)) => {
+                o.insert("egress".into(), Value::Object(keys.clone()));
+            }
+        }
+        match &self.expires_at {
+            None => {}
+            Some(at) => {
+                o.insert("expires_at".into(), serde_json::json!(at));
+            }
+        }
+        if let Some(h) = self.held_asleep {
+            o.insert("held_asleep".into(), Value::Bool(h));
+        }
+        Value::Object(o)
     }
 }
 

@@ -110,6 +110,23 @@ pub fn parse_volume_create(body: &[u8]) -> Result<VolumeCreate, ApiError> {
     })
 }
 
+impl VolumeCreate {
+    /// This create as the JSON body of `POST /v1/volumes` that parses back to it.
+    pub fn to_json(&self) -> Value {
+        let mut o = serde_json::Map::new();
+        if let Some(n) = &self.name {
+            o.insert("name".into(), Value::String(n.clone()));
+        }
+        if let Some(b) = self.size_bytes {
+            o.insert("size_bytes".into(), Value::from(b));
+        }
+        if self.shared {
+            o.insert("shared".into(), Value::Bool(true));
+        }
+        Value::Object(o)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -49,38 +49,17 @@ pub(crate) fn payload(json: Option<&str>, fields: &[String]) -> anyhow::Result<V
 pub(crate) fn call(cli: &Cli, a: &CallArgs) -> anyhow::Result<u8> {
     let body = payload(a.json.as_deref(), &a.fields)?;
     crate::ensure_node(cli)?;
-    let url = format!(
-        "{}/v1/functions/{}",
-        cli.url.trim_end_matches('/'),
-        a.function_id
-    );
-    let mut req = crate::agent()
-        .post(&url)
-        .set("Content-Type", "application/json");
-    if let Some(k) = &cli.api_key {
-        req = req.set("Authorization", &format!("Bearer {k}"));
-    }
-    match req.send_json(body) {
-        Ok(resp) => {
-            let v: Value = resp.into_json().context("the reply is not JSON")?;
+    match cli.client().call_function(&a.function_id, &body) {
+        Ok(v) => {
             println!("{}", serde_json::to_string_pretty(&v)?);
             Ok(0)
         }
-        Err(ureq::Error::Status(status, resp)) => {
-            let v: Value = resp.into_json().unwrap_or(Value::Null);
-            if v["error"]["code"].is_string() {
-                println!("{}", serde_json::to_string_pretty(&v)?);
-                eprintln!(
-                    "sbx: {}: {}",
-                    v["error"]["code"].as_str().unwrap_or(""),
-                    v["error"]["message"].as_str().unwrap_or("")
-                );
-                Ok(1)
-            } else {
-                Err(anyhow!("the node answered {status}"))
-            }
+        Err(sbx_client::Error::Node(e)) => {
+            println!("{}", serde_json::to_string_pretty(&e.body)?);
+            eprintln!("sbx: {}: {}", e.code, e.message);
+            Ok(1)
         }
-        Err(e) => Err(anyhow!("cannot reach the node: {e}")),
+        Err(e) => Err(e.into()),
     }
 }
 

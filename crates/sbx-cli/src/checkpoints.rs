@@ -1,10 +1,7 @@
 //! `sbx sleep`, `sbx wake`, `sbx snapshot`, `sbx fork`: a sandbox's processes checkpointed
 //! to disk and back (the node's CRIU), its snapshots, and copies of it that go on from now.
 
-use serde_json::{json, Value};
-
-use crate::sandboxes::req;
-use crate::{api_error, Cli};
+use crate::{print_json, Cli};
 
 #[derive(clap::Args, Debug)]
 pub struct SleepArgs {
@@ -46,99 +43,81 @@ pub struct ForkArgs {
     json: bool,
 }
 
-fn post(cli: &Cli, path: &str, body: Value) -> anyhow::Result<Value> {
-    Ok(req(cli, "POST", path)
-        .send_json(body)
-        .map_err(api_error)?
-        .into_json()?)
-}
-
 /// `sbx sleep` (`wake: false`) and `sbx wake`.
 pub fn sleep(cli: &Cli, a: &SleepArgs, wake: bool) -> anyhow::Result<u8> {
-    let verb = if wake { "wake" } else { "sleep" };
+    let client = cli.client();
     let mut code = 0;
     let mut all = Vec::new();
     for s in &a.sandboxes {
-        match post(cli, &format!("/v1/sandboxes/{s}/{verb}"), json!({})) {
+        let r = if wake {
+            client.wake_sandbox(s)
+        } else {
+            client.sleep_sandbox(s)
+        };
+        match r {
             Ok(obj) if a.json => all.push(obj),
-            Ok(obj) => println!(
-                "{} {}",
-                obj["id"].as_str().unwrap_or(s),
-                obj["status"].as_str().unwrap_or("")
-            ),
+            Ok(obj) => println!("{} {}", obj.id, obj.status.as_str()),
             Err(e) => {
-                eprintln!("sbx: {s}: {e:#}");
+                eprintln!("sbx: {s}: {e}");
                 code = 1;
             }
         }
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&all)?);
+        print_json(&all)?;
     }
     Ok(code)
 }
 
 pub fn snapshot(cli: &Cli, a: &SnapshotArgs) -> anyhow::Result<u8> {
+    let client = cli.client();
     if a.ls {
-        let v: Value = req(cli, "GET", "/v1/snapshots")
-            .call()
-            .map_err(api_error)?
-            .into_json()?;
+        let v = client.snapshots()?;
         if a.json {
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            print_json(&v)?;
             return Ok(0);
         }
         println!(
             "{:<22} {:<20} {:<10} {:>10}  {:<22} CREATED",
             "ID", "NAME", "STATUS", "SIZE", "SANDBOX"
         );
-        for s in v["data"].as_array().into_iter().flatten() {
+        for s in &v.data {
             println!(
                 "{:<22} {:<20} {:<10} {:>10}  {:<22} {}",
-                s["id"].as_str().unwrap_or(""),
-                s["name"].as_str().unwrap_or("-"),
-                s["status"].as_str().unwrap_or(""),
-                human_size(s["size_bytes"].as_u64().unwrap_or(0)),
-                s["sandbox_id"].as_str().unwrap_or(""),
-                s["created_at"].as_str().unwrap_or(""),
+                s.id,
+                s.name.as_deref().unwrap_or("-"),
+                s.status,
+                human_size(s.size_bytes),
+                s.sandbox_id,
+                s.created_at,
             );
         }
         return Ok(0);
     }
     if let Some(snap) = &a.rm {
-        req(cli, "DELETE", &format!("/v1/snapshots/{snap}"))
-            .call()
-            .map_err(api_error)?;
+        client.delete_snapshot(snap)?;
         println!("{snap}");
         return Ok(0);
     }
     let Some(sandbox) = &a.sandbox else {
         anyhow::bail!("name a sandbox (or --ls, --rm SNAPSHOT)");
     };
-    let mut body = json!({});
-    if let Some(n) = &a.name {
-        body["name"] = json!(n);
-    }
-    let v = post(cli, &format!("/v1/sandboxes/{sandbox}/snapshots"), body)?;
+    let v = client.snapshot_sandbox(sandbox, a.name.as_deref())?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        print_json(&v)?;
     } else {
-        println!("{}", v["id"].as_str().unwrap_or(""));
+        println!("{}", v.id);
     }
     Ok(0)
 }
 
 pub fn fork(cli: &Cli, a: &ForkArgs) -> anyhow::Result<u8> {
-    let v = post(
-        cli,
-        &format!("/v1/sandboxes/{}/fork", a.sandbox),
-        json!({ "count": a.count }),
-    )?;
+    let v = cli.client().fork_sandbox(&a.sandbox, a.count)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        print_json(&v)?;
     } else {
-        for s in v["sandboxes"].as_array().into_iter().flatten() {
-            println!("{}", s["id"].as_str().unwrap_or(""));
+        for s in &v.sandboxes {
+            println!("{}", s.id);
         }
     }
     Ok(0)

@@ -1,10 +1,10 @@
 //! `sbx egress SANDBOX --allow pypi.org --deny '*'`: a sandbox's egress rules changed live
 //! (`PATCH /v1/sandboxes/{id}` with the keys given; the others are kept).
 
-use serde_json::{json, Map, Value};
+use sbx_api::SandboxPatch;
+use serde_json::{Map, Value};
 
-use crate::sandboxes::req;
-use crate::{api_error, Cli};
+use crate::{print_json, Cli};
 
 #[derive(clap::Args, Debug)]
 pub struct EgressArgs {
@@ -30,8 +30,10 @@ pub struct EgressArgs {
     json: bool,
 }
 
-/// The PATCH body of `a`.
-fn body(a: &EgressArgs) -> Value {
+/// The PATCH of `a`: the egress keys given, each null with --clear first. The node keeps a
+/// sandbox's rules as the calls gave them (merged key by key), so the keys are the flags'
+/// text as given.
+fn patch(a: &EgressArgs) -> SandboxPatch {
     let mut e = Map::new();
     if a.clear {
         for k in ["default", "allow", "deny", "http", "inject", "deny_ports"] {
@@ -39,29 +41,29 @@ fn body(a: &EgressArgs) -> Value {
         }
     }
     if let Some(d) = &a.default {
-        e.insert("default".into(), json!(d));
+        e.insert("default".into(), Value::from(d.as_str()));
     }
     if !a.allow.is_empty() {
-        e.insert("allow".into(), json!(a.allow));
+        e.insert("allow".into(), Value::from(a.allow.clone()));
     }
     if !a.deny.is_empty() {
-        e.insert("deny".into(), json!(a.deny));
+        e.insert("deny".into(), Value::from(a.deny.clone()));
     }
     if !a.deny_ports.is_empty() {
-        e.insert("deny_ports".into(), json!(a.deny_ports));
+        e.insert("deny_ports".into(), Value::from(a.deny_ports.clone()));
     }
-    json!({ "egress": e })
+    SandboxPatch {
+        egress: Some(Some(e)),
+        ..SandboxPatch::default()
+    }
 }
 
 pub fn egress(cli: &Cli, a: &EgressArgs) -> anyhow::Result<u8> {
-    let obj: Value = req(cli, "PATCH", &format!("/v1/sandboxes/{}", a.sandbox))
-        .send_json(body(a))
-        .map_err(api_error)?
-        .into_json()?;
+    let obj = cli.client().patch_sandbox(&a.sandbox, &patch(a))?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&obj)?);
+        print_json(&obj)?;
     } else {
-        println!("{}", serde_json::to_string(&obj["egress"])?);
+        println!("{}", serde_json::to_string(&obj.egress)?);
     }
     Ok(0)
 }
@@ -70,6 +72,7 @@ pub fn egress(cli: &Cli, a: &EgressArgs) -> anyhow::Result<u8> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use serde_json::json;
 
     #[derive(Parser)]
     struct T {
@@ -90,11 +93,11 @@ mod tests {
             "25",
         ]);
         assert_eq!(
-            body(&t.a),
+            patch(&t.a).to_json(),
             json!({"egress": {"allow": ["pypi.org"], "deny": ["*"], "deny_ports": [25]}})
         );
         let t = T::parse_from(["t", "dev", "--clear", "--default", "deny"]);
-        assert_eq!(body(&t.a)["egress"]["default"], "deny");
-        assert_eq!(body(&t.a)["egress"]["allow"], Value::Null);
+        assert_eq!(patch(&t.a).to_json()["egress"]["default"], "deny");
+        assert_eq!(patch(&t.a).to_json()["egress"]["allow"], Value::Null);
     }
 }

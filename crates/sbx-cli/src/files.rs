@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde_json::{json, Value};
+use sbx_api::ErrorCode;
+use sbx_client::{Chmod, Client, FileEntry, Grep, Mkdir, Sed, TarUpload, Upload};
 
-use crate::{agent, api_error, Cli};
+use crate::{print_json, Cli};
 
 /// Transfers smaller than this show no progress bar.
 const BAR_FROM: u64 = 8 << 20;
@@ -143,27 +144,6 @@ pub enum FsCmd {
     },
 }
 
-fn req(cli: &Cli, method: &str, sandbox: &str, tail: &str) -> ureq::Request {
-    let url = format!(
-        "{}/v1/sandboxes/{sandbox}/files{tail}",
-        cli.url.trim_end_matches('/')
-    );
-    let mut r = agent().request(method, &url);
-    if let Some(k) = &cli.api_key {
-        r = r.set("authorization", &format!("Bearer {k}"));
-    }
-    r
-}
-
-fn call_json(r: ureq::Request, body: Option<Value>) -> anyhow::Result<Value> {
-    let resp = match body {
-        Some(b) => r.send_json(b),
-        None => r.call(),
-    }
-    .map_err(api_error)?;
-    resp.into_json().context("the node's answer")
-}
-
 /// A `SANDBOX:PATH` argument, or `None` for a local path.
 fn remote(arg: &str) -> Option<(&str, &str)> {
     let (sb, path) = arg.split_once(':')?;
@@ -200,48 +180,29 @@ fn join_remote(dir: &str, name: &str) -> String {
     format!("{}/{name}", dir.trim_end_matches('/'))
 }
 
-/// What is at a path in the sandbox (`None`: nothing).
-fn remote_stat(cli: &Cli, sb: &str, path: &str) -> anyhow::Result<Option<Value>> {
-    match req(cli, "GET", sb, "/stat").query("path", path).call() {
-        Ok(r) => Ok(Some(r.into_json()?)),
-        Err(ureq::Error::Status(404, r)) => {
-            let v: Value = r.into_json().unwrap_or(Value::Null);
-            if v["error"]["code"] == "path_not_found" {
-                Ok(None)
-            } else {
-                Err(anyhow!(
-                    "{}: {}",
-                    v["error"]["code"].as_str().unwrap_or("not_found"),
-                    v["error"]["message"].as_str().unwrap_or("")
-                ))
-            }
-        }
-        Err(e) => Err(api_error(e)),
-    }
-}
-
 pub fn cp(cli: &Cli, a: &CpArgs) -> anyhow::Result<u8> {
+    let client = cli.client();
     match (remote(&a.src), remote(&a.dst)) {
-        (None, Some((sb, path))) => upload(cli, a, sb, path),
-        (Some((sb, path)), None) => download(cli, a, sb, path),
+        (None, Some((sb, path))) => upload(&client, a, sb, path),
+        (Some((sb, path)), None) => download(&client, a, sb, path),
         (Some(_), Some(_)) => bail!("copy between sandboxes through a local path"),
         (None, None) => bail!("one of SRC and DST is SANDBOX:PATH"),
     }
 }
 
-fn upload(cli: &Cli, a: &CpArgs, sb: &str, dst: &str) -> anyhow::Result<u8> {
+fn upload(client: &Client, a: &CpArgs, sb: &str, dst: &str) -> anyhow::Result<u8> {
     let src = Path::new(&a.src);
     let md = std::fs::metadata(src).with_context(|| format!("{}", src.display()))?;
     let contents = a.src.ends_with("/.");
-    let existing = remote_stat(cli, sb, dst)?;
-    let into_dir = existing.as_ref().is_some_and(|v| v["type"] == "dir") || dst.ends_with('/');
+    let existing = client.stat_if_any(sb, dst)?;
+    let into_dir = existing.as_ref().is_some_and(FileEntry::is_dir) || dst.ends_with('/');
     let target = if into_dir && !contents {
         join_remote(dst, &base_name(&a.src))
     } else {
         dst.to_string()
     };
     if md.is_dir() {
-        return upload_dir(cli, a, sb, src, &target);
+        return upload_dir(client, a, sb, src, &target);
     }
     let file = File::open(src).with_context(|| format!("open {}", src.display()))?;
     let len = md.len();
@@ -250,24 +211,15 @@ fn upload(cli: &Cli, a: &CpArgs, sb: &str, dst: &str) -> anyhow::Result<u8> {
         .clone()
         .unwrap_or_else(|| format!("{:04o}", md.permissions().mode() & 0o7777));
     let pb = bar(Some(len), a.quiet, &base_name(&a.src));
-    let mut r = req(cli, "PUT", sb, "")
-        .query("path", &target)
-        .query("parents", "true")
-        .query("mode", &mode)
-        .set("content-type", "application/octet-stream")
-        .set("content-length", &len.to_string());
-    if let Some(o) = &a.owner {
-        r = r.query("owner", o);
-    }
-    let v: Value = r
-        .send(pb.wrap_read(file))
-        .map_err(api_error)?
-        .into_json()
-        .context("the node's answer")?;
+    let opts = Upload {
+        mode: Some(mode),
+        parents: true,
+        owner: a.owner.clone(),
+    };
+    let v = client.upload(sb, &target, &opts, pb.wrap_read(file), Some(len))?;
     pb.finish_and_clear();
-    let written = v["bytes_written"].as_u64().unwrap_or(0);
-    if written != len {
-        bail!("{written} bytes of {len} arrived in the sandbox");
+    if v.bytes_written != len {
+        bail!("{} bytes of {len} arrived in the sandbox", v.bytes_written);
     }
     Ok(0)
 }
@@ -281,35 +233,41 @@ fn tar_into(dir: &Path, w: impl Write) -> io::Result<()> {
     b.into_inner()?.flush()
 }
 
-fn upload_dir(cli: &Cli, a: &CpArgs, sb: &str, src: &Path, target: &str) -> anyhow::Result<u8> {
+fn upload_dir(
+    client: &Client,
+    a: &CpArgs,
+    sb: &str,
+    src: &Path,
+    target: &str,
+) -> anyhow::Result<u8> {
     let (reader, writer) = io::pipe().context("a pipe")?;
     let dir = src.to_path_buf();
     let maker = std::thread::spawn(move || tar_into(&dir, writer));
     let pb = bar(None, a.quiet, &base_name(&a.src));
-    let mut r = req(cli, "POST", sb, "/tar")
-        .query("path", target)
-        .set("content-type", "application/x-tar");
-    if let Some(o) = &a.owner {
-        r = r.query("owner", o);
-    }
-    let sent = r.send(pb.wrap_read(reader));
+    let opts = TarUpload {
+        owner: a.owner.clone(),
+        ..TarUpload::default()
+    };
+    let sent = client.upload_tar(sb, target, &opts, pb.wrap_read(reader));
     pb.finish_and_clear();
     let made = maker
         .join()
         .map_err(|_| anyhow!("the tar stream's thread failed"))?;
-    let v: Value = sent.map_err(api_error)?.into_json()?;
+    let v = sent?;
     made.with_context(|| format!("reading {}", src.display()))?;
     if !a.quiet {
         eprintln!(
             "sbx: {} entries, {} bytes into {sb}:{target}",
-            v["entries"], v["bytes"]
+            v.entries, v.bytes
         );
     }
     Ok(0)
 }
 
-fn download(cli: &Cli, a: &CpArgs, sb: &str, src: &str) -> anyhow::Result<u8> {
-    let st = remote_stat(cli, sb, src)?.ok_or_else(|| anyhow!("{sb}:{src}: no such file"))?;
+fn download(client: &Client, a: &CpArgs, sb: &str, src: &str) -> anyhow::Result<u8> {
+    let st = client
+        .stat_if_any(sb, src)?
+        .ok_or_else(|| anyhow!("{sb}:{src}: no such file"))?;
     let local = PathBuf::from(&a.dst);
     let into_dir = local.is_dir() || a.dst.ends_with('/');
     let contents = src.ends_with("/.");
@@ -318,53 +276,43 @@ fn download(cli: &Cli, a: &CpArgs, sb: &str, src: &str) -> anyhow::Result<u8> {
     } else {
         local
     };
-    if st["type"] == "dir" {
-        return download_dir(cli, a, sb, src, &target);
+    if st.is_dir() {
+        return download_dir(client, a, sb, src, &target);
     }
-    let resp = match req(cli, "GET", sb, "").query("path", src).call() {
+    let resp = match client.download(sb, src, None) {
         Ok(r) => r,
         // A symlink to a directory: the directory.
-        Err(ureq::Error::Status(409, r)) if st["type"] == "symlink" => {
-            let v: Value = r.into_json().unwrap_or(Value::Null);
-            if v["error"]["code"] == "wrong_type" {
-                return download_dir(cli, a, sb, src, &target);
-            }
-            bail!(
-                "{}: {}",
-                v["error"]["code"].as_str().unwrap_or("conflict"),
-                v["error"]["message"].as_str().unwrap_or("")
-            );
+        Err(e) if st.kind == "symlink" && e.code() == Some(ErrorCode::WrongType) => {
+            return download_dir(client, a, sb, src, &target);
         }
-        Err(e) => return Err(api_error(e)),
+        Err(e) => return Err(e.into()),
     };
-    let len = resp
-        .header("content-length")
-        .and_then(|v| v.parse::<u64>().ok());
+    let len = resp.len;
     let pb = bar(len, a.quiet, &base_name(src));
     let mut out = File::create(&target).with_context(|| format!("create {}", target.display()))?;
-    let got = io::copy(&mut pb.wrap_read(resp.into_reader()), &mut out)
+    let got = io::copy(&mut pb.wrap_read(resp), &mut out)
         .with_context(|| format!("the download of {sb}:{src} broke off"))?;
     pb.finish_and_clear();
     if len.is_some_and(|l| l != got) {
         bail!("the download of {sb}:{src} broke off after {got} bytes");
     }
-    if let Some(m) = st["mode"]
-        .as_str()
-        .and_then(|m| u32::from_str_radix(m, 8).ok())
-    {
+    if let Some(m) = st.mode_bits() {
         let _ = std::fs::set_permissions(&target, std::fs::Permissions::from_mode(m & 0o777));
     }
     Ok(0)
 }
 
-fn download_dir(cli: &Cli, a: &CpArgs, sb: &str, src: &str, target: &Path) -> anyhow::Result<u8> {
-    let resp = req(cli, "GET", sb, "/tar")
-        .query("path", src)
-        .call()
-        .map_err(api_error)?;
+fn download_dir(
+    client: &Client,
+    a: &CpArgs,
+    sb: &str,
+    src: &str,
+    target: &Path,
+) -> anyhow::Result<u8> {
+    let resp = client.download_tar(sb, src)?;
     std::fs::create_dir_all(target).with_context(|| format!("mkdir {}", target.display()))?;
     let pb = bar(None, a.quiet, &base_name(src));
-    let mut ar = tar::Archive::new(pb.wrap_read(resp.into_reader()));
+    let mut ar = tar::Archive::new(pb.wrap_read(resp));
     ar.set_preserve_permissions(true);
     ar.set_preserve_mtime(true);
     ar.unpack(target)
@@ -373,8 +321,8 @@ fn download_dir(cli: &Cli, a: &CpArgs, sb: &str, src: &str, target: &Path) -> an
     Ok(0)
 }
 
-fn mode_string(v: &Value) -> String {
-    let t = match v["type"].as_str().unwrap_or("") {
+fn mode_string(e: &FileEntry) -> String {
+    let t = match e.kind.as_str() {
         "dir" => 'd',
         "symlink" => 'l',
         "fifo" => 'p',
@@ -383,10 +331,7 @@ fn mode_string(v: &Value) -> String {
         "block_device" => 'b',
         _ => '-',
     };
-    let m = v["mode"]
-        .as_str()
-        .and_then(|m| u32::from_str_radix(m, 8).ok())
-        .unwrap_or(0);
+    let m = e.mode_bits().unwrap_or(0);
     let mut s = String::from(t);
     for (i, c) in "rwxrwxrwx".chars().enumerate() {
         s.push(if m & (0o400 >> i) != 0 { c } else { '-' });
@@ -395,42 +340,43 @@ fn mode_string(v: &Value) -> String {
 }
 
 pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
+    let client = cli.client();
     match cmd {
         FsCmd::Ls {
             sandbox,
             path,
             json,
         } => {
-            let v = call_json(req(cli, "GET", sandbox, "/list").query("path", path), None)?;
+            let v = client.list_files(sandbox, path, None)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                print_json(&v)?;
                 return Ok(0);
             }
             let mut out = io::stdout().lock();
-            for e in v["entries"].as_array().cloned().unwrap_or_default() {
-                let target = e["target"]
-                    .as_str()
+            for e in &v.entries {
+                let target = e
+                    .target
+                    .as_deref()
                     .map(|t| format!(" -> {t}"))
                     .unwrap_or_default();
                 writeln!(
                     out,
                     "{} {:>6} {:>6} {:>12} {} {}{target}",
-                    mode_string(&e),
-                    e["uid"].as_u64().unwrap_or(0),
-                    e["gid"].as_u64().unwrap_or(0),
-                    e["size"].as_u64().unwrap_or(0),
-                    e["modified_at"].as_str().unwrap_or(""),
-                    e["name"].as_str().unwrap_or("")
+                    mode_string(e),
+                    e.uid,
+                    e.gid,
+                    e.size,
+                    e.modified_at,
+                    e.name
                 )?;
             }
-            if v["truncated"] == true {
+            if v.truncated {
                 eprintln!("sbx: the listing is cut (too many entries)");
             }
             Ok(0)
         }
         FsCmd::Stat { sandbox, path } => {
-            let v = call_json(req(cli, "GET", sandbox, "/stat").query("path", path), None)?;
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            print_json(&client.stat(sandbox, path)?)?;
             Ok(0)
         }
         FsCmd::Mkdir {
@@ -440,11 +386,12 @@ pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
             sandbox,
             path,
         } => {
-            let body = json!({ "parents": parents, "mode": mode, "owner": owner });
-            call_json(
-                req(cli, "POST", sandbox, "/mkdir").query("path", path),
-                Some(body),
-            )?;
+            let m = Mkdir {
+                parents: *parents,
+                mode: mode.clone(),
+                owner: owner.clone(),
+            };
+            client.mkdir(sandbox, path, &m)?;
             Ok(0)
         }
         FsCmd::Rm {
@@ -452,10 +399,7 @@ pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
             sandbox,
             path,
         } => {
-            call_json(
-                req(cli, "POST", sandbox, "/rm").query("path", path),
-                Some(json!({ "recursive": recursive })),
-            )?;
+            client.remove(sandbox, path, *recursive)?;
             Ok(0)
         }
         FsCmd::Mv {
@@ -464,10 +408,7 @@ pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
             src,
             dst,
         } => {
-            call_json(
-                req(cli, "POST", sandbox, "/mv").query("path", src),
-                Some(json!({ "dst": dst, "overwrite": overwrite })),
-            )?;
+            client.rename(sandbox, src, dst, *overwrite)?;
             Ok(0)
         }
         FsCmd::Chmod {
@@ -478,12 +419,13 @@ pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
             mode,
             path,
         } => {
-            let mode = (mode != "-").then_some(mode);
-            let body = json!({ "mode": mode, "uid": uid, "gid": gid, "recursive": recursive });
-            call_json(
-                req(cli, "POST", sandbox, "/chmod").query("path", path),
-                Some(body),
-            )?;
+            let c = Chmod {
+                mode: (mode != "-").then(|| mode.clone()),
+                uid: *uid,
+                gid: *gid,
+                recursive: *recursive,
+            };
+            client.chmod(sandbox, path, &c)?;
             Ok(0)
         }
         FsCmd::Grep {
@@ -498,38 +440,28 @@ pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
             pattern,
             path,
         } => {
-            let body = json!({
-                "pattern": pattern,
-                "ignore_case": ignore_case,
-                "literal": literal,
-                "recursive": !no_recursive,
-                "include": include,
-                "exclude": exclude,
-                "max_matches": max,
-            });
-            let v = call_json(
-                req(cli, "POST", sandbox, "/grep").query("path", path),
-                Some(body),
-            )?;
-            let matches = v["matches"].as_array().cloned().unwrap_or_default();
+            let g = Grep {
+                ignore_case: *ignore_case,
+                literal: *literal,
+                recursive: !no_recursive,
+                include: include.clone(),
+                exclude: exclude.clone(),
+                max_matches: *max,
+                ..Grep::new(pattern.clone())
+            };
+            let v = client.grep(sandbox, path, &g)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                print_json(&v)?;
             } else {
                 let mut out = io::stdout().lock();
-                for m in &matches {
-                    writeln!(
-                        out,
-                        "{}:{}:{}",
-                        m["path"].as_str().unwrap_or(""),
-                        m["line"],
-                        m["text"].as_str().unwrap_or("")
-                    )?;
+                for m in &v.matches {
+                    writeln!(out, "{}:{}:{}", m.path, m.line, m.text)?;
                 }
-                if v["truncated"] == true {
-                    eprintln!("sbx: stopped at {} matches", matches.len());
+                if v.truncated {
+                    eprintln!("sbx: stopped at {} matches", v.matches.len());
                 }
             }
-            Ok(if matches.is_empty() { 1 } else { 0 })
+            Ok(if v.matches.is_empty() { 1 } else { 0 })
         }
         FsCmd::Sed {
             ignore_case,
@@ -544,31 +476,22 @@ pub fn fs(cli: &Cli, cmd: &FsCmd) -> anyhow::Result<u8> {
             replacement,
             path,
         } => {
-            let body = json!({
-                "pattern": pattern,
-                "replacement": replacement,
-                "ignore_case": ignore_case,
-                "literal": literal,
-                "first_only": first,
-                "recursive": !no_recursive,
-                "include": include,
-                "exclude": exclude,
-            });
-            let v = call_json(
-                req(cli, "POST", sandbox, "/sed").query("path", path),
-                Some(body),
-            )?;
+            let sed = Sed {
+                ignore_case: *ignore_case,
+                literal: *literal,
+                first_only: *first,
+                recursive: !no_recursive,
+                include: include.clone(),
+                exclude: exclude.clone(),
+                ..Sed::new(pattern.clone(), replacement.clone())
+            };
+            let v = client.sed(sandbox, path, &sed)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                print_json(&v)?;
             } else {
                 let mut out = io::stdout().lock();
-                for f in v["files"].as_array().cloned().unwrap_or_default() {
-                    writeln!(
-                        out,
-                        "{}: {}",
-                        f["path"].as_str().unwrap_or(""),
-                        f["replacements"]
-                    )?;
+                for f in &v.files {
+                    writeln!(out, "{}: {}", f.path, f.replacements)?;
                 }
             }
             Ok(0)
@@ -603,10 +526,14 @@ mod tests {
 
     #[test]
     fn ls_modes() {
-        let v = json!({"type": "dir", "mode": "0755"});
-        assert_eq!(mode_string(&v), "drwxr-xr-x");
-        let v = json!({"type": "file", "mode": "0640"});
-        assert_eq!(mode_string(&v), "-rw-r-----");
+        let entry = |kind: &str, mode: &str| -> FileEntry {
+            serde_json::from_value(serde_json::json!({"object": "file", "name": "a",
+                "path": "/a", "type": kind, "size": 0, "mode": mode, "uid": 0, "gid": 0,
+                "modified_at": "2026-01-01T00:00:00.000Z", "target": null}))
+            .unwrap()
+        };
+        assert_eq!(mode_string(&entry("dir", "0755")), "drwxr-xr-x");
+        assert_eq!(mode_string(&entry("file", "0640")), "-rw-r-----");
     }
 
     #[test]

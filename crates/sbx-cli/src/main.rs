@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use clap::{Parser, Subcommand};
-use serde_json::{json, Map, Value};
+use sbx_api::{Command as Cmdline, Limits, RunRequest};
+use sbx_client::Client;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -205,84 +206,69 @@ pub(crate) fn parse_memory(s: &str) -> anyhow::Result<u64> {
     Ok((n * mult as f64) as u64)
 }
 
-fn run_body(args: &RunArgs) -> anyhow::Result<Value> {
-    let mut body = Map::new();
-    let command = if args.command.len() == 1 {
-        json!(args.command[0])
-    } else {
-        json!(args.command)
-    };
-    body.insert("command".into(), command);
-    if let Some(i) = &args.image {
-        body.insert("image".into(), json!(i));
+/// The command of `sbx run` and `sbx exec`: one argument is a line for `sh -c`, several are
+/// run as they are.
+pub(crate) fn command_of(args: &[String]) -> Cmdline {
+    match args {
+        [line] => Cmdline::Shell(line.clone()),
+        _ => Cmdline::Argv(args.to_vec()),
     }
-    args.opts.write(&mut body)?;
-    let mut limits = Map::new();
-    if let Some(m) = &args.memory {
-        limits.insert("memory_bytes".into(), json!(parse_memory(m)?));
-    }
-    if let Some(c) = args.cpus {
-        limits.insert("vcpus".into(), json!(c));
-    }
-    if !limits.is_empty() {
-        body.insert("limits".into(), Value::Object(limits));
-    }
-    if let Some(n) = &args.name {
-        body.insert("name".into(), json!(n));
-    }
-    if let Some(v) = volumes::mounts(&args.volumes)? {
-        body.insert("volumes".into(), v);
-    }
-    body.insert("stream".into(), json!(!args.json));
-    Ok(Value::Object(body))
 }
 
-pub(crate) fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new()
-        .timeout_connect(Duration::from_secs(5))
-        .build()
+/// The shape of `--memory` and `--cpus`.
+pub(crate) fn limits_of(memory: Option<&str>, cpus: Option<u32>) -> anyhow::Result<Limits> {
+    Ok(Limits {
+        vcpus: cpus,
+        memory_bytes: memory.map(parse_memory).transpose()?,
+    })
 }
 
-pub(crate) fn api_error(e: ureq::Error) -> anyhow::Error {
-    match e {
-        ureq::Error::Status(code, resp) => {
-            let body: Value = resp.into_json().unwrap_or(Value::Null);
-            let err = &body["error"];
-            match (err["code"].as_str(), err["message"].as_str()) {
-                (Some(c), Some(m)) => {
-                    let param = err["param"]
-                        .as_str()
-                        .map(|p| format!(" (param {p})"))
-                        .unwrap_or_default();
-                    anyhow!("{c}: {m}{param}")
-                }
-                _ => anyhow!("the node answered {code}"),
-            }
-        }
-        other => anyhow!("cannot reach the node: {other}"),
+fn run_request(args: &RunArgs) -> anyhow::Result<RunRequest> {
+    let mut r = RunRequest::new(command_of(&args.command));
+    r.image = args.image.clone();
+    args.opts.apply(&mut r.env, &mut r.cwd, &mut r.user)?;
+    if let Some(t) = args.opts.timeout {
+        r.timeout = sbx_api::run_timeout(t).map_err(refused)?;
     }
+    r.limits = limits_of(args.memory.as_deref(), args.cpus)?;
+    r.name = args.name.clone();
+    r.volumes = volumes::mounts(&args.volumes)?;
+    r.stream = Some(!args.json);
+    Ok(r)
+}
+
+/// A value the node would refuse, refused here as the node words it (`code: message (param
+/// P)`): a deadline out of its range, which a request's type cannot hold.
+pub(crate) fn refused(e: sbx_api::ApiError) -> anyhow::Error {
+    match &e.param {
+        Some(p) => anyhow!("{}: {} (param {p})", e.code, e.message),
+        None => anyhow!("{}: {}", e.code, e.message),
+    }
+}
+
+impl Cli {
+    /// The client of the node this command talks to.
+    pub(crate) fn client(&self) -> Client {
+        Client::new(&self.url).api_key(self.api_key.clone())
+    }
+}
+
+/// Prints an answer as the node sent it, pretty (keys in order).
+pub(crate) fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    let v = serde_json::to_value(v)?;
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
 }
 
 fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<u8> {
-    let body = run_body(args)?;
-    let mut req = agent()
-        .post(&format!("{}/v1/run", cli.url.trim_end_matches('/')))
-        .set("content-type", "application/json");
-    if let Some(k) = &cli.api_key {
-        req = req.set("authorization", &format!("Bearer {k}"));
-    }
+    let req = run_request(args)?;
+    let client = cli.client();
     if args.json {
-        let resp = req.send_json(body).map_err(api_error)?;
-        let obj: Value = resp.into_json().context("the node's answer")?;
-        println!("{}", serde_json::to_string_pretty(&obj)?);
-        return Ok(obj["exit_code"].as_i64().unwrap_or(125).clamp(0, 255) as u8);
+        let obj = client.run(&req)?;
+        print_json(&obj)?;
+        return Ok(obj.exit_code.map_or(125, i64::from).clamp(0, 255) as u8);
     }
-    let resp = req
-        .set("accept", "text/event-stream")
-        .send_json(body)
-        .map_err(api_error)?;
-    let mut last = None;
-    match sandboxes::print_events(resp.into_reader(), &mut last)? {
+    match sandboxes::print_events(client.run_stream(&req)?)? {
         sandboxes::StreamEnd::Exit(obj) => Ok(sandboxes::exit_code(&obj)),
         sandboxes::StreamEnd::Dropped => bail!("the node's stream ended without an exit event"),
     }
@@ -317,11 +303,7 @@ fn node_addr(url: &str) -> Option<SocketAddr> {
 }
 
 fn healthy(url: &str) -> bool {
-    agent()
-        .get(&format!("{}/healthz", url.trim_end_matches('/')))
-        .timeout(Duration::from_secs(2))
-        .call()
-        .is_ok()
+    Client::new(url).health(Duration::from_secs(2)).is_ok()
 }
 
 /// Starts a node on this machine when none answers at a loopback SBX_URL.
@@ -388,6 +370,7 @@ pub(crate) fn ensure_node(cli: &Cli) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn memory_sizes() {
@@ -404,17 +387,49 @@ mod tests {
             let mut a = vec!["sbx", "run", "--"];
             a.extend_from_slice(v);
             match Cli::parse_from(a).command {
-                Cmd::Run(r) => run_body(&r).unwrap(),
+                Cmd::Run(r) => run_request(&r).unwrap().to_json(),
                 _ => unreachable!(),
             }
         };
         assert_eq!(
-            parse(&["echo hi | wc -c"])["command"],
-            json!("echo hi | wc -c")
+            parse(&["echo hi | wc -c"]),
+            json!({"command": "echo hi | wc -c", "stream": true})
         );
         assert_eq!(
             parse(&["python3", "-c", "print(2+2)"])["command"],
             json!(["python3", "-c", "print(2+2)"])
+        );
+        // The flags as the body had them.
+        let mut a = vec![
+            "sbx",
+            "run",
+            "--memory",
+            "256m",
+            "--cpus",
+            "2",
+            "--timeout",
+            "2.5",
+        ];
+        a.extend([
+            "-e",
+            "A=1",
+            "--cwd",
+            "/w",
+            "-v",
+            "db:/data:ro",
+            "--json",
+            "--",
+            "true",
+        ]);
+        let body = match Cli::parse_from(a).command {
+            Cmd::Run(r) => run_request(&r).unwrap().to_json(),
+            _ => unreachable!(),
+        };
+        assert_eq!(
+            body,
+            json!({"command": "true", "limits": {"vcpus": 2, "memory_bytes": 268435456},
+                "timeout_seconds": 2.5, "env": {"A": "1"}, "cwd": "/w", "stream": false,
+                "volumes": [{"volume": "db", "path": "/data", "read_only": true}]})
         );
     }
 

@@ -1,12 +1,14 @@
 //! `sbx create | ls | exec | logs | rm | restart | url`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
-use serde_json::{json, Map, Value};
+use anyhow::{anyhow, bail};
+use sbx_api::{Command, ExecObject, ExecRequest, ExecStatus, Ready, RunRequest, SandboxCreate};
+use sbx_client::{Encoding, Error, ExecEvent, ExecEvents, SandboxQuery};
 
-use crate::{agent, api_error, ensure_node, parse_memory, Cli};
+use crate::{command_of, ensure_node, limits_of, print_json, refused, Cli};
 
 #[derive(clap::Args, Debug)]
 pub struct CreateArgs {
@@ -85,7 +87,7 @@ pub struct UrlArgs {
 }
 
 /// `--ready`: `tcp:PORT`, `http:PORT[/PATH]`, `cmd:LINE`.
-fn ready_check(s: &str) -> anyhow::Result<Value> {
+fn ready_check(s: &str) -> anyhow::Result<Ready> {
     let port = |p: &str| -> anyhow::Result<u16> {
         p.parse::<u16>()
             .ok()
@@ -93,15 +95,20 @@ fn ready_check(s: &str) -> anyhow::Result<Value> {
             .ok_or_else(|| anyhow!("--ready: {p:?} is not a port (1-65535)"))
     };
     match s.split_once(':') {
-        Some(("tcp", p)) => Ok(json!({ "tcp": { "port": port(p)? } })),
+        Some(("tcp", p)) => Ok(Ready::Tcp { port: port(p)? }),
         Some(("http", rest)) => {
             let (p, path) = match rest.find('/') {
                 Some(i) => (&rest[..i], &rest[i..]),
                 None => (rest, "/"),
             };
-            Ok(json!({ "http": { "port": port(p)?, "path": path } }))
+            Ok(Ready::Http {
+                port: port(p)?,
+                path: path.to_string(),
+            })
         }
-        Some(("cmd", line)) if !line.is_empty() => Ok(json!({ "command": line })),
+        Some(("cmd", line)) if !line.is_empty() => {
+            Ok(Ready::Command(Command::Shell(line.to_string())))
+        }
         _ => bail!("--ready takes tcp:PORT, http:PORT[/PATH] or cmd:LINE"),
     }
 }
@@ -134,20 +141,17 @@ pub struct CommandOpts {
 }
 
 impl CommandOpts {
-    /// Writes these options into a request body.
-    pub fn write(&self, body: &mut Map<String, Value>) -> anyhow::Result<()> {
-        if !self.env.is_empty() {
-            body.insert("env".into(), Value::Object(kv_map(&self.env, "-e")?));
-        }
-        if let Some(c) = &self.cwd {
-            body.insert("cwd".into(), json!(c));
-        }
-        if let Some(u) = &self.user {
-            body.insert("user".into(), json!(u));
-        }
-        if let Some(t) = self.timeout {
-            body.insert("timeout_seconds".into(), json!(t));
-        }
+    /// Sets these options' env, cwd and user in a request (the deadline is the caller's: a
+    /// run's and a command's have their own ranges).
+    pub fn apply(
+        &self,
+        env: &mut BTreeMap<String, String>,
+        cwd: &mut Option<String>,
+        user: &mut Option<String>,
+    ) -> anyhow::Result<()> {
+        *env = kv_map(&self.env, "-e")?;
+        cwd.clone_from(&self.cwd);
+        user.clone_from(&self.user);
         Ok(())
     }
 }
@@ -205,111 +209,64 @@ pub struct RestartArgs {
     json: bool,
 }
 
-fn url(cli: &Cli, path: &str) -> String {
-    format!("{}{path}", cli.url.trim_end_matches('/'))
-}
-
-pub(crate) fn req(cli: &Cli, method: &str, path: &str) -> ureq::Request {
-    let mut r = agent().request(method, &url(cli, path));
-    if let Some(k) = &cli.api_key {
-        r = r.set("authorization", &format!("Bearer {k}"));
-    }
-    r
-}
-
-fn kv_map(items: &[String], what: &str) -> anyhow::Result<Map<String, Value>> {
-    let mut m = Map::new();
+fn kv_map(items: &[String], what: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut m = BTreeMap::new();
     for kv in items {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| anyhow!("{what} takes K=V, got {kv:?}"))?;
-        m.insert(k.into(), json!(v));
+        m.insert(k.into(), v.into());
     }
     Ok(m)
 }
 
-fn command_value(command: &[String]) -> Value {
-    if command.len() == 1 {
-        json!(command[0])
-    } else {
-        json!(command)
+/// The create of `sbx create`'s flags.
+fn create_request(a: &CreateArgs) -> anyhow::Result<SandboxCreate> {
+    let mut spec = RunRequest::new(Command::Argv(Vec::new()));
+    spec.name.clone_from(&a.name);
+    spec.image.clone_from(&a.image);
+    spec.env = kv_map(&a.env, "-e")?;
+    spec.metadata = kv_map(&a.metadata, "--metadata")?;
+    spec.volumes = crate::volumes::mounts(&a.volumes)?;
+    spec.limits = limits_of(a.memory.as_deref(), a.cpus)?;
+    spec.start_command = a.start.clone().map(Command::Shell);
+    if a.image_start {
+        spec.start = Some(true);
     }
+    if a.no_start {
+        spec.start = Some(false);
+    }
+    spec.ready = a.ready.as_deref().map(ready_check).transpose()?;
+    spec.snapshot.clone_from(&a.snapshot);
+    spec.template.clone_from(&a.template);
+    spec.image_pull_secret.clone_from(&a.pull_secret);
+    spec.public_ports.clone_from(&a.public_ports);
+    Ok(SandboxCreate {
+        spec,
+        network: None,
+    })
 }
 
 pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
     ensure_node(cli)?;
-    let mut body = Map::new();
-    if let Some(n) = &a.name {
-        body.insert("name".into(), json!(n));
-    }
-    if let Some(i) = &a.image {
-        body.insert("image".into(), json!(i));
-    }
-    if !a.env.is_empty() {
-        body.insert("env".into(), Value::Object(kv_map(&a.env, "-e")?));
-    }
-    if !a.metadata.is_empty() {
-        body.insert(
-            "metadata".into(),
-            Value::Object(kv_map(&a.metadata, "--metadata")?),
-        );
-    }
-    if let Some(v) = crate::volumes::mounts(&a.volumes)? {
-        body.insert("volumes".into(), v);
-    }
-    let mut limits = Map::new();
-    if let Some(m) = &a.memory {
-        limits.insert("memory_bytes".into(), json!(parse_memory(m)?));
-    }
-    if let Some(c) = a.cpus {
-        limits.insert("vcpus".into(), json!(c));
-    }
-    if !limits.is_empty() {
-        body.insert("limits".into(), Value::Object(limits));
-    }
-    if let Some(s) = &a.start {
-        body.insert("start_command".into(), json!(s));
-    }
-    if a.image_start {
-        body.insert("start".into(), json!(true));
-    }
-    if a.no_start {
-        body.insert("start".into(), json!(false));
-    }
-    if let Some(r) = &a.ready {
-        body.insert("ready".into(), ready_check(r)?);
-    }
-    if let Some(s) = &a.snapshot {
-        body.insert("snapshot".into(), json!(s));
-    }
-    if let Some(t) = &a.template {
-        body.insert("template".into(), json!(t));
-    }
-    if let Some(p) = &a.pull_secret {
-        body.insert("image_pull_secret".into(), json!(p));
-    }
-    if !a.public_ports.is_empty() {
-        body.insert("public_ports".into(), json!(a.public_ports));
-    }
+    let c = create_request(a)?;
     if a.template_only {
-        return build_template(cli, a, Value::Object(body));
+        return build_template(cli, a, &c);
     }
-    let mut obj: Value = req(cli, "POST", "/v1/sandboxes")
-        .send_json(Value::Object(body))
-        .map_err(api_error)?
-        .into_json()?;
-    if !a.no_wait && obj["status"] == "starting" {
-        obj = wait_started(cli, &obj)?;
+    let client = cli.client();
+    let mut obj = client.create_sandbox(&c)?;
+    if !a.no_wait && obj.status == sbx_api::SandboxStatus::Starting {
+        obj = wait_started(cli, &obj.id)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&obj)?);
+        print_json(&obj)?;
     } else {
-        println!("{}", obj["id"].as_str().unwrap_or(""));
-        if obj["status"] == "failed" {
+        println!("{}", obj.id);
+        if obj.status == sbx_api::SandboxStatus::Failed {
             eprintln!(
                 "sbx: the sandbox failed: {} ({})",
-                obj["failure"].as_str().unwrap_or(""),
-                obj["failure_code"].as_str().unwrap_or("")
+                obj.failure.as_deref().unwrap_or(""),
+                obj.failure_code.as_deref().unwrap_or("")
             );
             return Ok(1);
         }
@@ -318,14 +275,12 @@ pub fn create(cli: &Cli, a: &CreateArgs) -> anyhow::Result<u8> {
 }
 
 /// `sbx create --template-only`: the template of these settings, built ahead.
-fn build_template(cli: &Cli, a: &CreateArgs, body: Value) -> anyhow::Result<u8> {
-    let mut t: Value = req(cli, "POST", "/internal/templates")
-        .send_json(body)
-        .map_err(api_error)?
-        .into_json()?;
-    let key = t["key"].as_str().unwrap_or_default().to_string();
+fn build_template(cli: &Cli, a: &CreateArgs, c: &SandboxCreate) -> anyhow::Result<u8> {
+    let client = cli.client();
+    let mut t = client.build_template(c)?;
+    let key = t.key.clone();
     let started = std::time::Instant::now();
-    while t["status"] == "building" && !a.no_wait {
+    while t.status == "building" && !a.no_wait {
         if started.elapsed() > Duration::from_secs(1) {
             eprint!(
                 "\r{key}: building (its image pulled, its check) {} s",
@@ -333,30 +288,23 @@ fn build_template(cli: &Cli, a: &CreateArgs, body: Value) -> anyhow::Result<u8> 
             );
         }
         std::thread::sleep(Duration::from_millis(200));
-        let all: Value = req(cli, "GET", "/internal/templates")
-            .call()
-            .map_err(api_error)?
-            .into_json()?;
-        if let Some(now) = all["data"]
-            .as_array()
-            .and_then(|d| d.iter().find(|x| x["key"] == key.as_str()))
-        {
-            t = now.clone();
+        if let Some(now) = client.templates()?.data.into_iter().find(|x| x.key == key) {
+            t = now;
         }
     }
     if started.elapsed() > Duration::from_secs(1) {
         eprintln!();
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&t)?);
+        print_json(&t)?;
     } else {
         println!("{key}");
     }
-    if t["status"] == "failed" {
+    if t.status == "failed" {
         eprintln!(
             "sbx: the template failed: {} ({})",
-            t["failure"].as_str().unwrap_or(""),
-            t["failure_code"].as_str().unwrap_or("")
+            t.failure.get().map_or("", String::as_str),
+            t.failure_code.get().map_or("", String::as_str)
         );
         return Ok(1);
     }
@@ -364,54 +312,37 @@ fn build_template(cli: &Cli, a: &CreateArgs, body: Value) -> anyhow::Result<u8> 
 }
 
 /// Polls a `starting` sandbox until it is running or failed, saying on stderr that it waits.
-fn wait_started(cli: &Cli, obj: &Value) -> anyhow::Result<Value> {
-    let id = obj["id"].as_str().unwrap_or_default();
-    let started = std::time::Instant::now();
+fn wait_started(cli: &Cli, id: &str) -> anyhow::Result<sbx_client::Sandbox> {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut said = false;
-    loop {
-        let v: Value = req(cli, "GET", &format!("/v1/sandboxes/{id}"))
-            .call()
-            .map_err(api_error)?
-            .into_json()?;
-        if v["status"] != "starting" {
-            if said && tty {
-                eprintln!();
+    let v = cli
+        .client()
+        .wait_started(id, Duration::from_millis(200), |waited| {
+            let secs = waited.as_secs();
+            if tty {
+                eprint!(
+                    "\r{id}: starting (its image pulled, its template built, its check) {secs} s"
+                );
+                said = true;
+            } else if !said {
+                eprintln!("{id}: starting (its image pulled, its template built, its check)");
+                said = true;
             }
-            return Ok(v);
-        }
-        let secs = started.elapsed().as_secs();
-        if tty {
-            eprint!("\r{id}: starting (its image pulled, its template built, its check) {secs} s");
-            said = true;
-        } else if !said {
-            eprintln!("{id}: starting (its image pulled, its template built, its check)");
-            said = true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
+        })?;
+    if said && tty {
+        eprintln!();
     }
+    Ok(v)
 }
 
 pub fn ls(cli: &Cli, a: &LsArgs) -> anyhow::Result<u8> {
-    let mut all = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut r = req(cli, "GET", "/v1/sandboxes").query("limit", "1000");
-        if let Some(s) = &a.status {
-            r = r.query("status", s);
-        }
-        if let Some(c) = &cursor {
-            r = r.query("cursor", c);
-        }
-        let page: Value = r.call().map_err(api_error)?.into_json()?;
-        all.extend(page["data"].as_array().cloned().unwrap_or_default());
-        match page["next_cursor"].as_str() {
-            Some(c) => cursor = Some(c.to_string()),
-            None => break,
-        }
-    }
+    let all = cli.client().all_sandboxes(&SandboxQuery {
+        status: a.status.clone(),
+        limit: Some(1000),
+        ..SandboxQuery::default()
+    })?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&all)?);
+        print_json(&all)?;
         return Ok(0);
     }
     println!(
@@ -421,15 +352,12 @@ pub fn ls(cli: &Cli, a: &LsArgs) -> anyhow::Result<u8> {
     for s in all {
         println!(
             "{:<21} {:<20} {:<9} {:<8} {:<8} {}",
-            s["id"].as_str().unwrap_or(""),
-            s["name"].as_str().unwrap_or("-"),
-            s["status"].as_str().unwrap_or(""),
-            s["image"].as_str().unwrap_or(""),
-            format!(
-                "{}M",
-                s["limits"]["memory_bytes"].as_u64().unwrap_or(0) >> 20
-            ),
-            s["created_at"].as_str().unwrap_or("")
+            s.id,
+            s.name.as_deref().unwrap_or("-"),
+            s.status.as_str(),
+            s.image,
+            format!("{}M", s.limits.memory_bytes >> 20),
+            s.created_at
         );
     }
     Ok(0)
@@ -438,234 +366,158 @@ pub fn ls(cli: &Cli, a: &LsArgs) -> anyhow::Result<u8> {
 /// How an event stream ended.
 pub enum StreamEnd {
     /// The exit event: the final exec object.
-    Exit(Value),
-    /// The stream dropped before its end (the last event id seen is in `last_id`).
+    Exit(Box<ExecObject>),
+    /// The stream dropped before its end, and was not (or could no longer be) read on.
     Dropped,
 }
 
 /// Prints a command's events (stdout to stdout, stderr to stderr) until its exit event.
-pub fn print_events(reader: impl Read, last_id: &mut Option<u64>) -> anyhow::Result<StreamEnd> {
-    let reader = BufReader::new(reader);
+pub fn print_events(events: ExecEvents) -> anyhow::Result<StreamEnd> {
     let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
-    let mut event = String::new();
-    for line in reader.lines() {
-        let Ok(line) = line else {
-            return Ok(StreamEnd::Dropped);
-        };
-        if let Some(e) = line.strip_prefix("event: ") {
-            event = e.to_string();
-        } else if let Some(id) = line.strip_prefix("id: ") {
-            if let Ok(n) = id.trim().parse() {
-                *last_id = Some(n);
+    for ev in events {
+        match ev {
+            Ok(ExecEvent::Stdout(d)) => {
+                out.write_all(d.data.as_bytes())?;
+                out.flush()?;
             }
-        } else if let Some(d) = line.strip_prefix("data: ") {
-            let data: Value = serde_json::from_str(d).context("an event's data")?;
-            match event.as_str() {
-                "stdout" => {
-                    out.write_all(data["data"].as_str().unwrap_or("").as_bytes())?;
-                    out.flush()?;
-                }
-                "stderr" => {
-                    err.write_all(data["data"].as_str().unwrap_or("").as_bytes())?;
-                    err.flush()?;
-                }
-                "gap" => eprintln!(
-                    "sbx: output from {} to {} is no longer kept",
-                    data["from"], data["to"]
-                ),
-                "exit" => return Ok(StreamEnd::Exit(data)),
-                "error" => {
-                    let e = &data["error"];
-                    bail!(
-                        "{}: {}",
-                        e["code"].as_str().unwrap_or("error"),
-                        e["message"].as_str().unwrap_or("")
-                    );
-                }
-                _ => {}
+            Ok(ExecEvent::Stderr(d)) => {
+                err.write_all(d.data.as_bytes())?;
+                err.flush()?;
             }
+            Ok(ExecEvent::Gap(g)) => {
+                eprintln!("sbx: output from {} to {} is no longer kept", g.from, g.to)
+            }
+            Ok(ExecEvent::Exit(obj)) => return Ok(StreamEnd::Exit(Box::new(obj))),
+            Ok(ExecEvent::Start(_)) => {}
+            // The stream's error event.
+            Err(Error::Node(e)) => bail!("{}: {}", e.code, e.message),
+            Err(Error::StreamEnded { .. }) => return Ok(StreamEnd::Dropped),
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(StreamEnd::Dropped)
 }
 
 /// The exit code `sbx` ends with for a final exec object.
-pub fn exit_code(obj: &Value) -> u8 {
-    match obj["status"].as_str() {
-        Some("timed_out") => eprintln!("sbx: the command timed out"),
-        Some("killed") => eprintln!(
+pub fn exit_code(obj: &ExecObject) -> u8 {
+    match obj.status {
+        ExecStatus::TimedOut => eprintln!("sbx: the command timed out"),
+        ExecStatus::Killed => eprintln!(
             "sbx: the command was killed by {}",
-            obj["signal"].as_str().unwrap_or("a signal")
+            obj.signal.as_deref().unwrap_or("a signal")
         ),
         _ => {}
     }
-    obj["exit_code"].as_i64().unwrap_or(125).clamp(0, 255) as u8
+    obj.exit_code.map_or(125, i64::from).clamp(0, 255) as u8
 }
 
-/// Follows a command's output from `from` to its end, reconnecting with Last-Event-ID when the
+/// Follows a command's output from its start to its end, read on with Last-Event-ID when the
 /// stream drops.
-fn follow(cli: &Cli, sandbox: &str, exec: &str, from: u64) -> anyhow::Result<u8> {
-    let mut last: Option<u64> = if from > 0 { Some(from) } else { None };
-    let mut tries = 0;
-    loop {
-        let mut r = req(
-            cli,
-            "GET",
-            &format!("/v1/sandboxes/{sandbox}/exec/{exec}/output"),
-        )
-        .set("accept", "text/event-stream");
-        if let Some(id) = last {
-            r = r.set("last-event-id", &id.to_string());
-        }
-        match r.call() {
-            Ok(resp) => match print_events(resp.into_reader(), &mut last)? {
-                StreamEnd::Exit(obj) => return Ok(exit_code(&obj)),
-                StreamEnd::Dropped => {}
-            },
-            Err(ureq::Error::Transport(_)) => {}
-            Err(e) => return Err(api_error(e)),
-        }
-        tries += 1;
-        if tries > 30 {
-            bail!("the node's stream kept dropping");
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-}
-
-/// Follows a command's output from its start to its end.
 pub fn follow_output(cli: &Cli, sandbox: &str, exec: &str) -> anyhow::Result<u8> {
-    follow(cli, sandbox, exec, 0)
+    let events = cli.client().follow_output(sandbox, exec, 0, Encoding::Utf8);
+    match print_events(events)? {
+        StreamEnd::Exit(obj) => Ok(exit_code(&obj)),
+        StreamEnd::Dropped => bail!("the node's stream kept dropping"),
+    }
 }
 
 pub fn exec(cli: &Cli, a: &ExecArgs) -> anyhow::Result<u8> {
     if a.interactive || a.tty {
         return crate::terminal::run(cli, &a.sandbox, &a.command, a.tty);
     }
-    let mut body = Map::new();
-    body.insert("command".into(), command_value(&a.command));
-    a.opts.write(&mut body)?;
-    let obj: Value = req(cli, "POST", &format!("/v1/sandboxes/{}/exec", a.sandbox))
-        .send_json(Value::Object(body))
-        .map_err(api_error)?
-        .into_json()?;
-    let id = obj["id"].as_str().unwrap_or("").to_string();
+    let mut r = ExecRequest::new(command_of(&a.command));
+    a.opts.apply(&mut r.env, &mut r.cwd, &mut r.user)?;
+    if let Some(t) = a.opts.timeout {
+        r.timeout = Some(sbx_api::exec_timeout(t).map_err(refused)?);
+    }
+    let client = cli.client();
+    let obj = client.exec(&a.sandbox, &r)?;
     if a.detach {
         if a.json {
-            println!("{}", serde_json::to_string_pretty(&obj)?);
+            print_json(&obj)?;
         } else {
-            println!("{id}");
+            println!("{}", obj.id);
         }
         return Ok(0);
     }
     if a.json {
-        let fin: Value = loop {
-            let o: Value = req(
-                cli,
-                "GET",
-                &format!("/v1/sandboxes/{}/exec/{id}", a.sandbox),
-            )
-            .query("wait_seconds", "60")
-            .call()
-            .map_err(api_error)?
-            .into_json()?;
-            if o["status"] != "running" {
-                break o;
-            }
-        };
-        println!("{}", serde_json::to_string_pretty(&fin)?);
+        let fin = client.wait_exec(&a.sandbox, &obj.id)?;
+        print_json(&fin)?;
         return Ok(exit_code(&fin));
     }
-    follow(cli, &a.sandbox, &id, 0)
+    follow_output(cli, &a.sandbox, &obj.id)
 }
 
 pub fn logs(cli: &Cli, a: &LogsArgs) -> anyhow::Result<u8> {
     if a.follow {
-        return follow(cli, &a.sandbox, &a.exec, 0);
+        return follow_output(cli, &a.sandbox, &a.exec);
     }
+    let client = cli.client();
     let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
     let mut from = 0u64;
     loop {
-        let page: Value = req(
-            cli,
-            "GET",
-            &format!("/v1/sandboxes/{}/exec/{}/output", a.sandbox, a.exec),
-        )
-        .query("from", &from.to_string())
-        .call()
-        .map_err(api_error)?
-        .into_json()?;
-        if let Some(g) = page["gap"].as_object() {
-            eprintln!(
-                "sbx: output from {} to {} is no longer kept",
-                g["from"], g["to"]
-            );
+        let page = client.output(&a.sandbox, &a.exec, from, None, Encoding::Utf8)?;
+        if let Some(g) = page.gap {
+            eprintln!("sbx: output from {} to {} is no longer kept", g.from, g.to);
         }
-        for c in page["chunks"].as_array().cloned().unwrap_or_default() {
-            let data = c["data"].as_str().unwrap_or("");
-            if c["stream"] == "stderr" {
-                err.write_all(data.as_bytes())?;
+        for c in &page.chunks {
+            if c.stream == "stderr" {
+                err.write_all(c.data.as_bytes())?;
             } else {
-                out.write_all(data.as_bytes())?;
+                out.write_all(c.data.as_bytes())?;
             }
         }
-        let next = page["next"].as_u64().unwrap_or(from);
-        if next <= from || next >= page["end"].as_u64().unwrap_or(0) {
+        if page.next <= from || page.next >= page.end {
             break;
         }
-        from = next;
+        from = page.next;
     }
     out.flush()?;
     Ok(0)
 }
 
 pub fn rm(cli: &Cli, a: &RmArgs) -> anyhow::Result<u8> {
+    let client = cli.client();
     let mut code = 0;
     let mut gone = Vec::new();
     for s in &a.sandboxes {
-        match req(cli, "DELETE", &format!("/v1/sandboxes/{s}")).call() {
-            Ok(r) if a.json => gone.push(r.into_json::<Value>()?),
+        match client.delete_sandbox(s) {
+            Ok(obj) if a.json => gone.push(obj),
             Ok(_) => println!("{s}"),
             Err(e) => {
-                eprintln!("sbx: {s}: {:#}", api_error(e));
+                eprintln!("sbx: {s}: {e}");
                 code = 1;
             }
         }
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&gone)?);
+        print_json(&gone)?;
     }
     Ok(code)
 }
 
 pub fn restart(cli: &Cli, a: &RestartArgs) -> anyhow::Result<u8> {
-    let obj: Value = req(cli, "POST", &format!("/v1/sandboxes/{}/restart", a.sandbox))
-        .call()
-        .map_err(api_error)?
-        .into_json()?;
+    let obj = cli.client().restart_sandbox(&a.sandbox)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&obj)?);
+        print_json(&obj)?;
     } else {
-        println!(
-            "{} {}",
-            obj["id"].as_str().unwrap_or(""),
-            obj["status"].as_str().unwrap_or("")
-        );
+        println!("{} {}", obj.id, obj.status.as_str());
     }
-    Ok(if obj["status"] == "running" { 0 } else { 1 })
+    Ok(if obj.status == sbx_api::SandboxStatus::Running {
+        0
+    } else {
+        1
+    })
 }
 
 /// `sbx url SANDBOX PORT`: the preview URL of a port of the sandbox, with `?sbx_token=` (its
 /// token, which the preview listener trades for a cookie at the first visit).
 pub fn url_cmd(cli: &Cli, a: &UrlArgs) -> anyhow::Result<u8> {
-    let obj: Value = req(cli, "GET", &format!("/v1/sandboxes/{}", a.sandbox))
-        .call()
-        .map_err(api_error)?
-        .into_json()?;
-    let Some(template) = obj["preview_url"].as_str() else {
+    let obj = cli.client().sandbox(&a.sandbox)?;
+    let Some(template) = obj.preview_url.as_deref() else {
         bail!("the node's preview listener is off (sandboxd --preview-listen)");
     };
-    let token = obj["token"].as_str().filter(|_| !a.no_token);
+    let token = obj.token.get().map(String::as_str).filter(|_| !a.no_token);
     println!("{}", preview_url(template, a.port, token));
     Ok(0)
 }
@@ -701,22 +553,61 @@ mod tests {
     fn ready_checks_read_as_the_api_takes_them() {
         assert_eq!(
             ready_check("tcp:8080").ok(),
-            Some(json!({"tcp": {"port": 8080}}))
+            Some(Ready::Tcp { port: 8080 })
         );
+        let http = |port, path: &str| {
+            Some(Ready::Http {
+                port,
+                path: path.into(),
+            })
+        };
         assert_eq!(
             ready_check("http:80/health?x=1").ok(),
-            Some(json!({"http": {"port": 80, "path": "/health?x=1"}}))
+            http(80, "/health?x=1")
         );
-        assert_eq!(
-            ready_check("http:80").ok(),
-            Some(json!({"http": {"port": 80, "path": "/"}}))
-        );
+        assert_eq!(ready_check("http:80").ok(), http(80, "/"));
         assert_eq!(
             ready_check("cmd:test -f /tmp/up").ok(),
-            Some(json!({"command": "test -f /tmp/up"}))
+            Some(Ready::Command(Command::Shell("test -f /tmp/up".into())))
         );
         for bad in ["tcp:0", "tcp:70000", "http:x/", "cmd:", "udp:53", "8080"] {
             assert!(ready_check(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn create_flags_make_the_body_they_made() {
+        use clap::Parser;
+        let mut args = vec![
+            "sbx", "create", "--name", "dev", "-e", "A=1", "--memory", "512m",
+        ];
+        args.extend([
+            "--start",
+            "python3 -m http.server",
+            "--ready",
+            "http:8000/up",
+        ]);
+        args.extend([
+            "--public-port",
+            "8000",
+            "-v",
+            "db:/data",
+            "--metadata",
+            "k=v",
+        ]);
+        let a = match crate::Cli::parse_from(args).command {
+            crate::Cmd::Create(a) => a,
+            _ => unreachable!(),
+        };
+        assert_eq!(
+            create_request(&a).unwrap().to_json(),
+            serde_json::json!({
+                "name": "dev", "env": {"A": "1"}, "metadata": {"k": "v"},
+                "limits": {"memory_bytes": 536870912},
+                "start_command": "python3 -m http.server",
+                "ready": {"http": {"port": 8000, "path": "/up"}},
+                "public_ports": [8000], "volumes": [{"volume": "db", "path": "/data"}],
+            })
+        );
     }
 }

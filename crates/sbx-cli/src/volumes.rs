@@ -1,10 +1,9 @@
 //! `sbx volume create|ls|rm`, and `-v NAME:/path[:ro][,copy]` of `sbx run` and `sbx create`.
 
 use anyhow::bail;
-use serde_json::{json, Map, Value};
+use sbx_api::{VolumeCreate, VolumeMount};
 
-use crate::sandboxes::req;
-use crate::{api_error, parse_memory, Cli};
+use crate::{parse_memory, print_json, Cli};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum VolumeCmd {
@@ -49,74 +48,54 @@ pub fn volume(cli: &Cli, cmd: &VolumeCmd) -> anyhow::Result<u8> {
             shared,
             json,
         } => {
-            let mut body = Map::new();
-            if let Some(n) = given.as_ref().or(name.as_ref()) {
-                body.insert("name".into(), json!(n));
-            }
-            if let Some(s) = size {
-                body.insert("size_bytes".into(), json!(parse_memory(s)?));
-            }
-            if *shared {
-                body.insert("shared".into(), json!(true));
-            }
-            let v: Value = req(cli, "POST", "/v1/volumes")
-                .send_json(Value::Object(body))
-                .map_err(api_error)?
-                .into_json()?;
+            let c = VolumeCreate {
+                name: given.clone().or_else(|| name.clone()),
+                size_bytes: size.as_deref().map(parse_memory).transpose()?,
+                shared: *shared,
+            };
+            let v = cli.client().create_volume(&c)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                print_json(&v)?;
             } else {
-                println!("{}", v["id"].as_str().unwrap_or(""));
+                println!("{}", v.id);
             }
             Ok(0)
         }
         VolumeCmd::Ls { json } => {
-            let v: Value = req(cli, "GET", "/v1/volumes")
-                .call()
-                .map_err(api_error)?
-                .into_json()?;
+            let v = cli.client().volumes()?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                print_json(&v)?;
                 return Ok(0);
             }
             println!(
                 "{:<22} {:<20} {:>10} {:>10} {:<6}  SANDBOXES",
                 "ID", "NAME", "SIZE", "USED", "SHARED"
             );
-            for vol in v["data"].as_array().into_iter().flatten() {
-                let users: Vec<&str> = vol["sandboxes"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(Value::as_str)
-                    .collect();
+            for vol in &v.data {
                 println!(
                     "{:<22} {:<20} {:>10} {:>10} {:<6}  {}",
-                    vol["id"].as_str().unwrap_or(""),
-                    vol["name"].as_str().unwrap_or("-"),
-                    human(vol["size_bytes"].as_u64().unwrap_or(0)),
-                    human(vol["used_bytes"].as_u64().unwrap_or(0)),
-                    if vol["shared"].as_bool() == Some(true) {
-                        "yes"
-                    } else {
-                        "no"
-                    },
-                    if users.is_empty() {
+                    vol.id,
+                    vol.name.as_deref().unwrap_or("-"),
+                    human(vol.size_bytes),
+                    human(vol.used_bytes),
+                    if vol.shared { "yes" } else { "no" },
+                    if vol.sandboxes.is_empty() {
                         "-".to_string()
                     } else {
-                        users.join(",")
+                        vol.sandboxes.join(",")
                     },
                 );
             }
             Ok(0)
         }
         VolumeCmd::Rm { volumes } => {
+            let client = cli.client();
             let mut code = 0;
             for v in volumes {
-                match req(cli, "DELETE", &format!("/v1/volumes/{v}")).call() {
-                    Ok(_) => println!("{v}"),
+                match client.delete_volume(v) {
+                    Ok(()) => println!("{v}"),
                     Err(e) => {
-                        eprintln!("sbx: {v}: {:#}", api_error(e));
+                        eprintln!("sbx: {v}: {e}");
                         code = 1;
                     }
                 }
@@ -142,10 +121,7 @@ fn human(n: u64) -> String {
 }
 
 /// `-v NAME:/path[:OPTS]` (OPTS: `ro`, `copy`, comma-separated) as the body's `volumes`.
-pub fn mounts(specs: &[String]) -> anyhow::Result<Option<Value>> {
-    if specs.is_empty() {
-        return Ok(None);
-    }
+pub fn mounts(specs: &[String]) -> anyhow::Result<Vec<VolumeMount>> {
     let mut out = Vec::new();
     for s in specs {
         let mut parts = s.splitn(3, ':');
@@ -155,18 +131,24 @@ pub fn mounts(specs: &[String]) -> anyhow::Result<Option<Value>> {
         if vol.is_empty() || !path.starts_with('/') {
             bail!("-v {s:?}: give VOLUME:/PATH[:ro][,copy] (an absolute path)");
         }
-        let mut m = json!({"volume": vol, "path": path});
+        let mut m = VolumeMount {
+            path: path.to_string(),
+            volume: vol.to_string(),
+            read_only: false,
+            copy: false,
+            version: None,
+        };
         for opt in parts.next().into_iter().flat_map(|o| o.split(',')) {
             match opt {
-                "ro" => m["read_only"] = json!(true),
-                "rw" => m["read_only"] = json!(false),
-                "copy" => m["copy"] = json!(true),
+                "ro" => m.read_only = true,
+                "rw" => m.read_only = false,
+                "copy" => m.copy = true,
                 other => bail!("-v {s:?}: unknown option {other:?} (ro, rw, copy)"),
             }
         }
         out.push(m);
     }
-    Ok(Some(Value::Array(out)))
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -179,16 +161,17 @@ mod tests {
             "db:/data".into(),
             "vol-0123456789abcdef:/x/y:ro,copy".into(),
         ])
-        .unwrap()
         .unwrap();
+        let mut r = sbx_api::RunRequest::new(sbx_api::Command::Shell("true".into()));
+        r.volumes = v;
         assert_eq!(
-            v,
-            json!([
+            r.to_json()["volumes"],
+            serde_json::json!([
                 {"volume": "db", "path": "/data"},
                 {"volume": "vol-0123456789abcdef", "path": "/x/y", "read_only": true, "copy": true},
             ])
         );
-        assert!(mounts(&[]).unwrap().is_none());
+        assert!(mounts(&[]).unwrap().is_empty());
         assert!(mounts(&["db".into()]).is_err());
         assert!(mounts(&["db:rel".into()]).is_err());
         assert!(mounts(&["db:/a:rx".into()]).is_err());

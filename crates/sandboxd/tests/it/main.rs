@@ -8,6 +8,7 @@ mod agent;
 mod auth;
 mod bad_input;
 mod cleanup;
+mod cli;
 mod commands;
 mod disk;
 mod e2b;

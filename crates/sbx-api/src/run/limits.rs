@@ -21,9 +21,41 @@ pub const MIN_TIMEOUT_SECONDS: f64 = 0.001;
 /// Seconds (a `timeout_seconds`) as the agent's whole milliseconds: rounded up, so a deadline
 /// is never shorter than asked, and at least 1 (the agent takes no zero deadline). The one
 /// conversion of the node's runs and execs.
+///
+/// `s * 1000.0` of a decimal fraction is sometimes a hair above the whole number it means
+/// (2.007 * 1000.0 = 2007.0000000000002): a product within a few units in the last place of a
+/// whole number is that number, not the next one up. So [`ms_to_seconds`] of any whole number
+/// of milliseconds comes back here as the same number (a client writes its deadlines so).
 pub fn seconds_to_ms(s: f64) -> u64 {
-    ((s * 1000.0).ceil() as u64).max(1)
+    let x = s * 1000.0;
+    let whole = x.round();
+    let ms = if (x - whole).abs() <= whole.abs() * 4.0 * f64::EPSILON {
+        whole
+    } else {
+        x.ceil()
+    };
+    (ms as u64).max(1)
 }
+
+/// Whole milliseconds as the seconds of a `timeout_seconds` (or `wait_seconds`): the number a
+/// request carries, which [`seconds_to_ms`] reads back as `ms`.
+pub fn ms_to_seconds(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+/// A `timeout_seconds` of a run as its deadline: 0.001 to 1e9 seconds, else 400 invalid_field
+/// (param `timeout_seconds`), the answer the node gives to the same number in a body.
+pub fn run_timeout(seconds: f64) -> Result<std::time::Duration, ApiError> {
+    if (MIN_TIMEOUT_SECONDS..=MAX_SECONDS).contains(&seconds) {
+        Ok(std::time::Duration::from_millis(seconds_to_ms(seconds)))
+    } else {
+        Err(invalid("timeout_seconds", RUN_TIMEOUT_RANGE))
+    }
+}
+
+/// The message of a run's `timeout_seconds` out of its range.
+pub(crate) const RUN_TIMEOUT_RANGE: &str =
+    "timeout_seconds must be a number from 0.001 (1 ms) to 1000000000";
 
 /// The most bytes of the command, env (and secret_env) and cwd of one request together. The
 /// sandbox's agent takes them in one message of at most 4 MiB (sbx-proto `MAX_FRAME`): this much stays under it even

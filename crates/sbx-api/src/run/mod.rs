@@ -29,6 +29,7 @@ mod json;
 mod limits;
 mod runtime;
 mod types;
+mod wire;
 
 use std::collections::BTreeMap;
 
@@ -49,12 +50,13 @@ pub(crate) use fields::{check_env, parse_env};
 pub(crate) use json::{given, invalid, number_in, opt_bool, opt_str, uint_in, unknown_field};
 pub(crate) use limits::{check_exec_size, check_user};
 pub use limits::{
-    seconds_to_ms, user_ids_in_range, DEFAULT_GRACE_MS, DEFAULT_TIMEOUT_SECONDS, MAX_ARGS,
-    MAX_ARG_BYTES, MAX_BODY_BYTES, MAX_COMMAND_DISPLAY_CHARS, MAX_CWD_BYTES, MAX_DENY_PORTS,
-    MAX_EXEC_BYTES, MAX_GRACE_MS, MAX_HOSTNAME_LEN, MAX_IDEMPOTENCY_KEY_CHARS, MAX_IMAGE_LEN,
-    MAX_IMAGE_PULL_SECRET_LEN, MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS,
-    MAX_SANDBOX_ID, MAX_SECONDS, MAX_START_COMMAND_BYTES, MAX_USER_CHARS, MAX_VCPUS,
-    MEMORY_STEP_BYTES, MIN_MEMORY_BYTES, MIN_TIMEOUT_SECONDS, STOP_SIGNALS,
+    ms_to_seconds, run_timeout, seconds_to_ms, user_ids_in_range, DEFAULT_GRACE_MS,
+    DEFAULT_TIMEOUT_SECONDS, MAX_ARGS, MAX_ARG_BYTES, MAX_BODY_BYTES, MAX_COMMAND_DISPLAY_CHARS,
+    MAX_CWD_BYTES, MAX_DENY_PORTS, MAX_EXEC_BYTES, MAX_GRACE_MS, MAX_HOSTNAME_LEN,
+    MAX_IDEMPOTENCY_KEY_CHARS, MAX_IMAGE_LEN, MAX_IMAGE_PULL_SECRET_LEN, MAX_METADATA_KEYS,
+    MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS, MAX_SANDBOX_ID, MAX_SECONDS,
+    MAX_START_COMMAND_BYTES, MAX_USER_CHARS, MAX_VCPUS, MEMORY_STEP_BYTES, MIN_MEMORY_BYTES,
+    MIN_TIMEOUT_SECONDS, STOP_SIGNALS,
 };
 pub use runtime::{
     sysctl_allowed, Runtime, TmpfsMount, Ulimit, DEFAULT_TMPFS_MODE, MAX_NOFILE, ULIMIT_NAMES,
@@ -63,6 +65,7 @@ pub use types::{
     Command, Encoding, Init, Limits, OnExpiry, Ready, Region, RunRequest, RuntimeDns, SecretEnv,
     Stop, Tmp, VolumeMount,
 };
+pub(crate) use wire::{command_value, seconds_value, stdin_value};
 
 /// The top-level fields of `POST /v1/run`, in the spec's order (which is the order they are
 /// checked in).
@@ -312,18 +315,13 @@ pub fn parse_run_value(value: &Value) -> Result<RunRequest, ApiError> {
     let user = opt_str(obj, "user")?;
     check_user(user)?;
     let user = user.map(str::to_owned);
-    let timeout_seconds = given(obj, "timeout_seconds")
-        .map(|v| {
-            number_in(
-                v,
-                "timeout_seconds",
-                |n| (MIN_TIMEOUT_SECONDS..=MAX_SECONDS).contains(&n),
-                "a number from 0.001 (1 ms) to 1000000000",
-            )
-        })
-        .transpose()?
-        .unwrap_or(DEFAULT_TIMEOUT_SECONDS);
-    let timeout = std::time::Duration::from_millis(seconds_to_ms(timeout_seconds));
+    let timeout = match given(obj, "timeout_seconds") {
+        None => std::time::Duration::from_millis(seconds_to_ms(DEFAULT_TIMEOUT_SECONDS)),
+        Some(v) => match v.as_f64() {
+            Some(n) if v.is_number() => run_timeout(n)?,
+            _ => return Err(invalid("timeout_seconds", limits::RUN_TIMEOUT_RANGE)),
+        },
+    };
     let stdin_text = opt_str(obj, "stdin")?;
     let encoding = match opt_str(obj, "encoding")? {
         None | Some("utf8") => Encoding::Utf8,
@@ -478,10 +476,7 @@ impl RunRequest {
         }
         check_user(self.user.as_deref())?;
         if !(1..=seconds_to_ms(MAX_SECONDS)).contains(&ms_of(self.timeout)) {
-            return Err(invalid(
-                "timeout_seconds",
-                "timeout_seconds must be a number from 0.001 (1 ms) to 1000000000",
-            ));
+            return Err(invalid("timeout_seconds", limits::RUN_TIMEOUT_RANGE));
         }
         check_exec_size(&self.command, self.env.iter(), "env", self.cwd.as_deref())?;
         check_across_fields(self)

@@ -11,6 +11,10 @@ fn seconds_to_ms_rounds_up_to_at_least_one() {
     assert_eq!(seconds_to_ms(MIN_TIMEOUT_SECONDS), 1);
     assert_eq!(seconds_to_ms(0.0015), 2);
     assert_eq!(seconds_to_ms(0.5), 500);
+    // A decimal's product a hair above its whole number is that number.
+    assert_eq!(seconds_to_ms(2.007), 2007);
+    assert_eq!(seconds_to_ms(2056.11), 2_056_110);
+    assert_eq!(seconds_to_ms(2.0071), 2008);
     assert_eq!(seconds_to_ms(DEFAULT_TIMEOUT_SECONDS), 300_000);
     assert_eq!(seconds_to_ms(MAX_SECONDS), 1_000_000_000_000);
     assert_eq!(seconds_to_ms(0.0), 1);
