@@ -114,40 +114,36 @@ pub async fn start(
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    let places = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let Ok(place) = places.clone().acquire_owned().await else {
-            return;
-        };
-        let (stream, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "E2B listener: accept");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
+    sbx_front::listen::accept_loop(
+        listener,
+        "E2B listener",
+        MAX_CONNECTIONS,
+        std::future::pending(),
+        move |stream, peer| {
+            let shared = shared.clone();
+            async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let shared = shared.clone();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(handle(req, peer, shared).await)
+                    }
+                });
+                let mut builder =
+                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                builder
+                    .http1()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEAD_TIMEOUT);
+                if let Err(e) = builder
+                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                    .await
+                {
+                    tracing::debug!(error = %e, "E2B listener: a client connection");
+                }
             }
-        };
-        let _ = stream.set_nodelay(true);
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let _place = place;
-            let service = hyper::service::service_fn(move |req| {
-                let shared = shared.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(req, peer, shared).await) }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEAD_TIMEOUT);
-            if let Err(e) = builder
-                .serve_connection_with_upgrades(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(error = %e, "E2B listener: a client connection");
-            }
-        });
-    }
+        },
+    )
+    .await;
 }
 
 /// E2B's error body: `{code, message}` with the status as its code.

@@ -264,7 +264,33 @@ pub async fn serve(
     limits: Limits,
     stop: impl Future<Output = ()>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    accept_loop(
+        listener,
+        "API listener",
+        limits.max_connections,
+        stop,
+        move |stream, peer| serve_conn(stream, peer, app.clone(), limits),
+    )
+    .await;
+}
+
+/// The accept loop of every listener of the node (the API, E2B's, the preview listener):
+/// each connection accepted is served by `conn` on a task of its own while it holds one of
+/// `max_connections` places. A connection past the cap is answered 503 `unavailable`
+/// (retryable) and closed; when the process runs out of descriptors, one connection is answered
+/// 503 through a descriptor kept in reserve and accept backs off instead of spinning; both
+/// logged (throttled) with `name`. When `stop` resolves, open connections get up to 5 s.
+pub async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    name: &'static str,
+    max_connections: usize,
+    stop: impl Future<Output = ()>,
+    conn: F,
+) where
+    F: Fn(TcpStream, SocketAddr) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(max_connections));
     let over_cap = Throttled::new();
     let no_fds = Throttled::new();
     // A descriptor kept for the one connection answered when the process has no more.
@@ -281,7 +307,8 @@ pub async fn serve(
                 if let Some(skipped) = no_fds.take() {
                     tracing::error!(
                         error = %e,
-                        open = limits.max_connections - slots.available_permits(),
+                        listener = name,
+                        open = max_connections - slots.available_permits(),
                         skipped,
                         "out of file descriptors: a connection is refused"
                     );
@@ -298,7 +325,7 @@ pub async fn serve(
                 continue;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
+                tracing::warn!(error = %e, listener = name, "accept failed");
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
@@ -306,7 +333,8 @@ pub async fn serve(
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             if let Some(skipped) = over_cap.take() {
                 tracing::warn!(
-                    max_connections = limits.max_connections,
+                    max_connections,
+                    listener = name,
                     %peer,
                     skipped,
                     "connection cap reached: a connection is refused (503)"
@@ -315,14 +343,15 @@ pub async fn serve(
             tokio::spawn(refuse(stream));
             continue;
         };
-        let app = app.clone();
+        let _ = stream.set_nodelay(true);
+        let serving = conn(stream, peer);
         tokio::spawn(async move {
-            serve_conn(stream, peer, app, limits).await;
+            serving.await;
             drop(slot);
         });
     }
     // Stopping: what is open gets a moment to finish.
-    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
     let _ = tokio::time::timeout(Duration::from_secs(5), slots.acquire_many(all)).await;
 }
 
@@ -372,7 +401,6 @@ fn due(conn: &Conn, limits: Limits) -> Option<(Instant, &'static str)> {
 }
 
 async fn serve_conn(stream: TcpStream, peer: SocketAddr, app: Router, limits: Limits) {
-    let _ = stream.set_nodelay(true);
     let conn = Arc::new(Conn {
         activity: Mutex::new(Activity {
             in_flight: 0,

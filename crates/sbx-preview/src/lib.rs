@@ -194,36 +194,28 @@ async fn accept_loop(
     tls: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
 ) {
-    let places = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let Ok(place) = places.clone().acquire_owned().await else {
-            return;
-        };
-        let (stream, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                // Out of descriptors, most likely: wait rather than spin.
-                tracing::warn!(error = %e, "preview listener: accept");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let (tls, shared) = (tls.clone(), shared.clone());
-        tokio::spawn(async move {
-            let _place = place;
-            match tls {
-                None => serve_conn(TokioIo::new(stream), peer, shared).await,
-                Some(acceptor) => {
-                    match tokio::time::timeout(HEAD_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(s)) => serve_conn(TokioIo::new(s), peer, shared).await,
-                        Ok(Err(e)) => tracing::debug!(error = %e, "preview: TLS handshake"),
-                        Err(_) => tracing::debug!("preview: TLS handshake timed out"),
+    sbx_front::listen::accept_loop(
+        listener,
+        "preview listener",
+        MAX_CONNECTIONS,
+        std::future::pending(),
+        move |stream, peer| {
+            let (tls, shared) = (tls.clone(), shared.clone());
+            async move {
+                match tls {
+                    None => serve_conn(TokioIo::new(stream), peer, shared).await,
+                    Some(acceptor) => {
+                        match tokio::time::timeout(HEAD_TIMEOUT, acceptor.accept(stream)).await {
+                            Ok(Ok(s)) => serve_conn(TokioIo::new(s), peer, shared).await,
+                            Ok(Err(e)) => tracing::debug!(error = %e, "preview: TLS handshake"),
+                            Err(_) => tracing::debug!("preview: TLS handshake timed out"),
+                        }
                     }
                 }
             }
-        });
-    }
+        },
+    )
+    .await;
 }
 
 /// One client connection: HTTP/1.1 (with upgrades) or HTTP/2.
