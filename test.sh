@@ -9,6 +9,7 @@ need_root
 install_node_packages
 install_packages docker-registry dnsmasq-base iproute2 nftables python3 python3-venv
 need_cargo
+need_nextest
 export SBX_TEST_IMAGES="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
 # The iii engine for the interop test (crates/sandboxd/tests/it/iii.rs), when the shared tools have it.
 if [ -z "${III_BIN:-}" ] && [ -x ../shared/tools/iii ]; then
@@ -20,4 +21,9 @@ scripts/criu.sh
 scripts/e2b-sdks.sh
 cargo build --workspace --all-targets
 target/debug/sandboxd --images-dir "$SBX_TEST_IMAGES" build-base
-cargo test --workspace
+# Every test binary at once, each test in a process of its own (.config/nextest.toml); then
+# the doc tests, which nextest does not run, whatever the first found.
+status=0
+cargo nextest run --workspace || status=$?
+cargo test --workspace --doc || status=$?
+exit "$status"

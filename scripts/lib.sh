@@ -36,6 +36,17 @@ need_cargo() {
   fi
 }
 
+# cargo-nextest, which test.sh runs the tests with: installed by cargo (built once, into
+# cargo's bin directory) when missing or older than .config/nextest.toml asks.
+need_nextest() {
+  local want=0.9.91 v
+  v=$(cargo nextest --version 2>/dev/null | awk 'NR==1 {print $2}')
+  if [ -z "$v" ] || [ "$(printf '%s\n%s\n' "$v" "$want" | sort -V | head -n1)" != "$want" ]; then
+    echo "sbx: installing cargo-nextest (the tests run with it; built once, a few minutes)" >&2
+    cargo install cargo-nextest --locked >&2
+  fi
+}
+
 # The packages every sbx node needs: debootstrap builds the base image; gcc links; btrfs-progs
 # makes the node's disk (mkfs.btrfs, once).
 install_node_packages() {

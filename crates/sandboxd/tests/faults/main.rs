@@ -155,6 +155,7 @@ fn the_node_killed_at_random_points_of_calls_and_checkpoints_loses_nothing() {
     // A range of its own (the default ones of nodes of other tests may be the same), so that
     // every interface on it is this node's.
     let range = format!("10.253.{}.0/24", std::process::id() % 250);
+    // With a node's warm pool: a kill may cut the making of a warm sandbox too.
     let mut node = TestNode::start_with(&[
         "--sleep-after-seconds",
         "never",
@@ -162,6 +163,8 @@ fn the_node_killed_at_random_points_of_calls_and_checkpoints_loses_nothing() {
         "allow",
         "--net-range",
         &range,
+        "--warm-pool",
+        "2",
     ]);
     let mut known = Known::default();
     let (mut cut, mut answered) = (0, 0);

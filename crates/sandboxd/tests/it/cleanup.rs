@@ -245,7 +245,7 @@ fn a_node_that_made_no_sandbox_releases_its_disk_at_stop() {
         &["--warm-pool", "0"][..],
         &["--warm-pool", "0", "--egress-default", "allow"][..],
         // Stopped while its warm pool is being made.
-        &[][..],
+        &["--warm-pool", "2"][..],
     ] {
         no_sandbox_then_stop(args);
     }
@@ -289,7 +289,7 @@ fn a_node_started_again_after_a_kill_releases_its_disk_at_stop() {
 /// The same for a node that made sandboxes (its warm pool, a kept one deleted, a run).
 #[test]
 fn a_node_that_made_sandboxes_releases_its_disk_at_stop() {
-    let mut node = TestNode::start();
+    let mut node = TestNode::start_with(&["--warm-pool", "2"]);
     let id = node.create_sandbox(&json!({}))["id"]
         .as_str()
         .unwrap()

@@ -27,7 +27,7 @@ const FILL: &str = "i=0; while dd if=/dev/zero of=$F bs=1M count=1 seek=$i conv=
 
 #[test]
 fn a_full_disk_stops_its_sandbox_alone() {
-    let node = TestNode::start_with(&["--disk-bytes", &DISK.to_string()]);
+    let node = TestNode::start_with(&["--disk-bytes", &DISK.to_string(), "--warm-pool", "2"]);
     let (_, info) = get_json(&node, "/internal/node");
     assert_eq!(info["disk_bytes"], DISK, "{info}");
     assert_eq!(info["disk"]["filesystem"], "btrfs", "{info}");

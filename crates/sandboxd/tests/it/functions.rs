@@ -16,7 +16,9 @@ fn node_with(config: &str) -> TestNode {
     let path = dir.join("sandboxd.toml");
     std::fs::write(&path, format!("docs_base_url = \"{DOCS}\"\n{config}")).unwrap();
     let path = path.to_str().unwrap().to_string();
-    TestNode::start_with(&["--config", &path, "--warm-pool", "0"])
+    let mut node = TestNode::start_with(&["--config", &path, "--warm-pool", "0"]);
+    node.owns(dir);
+    node
 }
 
 /// POST /v1/functions/{f}: (status, body).

@@ -150,6 +150,15 @@ fn start_in_sandbox(w: &World, egress: Option<&Value>, code: &str) -> (String, S
     (id, ex["id"].as_str().unwrap().to_string())
 }
 
+/// Tells the program of `sandbox` that waits for `/tmp/stop` that it may end.
+fn stop_in_sandbox(w: &World, sandbox: &str) {
+    let v = w.node.exec(
+        sandbox,
+        &json!({ "command": "touch /tmp/stop", "wait_seconds": 10 }),
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+}
+
 /// A sandbox asking the node's DNS without end for names of a server that never answers
 /// is told SERVFAIL past its share, and another sandbox's names are still resolved. Its TCP
 /// connections to the DNS past its share are closed at once, and idle ones after the idle
@@ -157,12 +166,13 @@ fn start_in_sandbox(w: &World, egress: Option<&Value>, code: &str) -> (String, S
 #[test]
 fn one_sandbox_cannot_starve_the_node_s_dns() {
     let w = world();
+    // It floods until the test says it may stop (`/tmp/stop`), 12 s at most.
     let flood = format!(
-        "{GW}import socket, struct, time\n\
+        "{GW}import os, socket, struct, time\n\
          s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
          s.setblocking(False)\n\
          end, i, servfail = time.time() + 12, 0, 0\n\
-         while time.time() < end:\n    \
+         while time.time() < end and not (i % 100 == 0 and os.path.exists('/tmp/stop')):\n    \
              name = b''.join(bytes([len(x)]) + x for x in (b'n%d' % i, b'slow', b'test'))\n    \
              q = struct.pack('>HHHHHH', i % 65536, 0x0100, 1, 0, 0, 0) + name + b'\\0\\0\\1\\0\\1'\n    \
              try: s.sendto(q, (gw, 53))\n    \
@@ -189,6 +199,7 @@ fn one_sandbox_cannot_starve_the_node_s_dns() {
         "203.0.113.10",
         "another sandbox's lookup while one floods: {v}"
     );
+    stop_in_sandbox(&w, &a);
     let v = w.node.exec_wait(&a, &flood_exec, Duration::from_secs(60));
     let out = stdout_of(&v);
     let servfail: u64 = out
@@ -231,13 +242,15 @@ fn one_sandbox_cannot_starve_the_node_s_dns() {
 fn one_sandbox_cannot_fill_the_egress_proxy() {
     let w = world();
     let egress = json!({"default": "deny", "allow": ["web.test"]});
+    // It holds its connections until the test says it may stop (`/tmp/stop`), 8 s at most.
     let hold = format!(
-        "{CLOSED}import socket, time\n\
+        "{CLOSED}import os, socket, time\n\
          ip = socket.getaddrinfo('web.test', 80, socket.AF_INET)[0][4][0]\n\
          cs = [socket.create_connection((ip, 80), timeout=5) for _ in range(24)]\n\
          time.sleep(1)\n\
          print('open', sum(not closed(c) for c in cs), flush=True)\n\
-         time.sleep(8)\n"
+         end = time.time() + 8\n\
+         while time.time() < end and not os.path.exists('/tmp/stop'): time.sleep(0.05)\n"
     );
     let (a, hold_exec) = start_in_sandbox(&w, Some(&egress), &hold);
     std::thread::sleep(Duration::from_secs(3));
@@ -249,6 +262,7 @@ fn one_sandbox_cannot_fill_the_egress_proxy() {
         stdout_of(&v).contains("hello from web.test"),
         "another sandbox's request: {v}"
     );
+    stop_in_sandbox(&w, &a);
     let v = w.node.exec_wait(&a, &hold_exec, Duration::from_secs(60));
     let open: u64 = stdout_of(&v)
         .trim()

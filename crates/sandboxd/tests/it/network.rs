@@ -12,18 +12,17 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::common::TestNode;
+use crate::common::{HostLock, TestNode};
 
 /// The test internet: a namespace with a veth to the host, its servers, removed when dropped.
-/// One at a time (its addresses are fixed): the tests that use it take turns.
+/// One at a time on the machine (its addresses are fixed): the tests that use it take turns
+/// ([`HostLock`], across test processes too).
 pub(crate) struct TestInternet {
     ns: String,
     host_if: String,
     servers: Vec<Child>,
-    _turn: std::sync::MutexGuard<'static, ()>,
+    _turn: HostLock,
 }
-
-static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("ip");
@@ -40,9 +39,7 @@ impl TestInternet {
     /// Its interfaces are not named `sbx…`: a node's table takes every interface with its
     /// prefix (`sbx` for the node of /var/lib/sbx, which may be running) for a sandbox's.
     pub(crate) fn start() -> TestInternet {
-        let turn = TURN
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let turn = HostLock::take("test-internet");
         let tag = std::process::id() % 10_000;
         let (ns, host_if, inner_if) = (
             format!("tinet{tag}"),
@@ -239,6 +236,7 @@ fn sandboxes_reach_the_internet_by_name_and_address_and_nothing_they_must_not() 
         "--warm-pool",
         "1",
     ]);
+    node.owns(dir.clone());
     let (_, info) = crate::common::get_json(&node, "/internal/node");
     let gateway = info["network"]["gateway"].as_str().unwrap().to_string();
 

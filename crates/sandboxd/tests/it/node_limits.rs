@@ -12,7 +12,9 @@ fn node_with(config: &str) -> TestNode {
     let path = dir.join("sandboxd.toml");
     std::fs::write(&path, config).unwrap();
     let path = path.to_string_lossy().into_owned();
-    TestNode::start_with(&["--config", &path])
+    let mut node = TestNode::start_with(&["--config", &path]);
+    node.owns(dir);
+    node
 }
 
 #[test]

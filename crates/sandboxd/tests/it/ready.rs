@@ -450,7 +450,7 @@ fn a_template_built_ahead_serves_the_first_sandbox_at_once_and_keeps_no_sandbox(
 
 #[test]
 fn sandboxes_that_waited_for_a_failed_build_fail_with_it_and_leave_nothing() {
-    let node = TestNode::start();
+    let node = TestNode::start_with(&["--warm-pool", "2"]);
     let body = json!({
         "start_command": "echo broken; exit 3",
         "ready": { "command": "false" },

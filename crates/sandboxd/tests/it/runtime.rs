@@ -169,7 +169,7 @@ impl Drop for OtherNode {
 /// and answering, and it still makes new ones.
 #[test]
 fn a_second_node_on_a_held_cgroup_folder_stops_and_touches_nothing() {
-    let node = TestNode::start();
+    let node = TestNode::start_with(&["--warm-pool", "2"]);
     let sb = node.create_sandbox(&json!({}));
     let id = sb["id"].as_str().expect("id").to_string();
     let agent = node.agent_pid(&id).expect("the sandbox's agent");

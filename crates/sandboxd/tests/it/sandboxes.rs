@@ -584,7 +584,7 @@ fn restart_boots_again_over_the_same_disk() {
 
 #[test]
 fn twenty_cycles_leave_nothing() {
-    let node = TestNode::start();
+    let node = TestNode::start_with(&["--warm-pool", "2"]);
     for i in 0..20 {
         let body = if i % 2 == 0 {
             json!({"name": format!("cycle-{i}"), "start_command": "exec sleep 1000", "stop": {"grace_ms": 200}})

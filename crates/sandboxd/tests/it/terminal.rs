@@ -215,16 +215,17 @@ fn a_flood_of_input_never_turns_output_into_protocol() {
     let id = tty_exec(
         &node,
         "tty-flood",
-        "head -c 100000000 /dev/zero | tr '\\0' G; sleep 600",
+        "head -c 25000000 /dev/zero | tr '\\0' G; sleep 600",
     );
     let mut ws = open(&node, "tty-flood", &id);
     let mut writer = writer_of(&mut ws);
     let reader = std::thread::spawn(move || read_to_end(ws, Duration::from_secs(300)));
-    // 100 messages of 1 MiB: the terminal echoes them while the node reads more input.
-    let chunk = vec![b'G'; 1 << 20];
+    // 100 messages of 256 KiB (each one a chance to come while a frame is half read): the
+    // terminal echoes them while the node reads more input.
+    let chunk = vec![b'G'; 256 << 10];
     for i in 0..100 {
         if let Err(e) = writer.send(Message::Binary(chunk.clone().into())) {
-            panic!("the node stopped taking input after {i} MiB: {e}");
+            panic!("the node stopped taking input after {i} messages: {e}");
         }
     }
     // The session still works: ^C reaches the command, whose end comes back.

@@ -95,6 +95,69 @@ fn cgroup_places(name: &str) -> (Vec<(String, PathBuf)>, Vec<(String, PathBuf)>)
     )
 }
 
+/// A lock of the whole machine, held until dropped: tests that use something of the host only
+/// one may use at a time (fixed addresses) take turns with it, whether they run as threads of
+/// one test binary or as processes of their own (`cargo nextest` runs each test in its own).
+pub struct HostLock(#[allow(dead_code)] fs::File);
+
+impl HostLock {
+    /// Waits for the lock `name` (a file of `sbx-test-locks` in the temporary directory,
+    /// `flock`ed).
+    pub fn take(name: &str) -> HostLock {
+        loop {
+            match HostLock::lock(name, 0) {
+                Ok(l) => return l,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => panic!("flock {name}: {e}"),
+            }
+        }
+    }
+
+    /// The lock `name` if nothing holds it, without waiting.
+    pub fn try_take(name: &str) -> Option<HostLock> {
+        match HostLock::lock(name, libc::LOCK_NB) {
+            Ok(l) => Some(l),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(e) => panic!("flock {name}: {e}"),
+        }
+    }
+
+    fn lock(name: &str, flags: i32) -> std::io::Result<HostLock> {
+        use std::os::fd::AsRawFd;
+        // Kept (a lock file removed while another process waits on it would not be the next
+        // one's): a few small files in one folder.
+        let dir = std::env::temp_dir().join("sbx-test-locks");
+        fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
+        let path = dir.join(format!("{name}.lock"));
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+        // SAFETY: flock takes a descriptor that `file` keeps open for the call.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | flags) } == 0 {
+            Ok(HostLock(file))
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+}
+
+/// A network range (a /24 of 10.249.0.0/16) no other node of the tests on the machine has
+/// while the lock it comes with is held: the default ranges of nodes (a /20 of 10.251.0.0/16
+/// by their cgroup folder's hash, 16 in all) are too few for the tests that run at once.
+pub(super) fn own_net_range() -> (String, HostLock) {
+    let from = std::process::id() as usize;
+    for i in 0..250 {
+        let k = (from + i) % 250;
+        if let Some(lock) = HostLock::try_take(&format!("net-10.249.{k}")) {
+            return (format!("10.249.{k}.0/24"), lock);
+        }
+    }
+    panic!("every network range of 10.249.0.0/16 is held by a node of the tests");
+}
+
 pub(super) fn send_signal(pid: u32, sig: i32) {
     // SAFETY: kill has no memory effects; an error (the process is gone) is ignored.
     unsafe {

@@ -6,6 +6,9 @@
 //! lists what is left of the node's sandboxes on the host; dropping a node stops it and removes
 //! everything it may have left, so that a failing test leaves nothing behind.
 //!
+//! A node of the tests is small: no warm pool, a 2 GiB disk, no network (`--egress-default
+//! none`); a test that needs more asks for it with its arguments (`TestNode::start_with`).
+//!
 //! `node` is the node's lifecycle, `http` the requests and answers, `host` what is left on the
 //! host, `data` small helpers; everything is re-exported here (`common::X`).
 
@@ -15,5 +18,6 @@ mod http;
 mod node;
 
 pub use data::*;
+pub use host::HostLock;
 pub use http::*;
 pub use node::*;

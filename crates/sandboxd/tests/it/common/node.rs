@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::host::{node_cgroup_dirs, send_signal};
+use super::host::{node_cgroup_dirs, own_net_range, send_signal, HostLock};
 
 static NEXT_NODE: AtomicUsize = AtomicUsize::new(0);
 static BUILD_LOCK: Mutex<()> = Mutex::new(());
@@ -64,6 +64,15 @@ fn ensure_base_image(images: &Path) {
     );
 }
 
+/// The client of the fixture's own calls: connections kept open between calls.
+fn http_agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(5))
+        .timeout_read(Duration::from_secs(120))
+        .timeout_write(Duration::from_secs(120))
+        .build()
+}
+
 pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port on loopback");
     l.local_addr().expect("local addr").port()
@@ -86,6 +95,11 @@ pub struct TestNode {
     pub auth: Option<String>,
     /// The address of the preview listener it is started with (unless its arguments name one).
     pub(super) preview: String,
+    /// The network range of a node with network whose arguments name none, kept for its
+    /// restarts ([`own_net_range`]).
+    pub(super) net_range: Option<(String, HostLock)>,
+    /// Directories of the test's own removed with the node ([`TestNode::owns`]).
+    pub(super) owned: Vec<PathBuf>,
 }
 
 impl TestNode {
@@ -126,11 +140,7 @@ impl TestNode {
             shared
         };
         let log = root.join("node.log");
-        let http = ureq::AgentBuilder::new()
-            .timeout_connect(Duration::from_secs(5))
-            .timeout_read(Duration::from_secs(120))
-            .timeout_write(Duration::from_secs(120))
-            .build();
+        let http = http_agent();
         let mut node = TestNode {
             child: None,
             addr: String::new(),
@@ -145,6 +155,8 @@ impl TestNode {
             args: args.iter().map(|a| a.to_string()).collect(),
             auth: None,
             preview: String::new(),
+            net_range: None,
+            owned: Vec::new(),
         };
         assert!(
             !node.cgroup_dirs.is_empty(),
@@ -168,6 +180,19 @@ impl TestNode {
 
     /// Starts the daemon with this node's settings and waits for it to be healthy.
     fn spawn(&mut self) -> Result<(), String> {
+        let networked = self
+            .args
+            .windows(2)
+            .any(|w| w[0] == "--egress-default" && w[1] != "none");
+        let own_range = networked && !self.args.iter().any(|a| a == "--net-range");
+        if own_range && self.net_range.is_none() {
+            self.net_range = Some(own_net_range());
+        }
+        let range = self
+            .net_range
+            .as_ref()
+            .filter(|_| own_range)
+            .map(|(r, _)| ["--net-range".to_string(), r.clone()]);
         let logfile = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -194,12 +219,16 @@ impl TestNode {
                     .into_iter()
                     .flatten(),
             )
+            .args(range.into_iter().flatten())
+            // No warm pool: a node's two warm sandboxes cost every test their making and their
+            // ending (the tests of the pool, and of what runs on warm sandboxes, ask for one).
             // A small disk of its own (its blocks are reserved on the host: a node's default, 90%
             // of what the host has free, would leave none for the next node), sandboxes' disks
             // and volumes that fit in it, promised four times over (tests do not fill it;
             // disk.rs and the attacks that do give their own).
             .args(
                 [
+                    ["--warm-pool", "0"],
                     ["--disk-image-bytes", "2147483648"],
                     ["--disk-bytes", "268435456"],
                     ["--volume-bytes", "268435456"],
@@ -230,6 +259,12 @@ impl TestNode {
         // Where the daemon put its folders (the stable place, or its own cgroup's).
         self.cgroup_dirs = node_cgroup_dirs(&self.cgroup_name);
         healthy
+    }
+
+    /// Removes `dir` (the test's: a config file the node reads at every start, files a
+    /// server of the test serves) when the node is dropped.
+    pub fn owns(&mut self, dir: PathBuf) {
+        self.owned.push(dir);
     }
 
     /// The arguments the node is started with from its next (re)start on.
@@ -333,6 +368,9 @@ impl TestNode {
         if let Ok(Some(s)) = child.try_wait() {
             return Some(s);
         }
+        // The connections the fixture keeps open are closed first: a stopping node gives open
+        // connections up to 5 s to finish, idle ones too.
+        self.http = http_agent();
         send_signal(child.id(), libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
@@ -356,6 +394,9 @@ impl Drop for TestNode {
         }
         self.force_clean();
         let _ = fs::remove_dir_all(&self.root);
+        for dir in &self.owned {
+            let _ = fs::remove_dir_all(dir);
+        }
     }
 }
 
