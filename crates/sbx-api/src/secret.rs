@@ -201,4 +201,22 @@ mod tests {
         let e = parse_secret_put(br#"{"value": "hunter2"#).unwrap_err();
         assert!(!e.message.contains("hunter2"), "{}", e.message);
     }
+
+    #[test]
+    fn host_patterns_are_names_or_wildcards_of_subdomains() {
+        assert!(valid_host_pattern("*.example.com"));
+        assert!(valid_host_pattern("localhost"));
+        for bad in [
+            "",
+            "*.",
+            "a..b",
+            "-a.com",
+            "a.com:5000",
+            "https://a.com",
+            "*",
+            "a*.com",
+        ] {
+            assert!(!valid_host_pattern(bad), "{bad}");
+        }
+    }
 }

@@ -264,12 +264,20 @@ pub async fn serve(
     limits: Limits,
     stop: impl Future<Output = ()>,
 ) {
+    // Told to every connection when the node stops: an idle one closes at once, a busy one
+    // after its answer (it is not kept alive).
+    let (stopping, _) = tokio::sync::watch::channel(false);
+    let told = stopping.clone();
+    let stop = async move {
+        stop.await;
+        let _ = told.send(true);
+    };
     accept_loop(
         listener,
         "API listener",
         limits.max_connections,
         stop,
-        move |stream, peer| serve_conn(stream, peer, app.clone(), limits),
+        move |stream, peer| serve_conn(stream, peer, app.clone(), limits, stopping.subscribe()),
     )
     .await;
 }
@@ -400,7 +408,13 @@ fn due(conn: &Conn, limits: Limits) -> Option<(Instant, &'static str)> {
     })
 }
 
-async fn serve_conn(stream: TcpStream, peer: SocketAddr, app: Router, limits: Limits) {
+async fn serve_conn(
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: Router,
+    limits: Limits,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
     let conn = Arc::new(Conn {
         activity: Mutex::new(Activity {
             in_flight: 0,
@@ -462,6 +476,13 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, app: Router, limits: Li
                 return;
             }
             () = changed => {}
+            Ok(()) = stopping.changed(), if !*stopping.borrow() => {
+                // The node stops: nothing in flight, closed now; else closed after its answer.
+                if conn.with(|a| a.in_flight == 0) {
+                    return;
+                }
+                serving.as_mut().graceful_shutdown();
+            }
             () = timer => {
                 let now = Instant::now();
                 if let Some((_, why)) = due(&conn, limits).filter(|(at, _)| *at <= now) {

@@ -408,6 +408,14 @@ impl Node {
     /// Ends every sandbox (the node is stopping) and waits for their teardown.
     pub async fn shutdown(self: &Arc<Self>) {
         self.stopping.store(true, Ordering::SeqCst);
+        // A warm sandbox being made is not left behind: the refiller ends it once made (it
+        // sees the node stopping), and stops; at most 30 s (a create's own limits are less).
+        for _ in 0..3000 {
+            if !self.refilling.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         self.drain_warm();
         let all: Vec<Arc<Sandbox>> = self.live.locked().drain().map(|(_, s)| s).collect();
         for sb in all {

@@ -40,10 +40,17 @@ impl Node {
 
     /// Takes a warm sandbox (out of the node's live table: the caller keeps it).
     pub fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
-        let w = self.take_live_warm()?;
-        self.live_remove(&w.sandbox.id);
+        let w = self.take_live_warm();
+        // Refilled whether one was taken or every one was found dead.
         self.refill();
+        let w = w?;
+        self.live_remove(&w.sandbox.id);
         Some(w.sandbox)
+    }
+
+    /// Whether the pool has fewer sandboxes than it keeps.
+    pub fn warm_below_target(&self) -> bool {
+        self.warm.locked().len() < self.cfg.warm_pool
     }
 
     /// Ids of the warm sandboxes.
