@@ -8,7 +8,8 @@ use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sbx_proto::{
-    ExecFailKind, ExecSpec, ExecState, ExitInfo, ExitStatus, OutputCounts, Program, Stream,
+    ExecFailKind, ExecSpec, ExecState, ExitInfo, ExitStatus, OutputCounts, Program, StartFailKind,
+    StartFailure, Stream,
 };
 use sbx_runtime::process::{self, Ended, Reaped, SpawnSpec};
 use tokio::io::unix::AsyncFd;
@@ -130,6 +131,8 @@ pub struct Exec {
     pub id: String,
     pub pid: u32,
     pub started_at_ns: i64,
+    /// Why it could not be executed (then its pid is 0 and it has ended).
+    pub failed: Option<StartFailure>,
     started: Instant,
     pub state: RefCell<State>,
     notify: watch::Sender<u64>,
@@ -156,7 +159,13 @@ fn find_on_path(name: &str, path: &str) -> Option<PathBuf> {
 }
 
 impl Exec {
-    fn new(id: String, pid: u32, readers: u8, registry: &Rc<Registry>) -> Rc<Exec> {
+    fn new(
+        id: String,
+        pid: u32,
+        readers: u8,
+        failed: Option<StartFailure>,
+        registry: &Rc<Registry>,
+    ) -> Rc<Exec> {
         let (notify, _) = watch::channel(0);
         Rc::new(Exec {
             wait_for_reader: Cell::new(false),
@@ -165,6 +174,7 @@ impl Exec {
             id,
             pid,
             started_at_ns: now_ns(),
+            failed,
             started: Instant::now(),
             state: RefCell::new(State {
                 ring: Ring::new(CAPACITY),
@@ -180,12 +190,15 @@ impl Exec {
         })
     }
 
-    /// A command that could not run: it "ran" and ended with `code`, its reason on stderr.
-    fn failed(id: String, code: i32, message: String, registry: &Rc<Registry>) -> Rc<Exec> {
-        let e = Exec::new(id, 0, 0, registry);
+    /// A command that could not be executed: it "ran" (pid 0) and ended with its kind's exit
+    /// code (126 or 127, as in a shell), `sbx: ` and its message on stderr.
+    fn failed(id: String, failure: StartFailure, registry: &Rc<Registry>) -> Rc<Exec> {
+        let code = failure.kind.exit_code();
+        let said = format!("sbx: {}\n", failure.message);
+        let e = Exec::new(id, 0, 0, Some(failure), registry);
         {
             let mut st = e.state.borrow_mut();
-            st.ring.push(Stream::Stderr, message.as_bytes());
+            st.ring.push(Stream::Stderr, said.as_bytes());
             st.exit = Some(ExitInfo {
                 status: ExitStatus::Exited,
                 exit_code: code,
@@ -213,6 +226,7 @@ impl Exec {
             started_at_ns: self.started_at_ns,
             exit: self.state.borrow().exit.clone(),
             output: self.counts(),
+            failed: self.failed.clone(),
         }
     }
 
@@ -499,25 +513,17 @@ pub fn start(
         .clone()
         .or_else(|| d.workdir.clone())
         .unwrap_or_else(|| "/".into());
-    if !Path::new(&cwd).is_dir() {
-        return Ok(Exec::failed(
-            spec.exec_id,
-            126,
-            format!("sbx: cannot change to directory {cwd}: No such file or directory\n"),
-            registry,
-        ));
+    if let Some(failure) = cwd_failure(&cwd) {
+        return Ok(Exec::failed(spec.exec_id, failure, registry));
     }
     let argv: Vec<String> = match &spec.program {
         Program::Shell(line) => vec!["/bin/sh".into(), "-c".into(), line.clone()],
         Program::Argv(a) => a.clone(),
     };
     let Some(first) = argv.first() else {
-        return Ok(Exec::failed(
-            spec.exec_id,
-            127,
-            "sbx: empty command\n".into(),
-            registry,
-        ));
+        // As a shell says of an empty command name: not found.
+        let failure = StartFailure::new(StartFailKind::NotFound, "empty command");
+        return Ok(Exec::failed(spec.exec_id, failure, registry));
     };
     let path_var = env
         .iter()
@@ -525,12 +531,11 @@ pub fn start(
         .map(|(_, v)| v.as_str())
         .unwrap_or(DEFAULT_PATH);
     let Some(program) = find_on_path(first, path_var) else {
-        return Ok(Exec::failed(
-            spec.exec_id,
-            127,
-            format!("sbx: {first}: command not found\n"),
-            registry,
-        ));
+        let failure = StartFailure::new(
+            StartFailKind::NotFound,
+            format!("{first}: command not found"),
+        );
+        return Ok(Exec::failed(spec.exec_id, failure, registry));
     };
     if spec.tty && !env.iter().any(|(k, _)| k == "TERM") {
         env.push(("TERM".into(), "xterm-256color".into()));
@@ -551,10 +556,10 @@ pub fn start(
             .and_then(|p| Ok((p.pid, process::async_fd(p.master)?)));
         let (pid, master) = match on_pty {
             Ok(p) => p,
-            Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e, registry)),
+            Err(e) => return Ok(spawn_failed(spec.exec_id, first, &cwd, &e, registry)),
         };
         let master = Rc::new(master);
-        let exec = Exec::new(spec.exec_id, pid, 1, registry);
+        let exec = Exec::new(spec.exec_id, pid, 1, None, registry);
         exec.wait_for_reader.set(spec.wait_for_reader);
         let r = pty_reader(exec.clone(), master.clone());
         exec.state.borrow_mut().readers = vec![r];
@@ -565,9 +570,9 @@ pub fn start(
     }
     let spawned = match process::spawn(&how) {
         Ok(s) => s,
-        Err(e) => return Ok(spawn_failed(spec.exec_id, first, &e, registry)),
+        Err(e) => return Ok(spawn_failed(spec.exec_id, first, &cwd, &e, registry)),
     };
-    let exec = Exec::new(spec.exec_id, spawned.pid, 2, registry);
+    let exec = Exec::new(spec.exec_id, spawned.pid, 2, None, registry);
     exec.wait_for_reader.set(spec.wait_for_reader);
     let r1 = reader(exec.clone(), spawned.stdout, Stream::Stdout);
     let r2 = reader(exec.clone(), spawned.stderr, Stream::Stderr);
@@ -577,20 +582,62 @@ pub fn start(
     Ok(exec)
 }
 
+/// Why a command cannot run in `cwd`, if it cannot: the directory is missing, is not one, or
+/// cannot be looked at. (The child changes to it before it takes the command's user: the
+/// agent, root, sees what the child will.)
+fn cwd_failure(cwd: &str) -> Option<StartFailure> {
+    let (kind, why) = match std::fs::metadata(cwd) {
+        Ok(m) if m.is_dir() => return None,
+        Ok(_) => (
+            StartFailKind::CwdNotDirectory,
+            "Not a directory".to_string(),
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
+            StartFailKind::CwdMissing,
+            "No such file or directory".to_string(),
+        ),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => (
+            StartFailKind::CwdNotDirectory,
+            "Not a directory".to_string(),
+        ),
+        Err(e) => (StartFailKind::Other, e.to_string()),
+    };
+    Some(StartFailure::new(
+        kind,
+        format!("cannot change to directory {cwd}: {why}"),
+    ))
+}
+
+/// The kind of a failed spawn, by its errno. The errno is of the step that failed in the
+/// child: the change to `cwd` (checked just before; gone since, when it is missing now) or
+/// execve.
+fn spawn_fail_kind(e: &std::io::Error, cwd: &str) -> StartFailKind {
+    match e.raw_os_error() {
+        Some(libc::ENOENT) if !Path::new(cwd).is_dir() => StartFailKind::CwdMissing,
+        Some(libc::ENOENT) => StartFailKind::NotFound,
+        Some(libc::EACCES | libc::EPERM) => StartFailKind::Permission,
+        Some(libc::ENOEXEC) => StartFailKind::NotExecutable,
+        _ => StartFailKind::Other,
+    }
+}
+
 /// A command whose program could not be executed, as a shell says it: 127 when it is not
 /// found, 126 otherwise.
 fn spawn_failed(
     exec_id: String,
     program: &str,
+    cwd: &str,
     e: &std::io::Error,
     registry: &Rc<Registry>,
 ) -> Rc<Exec> {
-    let code = if e.kind() == std::io::ErrorKind::NotFound {
-        127
-    } else {
-        126
+    let failure = match spawn_fail_kind(e, cwd) {
+        StartFailKind::CwdMissing => StartFailure::new(
+            StartFailKind::CwdMissing,
+            format!("cannot change to directory {cwd}: No such file or directory"),
+        ),
+        kind => StartFailure::new(kind, format!("{program}: {e}")),
     };
-    Exec::failed(exec_id, code, format!("sbx: {program}: {e}\n"), registry)
+    Exec::failed(exec_id, failure, registry)
 }
 
 /// Kills the command's process group when its time is up.
@@ -625,9 +672,11 @@ mod tests {
     #[test]
     fn finished_output_is_bounded_newest_first_with_tails() {
         let r = Registry::new();
-        let mb = "x".repeat(1 << 20);
+        // Each stderr (`sbx: `, the message, a newline) is 1 MiB.
+        let mb = "x".repeat((1 << 20) - 6);
         for i in 0..40 {
-            r.insert(Exec::failed(format!("exe-{i}"), 1, mb.clone(), &r));
+            let failure = StartFailure::new(StartFailKind::Other, mb.clone());
+            r.insert(Exec::failed(format!("exe-{i}"), failure, &r));
         }
         assert!(kept(&r) <= FINISHED_BUDGET, "{}", kept(&r));
         assert_eq!(
@@ -645,11 +694,157 @@ mod tests {
         assert_eq!(c.stderr_bytes, 1 << 20, "counts stay whole");
     }
 
+    /// Starts `program` in `cwd` as root: the command's failure and its end as it stands.
+    fn start_in(cwd: &str, program: Program) -> (Option<StartFailure>, ExecState, String) {
+        let d = Defaults {
+            env: vec![],
+            user: Some("0".into()),
+            workdir: None,
+            hostname: "t".into(),
+            rlimits: vec![],
+        };
+        let spec = ExecSpec {
+            exec_id: "exe-t".into(),
+            program,
+            env: vec![],
+            cwd: Some(cwd.into()),
+            user: None,
+            timeout_ms: None,
+            stdin_open: false,
+            stdin_null: true,
+            attach: false,
+            tty: false,
+            wait_for_reader: false,
+            rows: 24,
+            cols: 80,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            let r = Registry::new();
+            let e = start(spec, &d, &r).unwrap();
+            let stderr: Vec<u8> = (e.state.borrow().ring.read_from(0, usize::MAX))
+                .into_iter()
+                .flat_map(|(_, _, data)| data)
+                .collect();
+            let stderr = String::from_utf8_lossy(&stderr).into_owned();
+            (e.failed.clone(), e.snapshot(), stderr)
+        })
+    }
+
+    /// A command that cannot be executed ends 126 or 127 as in a shell, with its kind (from
+    /// the errno of the step that failed) in its start and its state.
+    #[test]
+    fn failed_starts_carry_their_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_string();
+        let file = format!("{d}/file");
+        std::fs::write(&file, "plain text, no #! line\n").unwrap();
+        let argv = |p: &str| Program::Argv(vec![p.to_string()]);
+        let cases = [
+            (
+                format!("{d}/nope"),
+                argv("true"),
+                StartFailKind::CwdMissing,
+                format!("cannot change to directory {d}/nope: No such file or directory"),
+            ),
+            (
+                file.clone(),
+                argv("true"),
+                StartFailKind::CwdNotDirectory,
+                format!("cannot change to directory {file}: Not a directory"),
+            ),
+            (
+                format!("{file}/below"),
+                argv("true"),
+                StartFailKind::CwdNotDirectory,
+                format!("cannot change to directory {file}/below: Not a directory"),
+            ),
+            (
+                d.clone(),
+                argv("no-such-program-here"),
+                StartFailKind::NotFound,
+                "no-such-program-here: command not found".to_string(),
+            ),
+            (
+                d.clone(),
+                Program::Argv(vec![]),
+                StartFailKind::NotFound,
+                "empty command".to_string(),
+            ),
+            (
+                d.clone(),
+                argv(&format!("{d}/absent")),
+                StartFailKind::NotFound,
+                format!("{d}/absent: No such file or directory (os error 2)"),
+            ),
+            (
+                d.clone(),
+                argv(&file),
+                StartFailKind::Permission,
+                format!("{file}: Permission denied (os error 13)"),
+            ),
+        ];
+        for (cwd, program, kind, message) in cases {
+            let (failed, state, stderr) = start_in(&cwd, program);
+            let want = StartFailure::new(kind, message.clone());
+            assert_eq!(failed.as_ref(), Some(&want), "{cwd}");
+            assert_eq!(state.failed, Some(want), "{cwd}");
+            assert_eq!(state.pid, 0);
+            let exit = state.exit.expect("it has ended");
+            assert_eq!(exit.exit_code, kind.exit_code(), "{message}");
+            assert_eq!(stderr, format!("sbx: {message}\n"));
+        }
+        // Executable, but not a format the kernel runs.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (failed, state, _) = start_in(&d, argv(&file));
+        assert_eq!(failed.map(|f| f.kind), Some(StartFailKind::NotExecutable));
+        assert_eq!(state.exit.map(|x| x.exit_code), Some(126));
+    }
+
+    #[test]
+    fn spawn_errnos_name_their_kind() {
+        let err = std::io::Error::from_raw_os_error;
+        assert_eq!(
+            spawn_fail_kind(&err(libc::ENOENT), "/"),
+            StartFailKind::NotFound
+        );
+        assert_eq!(
+            spawn_fail_kind(&err(libc::ENOENT), "/no/such/dir"),
+            StartFailKind::CwdMissing
+        );
+        assert_eq!(
+            spawn_fail_kind(&err(libc::EACCES), "/"),
+            StartFailKind::Permission
+        );
+        assert_eq!(
+            spawn_fail_kind(&err(libc::EPERM), "/"),
+            StartFailKind::Permission
+        );
+        assert_eq!(
+            spawn_fail_kind(&err(libc::ENOEXEC), "/"),
+            StartFailKind::NotExecutable
+        );
+        assert_eq!(
+            spawn_fail_kind(&err(libc::E2BIG), "/"),
+            StartFailKind::Other
+        );
+        assert_eq!(
+            spawn_fail_kind(&err(libc::ENOMEM), "/"),
+            StartFailKind::Other
+        );
+    }
+
     #[test]
     fn the_oldest_finished_records_are_forgotten() {
         let r = Registry::new();
         for i in 0..FINISHED_RECORDS + 10 {
-            r.insert(Exec::failed(format!("exe-{i}"), 1, "no\n".into(), &r));
+            let failure = StartFailure::new(StartFailKind::NotFound, "no");
+            r.insert(Exec::failed(format!("exe-{i}"), failure, &r));
         }
         assert_eq!(r.all().len(), FINISHED_RECORDS);
         assert_eq!(

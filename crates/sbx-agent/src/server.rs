@@ -245,6 +245,7 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
                         exec_id: id,
                         pid: e.pid,
                         started_at_ns: e.started_at_ns,
+                        failed: e.failed.clone(),
                     };
                     if attach {
                         // The caller reads the whole command on this connection: its start

@@ -533,6 +533,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Keys the answer carries beside `error` (`allowed_hosts` of secret_host_not_allowed).
     pub beside: Option<serde_json::Map<String, Value>>,
+    /// Why a command was refused, typed, for front ends (never in the body).
+    pub exec_failure: Option<crate::exec::ExecFailKind>,
 }
 
 impl ApiError {
@@ -543,6 +545,7 @@ impl ApiError {
             message: cap_owned(message.into(), MAX_MESSAGE_CHARS),
             param: None,
             beside: None,
+            exec_failure: None,
         }
     }
 
@@ -559,6 +562,13 @@ impl ApiError {
         self.beside
             .get_or_insert_with(serde_json::Map::new)
             .insert(key.into(), value);
+        self
+    }
+
+    /// The same error, with why a command was refused.
+    #[must_use]
+    pub fn with_exec_failure(mut self, kind: crate::exec::ExecFailKind) -> ApiError {
+        self.exec_failure = Some(kind);
         self
     }
 
@@ -903,6 +913,34 @@ mod tests {
                 "docs_url": "https://docs.example/errors#invalid_field",
             }})
         );
+    }
+
+    /// The typed detail of a refused command rides beside the code, never in the body.
+    #[test]
+    fn exec_failure_is_typed_and_off_the_wire() {
+        use crate::exec::ExecFailKind;
+        let plain = ApiError::new(ErrorCode::StdinClosed, "the command has ended");
+        assert_eq!(plain.exec_failure, None);
+        let ended = plain.clone().with_exec_failure(ExecFailKind::Ended);
+        assert_eq!(ended.exec_failure, Some(ExecFailKind::Ended));
+        assert_ne!(ended, plain);
+        assert_eq!(ended.body("r", None), plain.body("r", None));
+        for k in [
+            ExecFailKind::CwdMissing,
+            ExecFailKind::CwdNotDirectory,
+            ExecFailKind::NotFound,
+            ExecFailKind::Permission,
+            ExecFailKind::NotExecutable,
+            ExecFailKind::NoSuchUser,
+            ExecFailKind::TooMany,
+            ExecFailKind::Ended,
+            ExecFailKind::Other,
+        ] {
+            assert_eq!(
+                serde_json::to_value(k).unwrap(),
+                Value::String(k.as_str().into())
+            );
+        }
     }
 
     #[test]

@@ -108,6 +108,52 @@ pub struct ExecObject {
     pub encoding: Encoding,
 }
 
+/// Why the node refused a command, or a call on one: a typed detail of an [`ApiError`]
+/// ([`ApiError::exec_failure`]) beside its code, for a front end that says each its own way
+/// (E2B's envd) without reading the message. Not in the error body: the HTTP API says it with
+/// the code, and there a command that could not be executed is no error (it ends with 126 or
+/// 127; see `Node::exec_must_start` for the call that refuses it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecFailKind {
+    /// The working directory does not exist.
+    CwdMissing,
+    /// The working directory is not a directory.
+    CwdNotDirectory,
+    /// The program is not found (along PATH, or its file or interpreter is missing).
+    NotFound,
+    /// The program may not be executed (no execute permission, a directory, a noexec mount).
+    Permission,
+    /// The program is not a format the kernel runs.
+    NotExecutable,
+    /// `user` is not a user of the sandbox.
+    NoSuchUser,
+    /// The sandbox runs as many commands at once as it may.
+    TooMany,
+    /// The command has ended (a call that needs it running: stdin, a signal, a resize).
+    Ended,
+    /// It could not be executed for another reason (or the sandbox's agent, older than the
+    /// node, does not say why).
+    Other,
+}
+
+impl ExecFailKind {
+    /// The kind as its snake_case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecFailKind::CwdMissing => "cwd_missing",
+            ExecFailKind::CwdNotDirectory => "cwd_not_directory",
+            ExecFailKind::NotFound => "not_found",
+            ExecFailKind::Permission => "permission",
+            ExecFailKind::NotExecutable => "not_executable",
+            ExecFailKind::NoSuchUser => "no_such_user",
+            ExecFailKind::TooMany => "too_many",
+            ExecFailKind::Ended => "ended",
+            ExecFailKind::Other => "other",
+        }
+    }
+}
+
 /// How much of each stream the exec object carries: the last 1 MiB.
 pub const EXEC_OUTPUT_TAIL_BYTES: usize = 1 << 20;
 

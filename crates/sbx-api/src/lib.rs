@@ -28,8 +28,8 @@ pub mod volume;
 pub use error::{error_body, ApiError, ErrorBody, ErrorCode, ErrorDetail};
 pub use events::{sse, sse_event, EventKind, GapData, OutputData};
 pub use exec::{
-    format_rfc3339_millis, parse_rfc3339, signal_field, signal_name, signal_number, ExecObject,
-    ExecObjectKind, ExecStatus, ExecUsage, OutputInfo,
+    format_rfc3339_millis, parse_rfc3339, signal_field, signal_name, signal_number, ExecFailKind,
+    ExecObject, ExecObjectKind, ExecStatus, ExecUsage, OutputInfo,
 };
 pub use functions::{s_code, s_code_of, FnError, SCode, S_CODES};
 pub use ids::{

@@ -229,14 +229,82 @@ pub struct OutputCounts {
     pub end: u64,
 }
 
-/// Why a command could not be started (kept apart from exits).
+/// Why the agent refused a request about a command ([`AgentMsg::ExecFailed`]). A kind this
+/// peer does not know (a newer agent's) reads as [`ExecFailKind::Internal`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExecFailKind {
     NoSuchUser,
     DuplicateId,
     NoSuchExec,
+    /// Also any kind this peer does not know (serde's `other` must be the last variant).
+    #[serde(other)]
     Internal,
+}
+
+/// Why a command could not be executed ([`StartFailure`]), from the errno of the step that
+/// failed: the working directory's stat, the search along PATH, execve. On the wire its
+/// snake_case name; one this peer does not know (a newer agent's) reads as
+/// [`StartFailKind::Other`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartFailKind {
+    /// The working directory does not exist (ENOENT).
+    CwdMissing,
+    /// The working directory is not a directory (a file; ENOTDIR).
+    CwdNotDirectory,
+    /// The program is not found along PATH, execve said ENOENT (a missing file or
+    /// interpreter), or the command is empty.
+    NotFound,
+    /// execve said EACCES or EPERM: no execute permission, a directory, a noexec mount.
+    Permission,
+    /// execve said ENOEXEC: a file the kernel does not run (no `#!` line, another
+    /// architecture).
+    NotExecutable,
+    /// Anything else (E2BIG, ENOMEM, a terminal that could not be made, ...); also a kind
+    /// this peer does not know, and an older agent's failure, which has no kind (serde's
+    /// `other` must be the last variant).
+    #[default]
+    #[serde(other)]
+    Other,
+}
+
+impl StartFailKind {
+    /// The exit code the command ends with, as a shell's: 127 when it is not found, else 126.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            StartFailKind::NotFound => 127,
+            _ => 126,
+        }
+    }
+}
+
+/// A command that could not be executed. It still "ran": the agent answers `Started` with pid
+/// 0, and it ends at once with [`StartFailKind::exit_code`], `sbx: ` and the message on its
+/// stderr. Its kind says why without the text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartFailure {
+    #[serde(default)]
+    pub kind: StartFailKind,
+    /// For people: what its stderr says, without `sbx: ` and the newline.
+    #[serde(default)]
+    pub message: String,
+}
+
+impl StartFailure {
+    pub fn new(kind: StartFailKind, message: impl Into<String>) -> StartFailure {
+        StartFailure {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The failure of a start as told (`Started` or [`ExecState`]): the one sent, else, for
+    /// pid 0 (which only a command that could not be executed has), one of kind
+    /// [`StartFailKind::Other`] without a message: an older agent sends no `failed`.
+    pub fn of_start(pid: u32, failed: Option<StartFailure>) -> Option<StartFailure> {
+        failed.or_else(|| (pid == 0).then(|| StartFailure::new(StartFailKind::Other, "")))
+    }
 }
 
 /// The agent's messages.
@@ -252,9 +320,14 @@ pub enum AgentMsg {
     },
     Started {
         exec_id: String,
+        /// 0 for a command that could not be executed (see [`StartFailure`]).
         pid: u32,
         /// Wall clock of the sandbox, nanoseconds since the epoch.
         started_at_ns: i64,
+        /// Why the command could not be executed (its end follows at once); absent when it
+        /// runs, and from older agents (see [`StartFailure::of_start`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failed: Option<StartFailure>,
     },
     ExecFailed {
         exec_id: String,
@@ -323,6 +396,9 @@ pub struct ExecState {
     pub started_at_ns: i64,
     pub exit: Option<ExitInfo>,
     pub output: OutputCounts,
+    /// Why the command could not be executed, as its `Started` said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<StartFailure>,
 }
 
 /// A frame as read.
@@ -658,6 +734,113 @@ mod tests {
                 .unwrap();
         assert!(matches!(old, HostMsg::Exec(ExecSpec { attach: false, .. })));
     }
+    /// Pins the wire shape of starts and of commands that could not be executed: the kind is
+    /// added compatibly (absent when the command runs; an older agent's start without it, and
+    /// a kind this peer does not know, read as `other`).
+    #[test]
+    fn start_schema_snapshot() {
+        let started = serde_json::to_string(&AgentMsg::Started {
+            exec_id: "exe-x".into(),
+            pid: 42,
+            started_at_ns: 7,
+            failed: None,
+        })
+        .unwrap();
+        assert_eq!(
+            started,
+            r#"{"type":"started","exec_id":"exe-x","pid":42,"started_at_ns":7}"#
+        );
+        let failed = serde_json::to_string(&AgentMsg::Started {
+            exec_id: "exe-x".into(),
+            pid: 0,
+            started_at_ns: 7,
+            failed: Some(StartFailure::new(
+                StartFailKind::CwdMissing,
+                "cannot change to directory /nope: No such file or directory",
+            )),
+        })
+        .unwrap();
+        assert_eq!(
+            failed,
+            r#"{"type":"started","exec_id":"exe-x","pid":0,"started_at_ns":7,"failed":{"kind":"cwd_missing","message":"cannot change to directory /nope: No such file or directory"}}"#
+        );
+        for (kind, text, code) in [
+            (StartFailKind::CwdMissing, "cwd_missing", 126),
+            (StartFailKind::CwdNotDirectory, "cwd_not_directory", 126),
+            (StartFailKind::NotFound, "not_found", 127),
+            (StartFailKind::Permission, "permission", 126),
+            (StartFailKind::NotExecutable, "not_executable", 126),
+            (StartFailKind::Other, "other", 126),
+        ] {
+            assert_eq!(serde_json::to_string(&kind).unwrap(), format!("\"{text}\""));
+            assert_eq!(kind.exit_code(), code, "{text}");
+        }
+        // An older agent's start has no `failed`: pid 0 says it failed, of kind other.
+        let old: AgentMsg =
+            serde_json::from_str(r#"{"type":"started","exec_id":"e","pid":0,"started_at_ns":1}"#)
+                .unwrap();
+        let AgentMsg::Started { pid, failed, .. } = old else {
+            panic!("{old:?}");
+        };
+        assert_eq!(failed, None);
+        assert_eq!(
+            StartFailure::of_start(pid, failed),
+            Some(StartFailure::new(StartFailKind::Other, ""))
+        );
+        assert_eq!(StartFailure::of_start(9, None), None);
+        // A newer agent's kind, or a failure without one, reads as other.
+        let newer: StartFailure =
+            serde_json::from_str(r#"{"kind":"seccomp_refused","message":"m"}"#).unwrap();
+        assert_eq!(newer, StartFailure::new(StartFailKind::Other, "m"));
+        let bare: StartFailure = serde_json::from_str("{}").unwrap();
+        assert_eq!(bare, StartFailure::new(StartFailKind::Other, ""));
+        // The state of a command carries it too, and leaves it out when it ran.
+        let mut state = ExecState {
+            exec_id: "exe-x".into(),
+            pid: 3,
+            started_at_ns: 1,
+            exit: None,
+            output: OutputCounts::default(),
+            failed: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&state).unwrap(),
+            r#"{"exec_id":"exe-x","pid":3,"started_at_ns":1,"exit":null,"output":{"stdout_bytes":0,"stderr_bytes":0,"start":0,"end":0}}"#
+        );
+        state.failed = Some(StartFailure::new(
+            StartFailKind::NotFound,
+            "x: command not found",
+        ));
+        let json = serde_json::to_string(&state).unwrap();
+        assert!(
+            json.ends_with(r#","failed":{"kind":"not_found","message":"x: command not found"}}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<ExecState>(&json).unwrap(), state);
+        // The refusals keep their shape; a newer kind reads as internal.
+        let refused = serde_json::to_string(&AgentMsg::ExecFailed {
+            exec_id: "e".into(),
+            kind: ExecFailKind::NoSuchUser,
+            message: "bob".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            refused,
+            r#"{"type":"exec_failed","exec_id":"e","kind":"no_such_user","message":"bob"}"#
+        );
+        let newer: AgentMsg = serde_json::from_str(
+            r#"{"type":"exec_failed","exec_id":"e","kind":"quota","message":"m"}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            newer,
+            AgentMsg::ExecFailed {
+                kind: ExecFailKind::Internal,
+                ..
+            }
+        ));
+    }
+
     /// Pins the wire shape of file operations.
     #[test]
     fn fs_schema_snapshot() {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use sbx_proto::{
     encode_data, encode_msg, read_frame, AgentMsg, ExecFailKind, ExecSpec, Frame, HostMsg, Program,
-    ProtoError, Stream, MAX_DATA,
+    ProtoError, StartFailKind, StartFailure, Stream, MAX_DATA,
 };
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncRead, ReadBuf};
@@ -158,6 +158,19 @@ impl Rng {
                 exec_id: id,
                 pid: self.next() as u32,
                 started_at_ns: self.next() as i64,
+                failed: self.chance(30).then(|| {
+                    StartFailure::new(
+                        [
+                            StartFailKind::CwdMissing,
+                            StartFailKind::CwdNotDirectory,
+                            StartFailKind::NotFound,
+                            StartFailKind::Permission,
+                            StartFailKind::NotExecutable,
+                            StartFailKind::Other,
+                        ][self.below(6)],
+                        self.string(30),
+                    )
+                }),
             },
             2 => AgentMsg::ExecFailed {
                 exec_id: id,

@@ -10,6 +10,7 @@ import time
 
 from e2b import (
     CommandExitException,
+    InvalidArgumentException,
     NotFoundException,
     Sandbox,
     SandboxQuery,
@@ -54,6 +55,12 @@ try:
     r = s.commands.run("echo $A $B", envs={"B": "2"})
     check("run: env of the sandbox and of the command", r.stdout == "1 2\n", repr(r.stdout))
     check("run: cwd", s.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n")
+    try:
+        s.commands.run("pwd", cwd="/no/such/dir")
+        check("run: a missing cwd raises", False)
+    except InvalidArgumentException as e:
+        check("run: a missing cwd is an invalid argument",
+              "cwd '/no/such/dir' does not exist" in str(e), repr(e))
     check("run: default user and home", s.commands.run("whoami; pwd").stdout == "user\n/home/user\n")
     check("run: as root", s.commands.run("whoami", user="root").stdout == "root\n")
     t0 = time.time()

@@ -681,3 +681,118 @@ fn e2b_uploads_that_fail_leave_the_target_and_unknown_users_are_refused() {
     node.assert_clean(Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Calls a server stream of envd through the E2B listener (Connect: one envelope of `msg`);
+/// the HTTP status and the envelopes of the answer (flags, JSON).
+fn stream_call(url: &str, headers: &[(&str, &str)], msg: &Value) -> (u16, Vec<(u8, Value)>) {
+    let payload = serde_json::to_vec(msg).unwrap();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    body.extend_from_slice(&payload);
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(60))
+        .build();
+    let mut req = agent
+        .post(url)
+        .set("Content-Type", "application/connect+json")
+        .set("Connect-Protocol-Version", "1");
+    for (k, v) in headers {
+        req = req.set(k, v);
+    }
+    let resp = match req.send_bytes(&body) {
+        Ok(r) | Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {url}: {e}"),
+    };
+    let status = resp.status();
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut resp.into_reader(), &mut bytes).unwrap();
+    let mut envelopes = Vec::new();
+    let mut at = 0;
+    while at + 5 <= bytes.len() {
+        let len = u32::from_be_bytes(bytes[at + 1..at + 5].try_into().unwrap()) as usize;
+        let json = &bytes[at + 5..at + 5 + len];
+        envelopes.push((bytes[at], serde_json::from_slice(json).unwrap()));
+        at += 5 + len;
+    }
+    assert_eq!(at, bytes.len(), "a cut envelope");
+    (status, envelopes)
+}
+
+/// A start that cannot run (its directory, its program) is refused as envd refuses it,
+/// told apart by the kind the agent gives it (not by its text); a command that runs is started.
+#[test]
+fn e2b_start_failures_are_told_by_their_kind() {
+    let (node, e2b, dir) = node();
+    let base = format!("http://{e2b}");
+    let (id, token) = e2b_sandbox(&base, Some(KEY));
+    let envd = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("E2b-Sandbox-Port", "49983"),
+        ("X-Access-Token", token.as_str()),
+    ];
+    let start = |process: Value| {
+        let (status, envelopes) = stream_call(
+            &format!("{base}/process.Process/Start"),
+            &envd,
+            &serde_json::json!({ "process": process }),
+        );
+        assert_eq!(status, 200, "{envelopes:?}");
+        envelopes
+    };
+    let refused = |process: Value| {
+        let envelopes = start(process.clone());
+        match envelopes.as_slice() {
+            [(2, end)] => (
+                end["error"]["code"].as_str().unwrap_or("").to_string(),
+                end["error"]["message"].as_str().unwrap_or("").to_string(),
+            ),
+            other => panic!("{process}: not refused: {other:?}"),
+        }
+    };
+    let invalid = |m: &str| ("invalid_argument".to_string(), m.to_string());
+    assert_eq!(
+        refused(serde_json::json!({"cmd": "ls", "cwd": "/no/such/dir"})),
+        invalid("cwd '/no/such/dir' does not exist")
+    );
+    assert_eq!(
+        refused(serde_json::json!({"cmd": "ls", "cwd": "/etc/passwd"})),
+        invalid("cwd '/etc/passwd' is not a directory")
+    );
+    assert_eq!(
+        refused(serde_json::json!({"cmd": "no-such-program-here", "args": ["x"]})),
+        invalid("error starting process 'no-such-program-here': no-such-program-here: command not found")
+    );
+    assert_eq!(
+        refused(serde_json::json!({"cmd": "/etc/passwd"})),
+        invalid(
+            "error starting process '/etc/passwd': /etc/passwd: Permission denied (os error 13)"
+        )
+    );
+    // One that runs: started, its output, its end.
+    let envelopes = start(serde_json::json!({"cmd": "/bin/sh", "args": ["-c", "echo hi"]}));
+    let events: Vec<&Value> = envelopes
+        .iter()
+        .filter(|(flags, _)| flags & 2 == 0)
+        .map(|(_, v)| &v["event"])
+        .collect();
+    assert!(
+        events
+            .first()
+            .is_some_and(|e| e["start"]["pid"].as_u64().is_some_and(|p| p > 0)),
+        "{envelopes:?}"
+    );
+    assert!(events.iter().any(|e| e["end"].is_object()), "{envelopes:?}");
+    assert_eq!(
+        envelopes.last().map(|(f, v)| (*f, v.clone())),
+        Some((2, serde_json::json!({})))
+    );
+    let (status, body) = call(
+        "DELETE",
+        &format!("{base}/sandboxes/{id}"),
+        &[("X-API-KEY", KEY)],
+        None,
+    );
+    assert_eq!(status, 204, "{body}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -11,9 +11,10 @@ use crate::sync::LockExt;
 pub mod files;
 pub mod watch;
 
-use sbx_api::exec::ExecStatus;
+use sbx_api::exec::{ExecFailKind, ExecStatus};
 use sbx_proto::{
-    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, Program, ProtoError, Stream, PROTO_VERSION,
+    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, Program, ProtoError, StartFailKind, Stream,
+    PROTO_VERSION,
 };
 use sbx_runtime::sock::{Conn, ReadHalf, WriteHalf};
 use tokio::io::BufReader;
@@ -45,6 +46,19 @@ pub fn exit_status(s: ExecStatus) -> ExitStatus {
         ExecStatus::Exited | ExecStatus::Running => ExitStatus::Exited,
         ExecStatus::TimedOut => ExitStatus::TimedOut,
         ExecStatus::Killed => ExitStatus::Killed,
+    }
+}
+
+/// The API's kind of a command the agent could not execute. The one conversion from the
+/// protocol's kind (as [`exec_status`]).
+pub fn start_fail_kind(k: StartFailKind) -> ExecFailKind {
+    match k {
+        StartFailKind::CwdMissing => ExecFailKind::CwdMissing,
+        StartFailKind::CwdNotDirectory => ExecFailKind::CwdNotDirectory,
+        StartFailKind::NotFound => ExecFailKind::NotFound,
+        StartFailKind::Permission => ExecFailKind::Permission,
+        StartFailKind::NotExecutable => ExecFailKind::NotExecutable,
+        StartFailKind::Other => ExecFailKind::Other,
     }
 }
 
@@ -362,5 +376,23 @@ mod tests {
             assert_eq!(exit_status(api), s);
         }
         assert_eq!(exit_status(ExecStatus::Running), ExitStatus::Exited);
+    }
+
+    /// Every kind of a failed start is the API's kind of the same name.
+    #[test]
+    fn start_fail_kinds_keep_their_names() {
+        for k in [
+            StartFailKind::CwdMissing,
+            StartFailKind::CwdNotDirectory,
+            StartFailKind::NotFound,
+            StartFailKind::Permission,
+            StartFailKind::NotExecutable,
+            StartFailKind::Other,
+        ] {
+            assert_eq!(
+                serde_json::to_value(k).unwrap(),
+                serde_json::to_value(start_fail_kind(k)).unwrap()
+            );
+        }
     }
 }

@@ -434,6 +434,7 @@ impl Exec {
             started_at_ns: self.started_at_ns,
             exit: self.exit(),
             output: self.counts(),
+            failed: None,
         }
     }
 }
@@ -550,6 +551,7 @@ async fn handle(agent: &Arc<Agent>, out: &Out, msg: HostMsg) {
                 exec_id: id,
                 pid: e.pid,
                 started_at_ns: e.started_at_ns,
+                failed: None,
             };
             if attach {
                 spawn_in(

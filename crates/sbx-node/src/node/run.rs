@@ -247,9 +247,12 @@ impl Node {
         let t0 = std::time::Instant::now();
         let warm = plan.warm.take();
         let from_pool = warm.is_some();
+        if warm.is_some() || self.warm_below_target() {
+            // One taken, or none found alive (a pool whose sandboxes all died is made again).
+            self.refill();
+        }
         let (sandbox, mut conn) = match warm {
             Some(w) => {
-                self.refill();
                 if w.limits != plan.limits {
                     if let Err(e) = w.sandbox.set_limits(&plan.limits) {
                         tracing::error!(sandbox = %plan.sandbox_id, error = %e, "set limits");
@@ -382,9 +385,9 @@ impl Node {
                 }
                 Frame::Msg(AgentMsg::ExecFailed { kind, message, .. }) => {
                     return Err(match kind {
-                        ExecFailKind::NoSuchUser => {
-                            ApiError::new(ErrorCode::NoSuchUser, message).with_param("user")
-                        }
+                        ExecFailKind::NoSuchUser => ApiError::new(ErrorCode::NoSuchUser, message)
+                            .with_param("user")
+                            .with_exec_failure(sbx_api::ExecFailKind::NoSuchUser),
                         _ => {
                             tracing::error!(sandbox = %plan.sandbox_id, %message, "exec failed");
                             ApiError::internal()

@@ -28,7 +28,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, Request};
 use axum::response::Response;
 use futures_util::StreamExt;
-use sbx_api::{ApiError, Command, Encoding, ErrorCode, ExecRequest};
+use sbx_api::{ApiError, Command, Encoding, ErrorCode, ExecFailKind, ExecRequest};
 use sbx_proto::{ExitStatus, FsOp, FsResult, Stream};
 use serde_json::json;
 
@@ -153,20 +153,11 @@ async fn start_process(
     req.cols = cols;
     req.check().map_err(RpcError::from)?;
     let node = ctx.node();
+    // A command that could not be executed (its directory, its program) is an error here.
     let obj = node
-        .exec(&ctx.sandbox, req, None)
+        .exec_must_start(&ctx.sandbox, req, None)
         .await
-        .map_err(start_error)?;
-    if obj.pid == 0 {
-        // The agent could not start it (its directory, its program): said as envd says it.
-        let said = obj.stderr.trim().trim_start_matches("sbx: ").to_string();
-        return Err(match cwd {
-            Some(dir) if said.contains("cannot change to directory") => {
-                RpcError::invalid(format!("cwd '{dir}' does not exist"))
-            }
-            _ => RpcError::invalid(format!("error starting process '{}': {said}", config.cmd)),
-        });
-    }
+        .map_err(|e| start_error(e, &config.cmd, cwd.as_deref()))?;
     let entry = Entry::new(obj.id.clone(), msg.tag.clone(), config, tty);
     let processes = &ctx.state().processes;
     processes.insert(&ctx.sandbox, obj.pid, entry.clone());
@@ -179,14 +170,34 @@ async fn start_process(
     Ok((obj.pid, entry))
 }
 
-/// The node's refusal of a start.
-fn start_error(e: ApiError) -> RpcError {
-    match e.code {
-        ErrorCode::NoSuchUser => RpcError::new(
+/// The node's refusal of a start of `cmd` in `cwd` (`None`: the user's home), as envd says
+/// it, by its kind: an unknown user is unauthenticated; a working directory or a program that
+/// cannot be used is invalid_argument; anything else as the node's error.
+fn start_error(e: ApiError, cmd: &str, cwd: Option<&str>) -> RpcError {
+    let Some(kind) = e.exec_failure else {
+        return RpcError::from(e);
+    };
+    match (kind, cwd) {
+        (ExecFailKind::NoSuchUser, _) => RpcError::new(
             Code::Unauthenticated,
             format!("invalid username: {}", e.message),
         ),
-        _ => RpcError::from(e),
+        (ExecFailKind::CwdMissing, Some(dir)) => {
+            RpcError::invalid(format!("cwd '{dir}' does not exist"))
+        }
+        (ExecFailKind::CwdNotDirectory, Some(dir)) => {
+            RpcError::invalid(format!("cwd '{dir}' is not a directory"))
+        }
+        (
+            ExecFailKind::CwdMissing
+            | ExecFailKind::CwdNotDirectory
+            | ExecFailKind::NotFound
+            | ExecFailKind::Permission
+            | ExecFailKind::NotExecutable
+            | ExecFailKind::Other,
+            _,
+        ) => RpcError::invalid(format!("error starting process '{cmd}': {}", e.message)),
+        (ExecFailKind::TooMany | ExecFailKind::Ended, _) => RpcError::from(e),
     }
 }
 
@@ -385,9 +396,11 @@ async fn write_input(ctx: &Ctx, sel: &Selector, input: Input) -> Result<(), RpcE
 
 /// A command that ended meanwhile is no process any more.
 fn ended_as_not_found(e: ApiError, sel: &Selector) -> RpcError {
+    if e.exec_failure == Some(ExecFailKind::Ended) {
+        return sel.not_found();
+    }
     match e.code {
         ErrorCode::ExecEnded | ErrorCode::ExecNotFound => sel.not_found(),
-        ErrorCode::StdinClosed if e.message.contains("ended") => sel.not_found(),
         ErrorCode::StdinClosed => RpcError::new(
             Code::FailedPrecondition,
             "stdin not enabled or closed (start the process with stdin: true)",
@@ -461,7 +474,11 @@ async fn close_stdin(
     {
         Ok(()) => Ok(json!({})),
         // Closed already (or never open): as envd, nothing to do.
-        Err(e) if e.code == ErrorCode::StdinClosed && !e.message.contains("ended") => Ok(json!({})),
+        Err(e)
+            if e.code == ErrorCode::StdinClosed && e.exec_failure != Some(ExecFailKind::Ended) =>
+        {
+            Ok(json!({}))
+        }
         Err(e) => Err(ended_as_not_found(e, &sel)),
     }
 }
@@ -546,7 +563,82 @@ mod tests {
             ended_as_not_found(closed, &sel).code,
             Code::FailedPrecondition
         );
-        let user = ApiError::new(ErrorCode::NoSuchUser, "bob is not a user of the sandbox");
-        assert_eq!(start_error(user).code, Code::Unauthenticated);
+        // Ended is told by its kind, whatever the message says.
+        let ended =
+            ApiError::new(ErrorCode::StdinClosed, "gone").with_exec_failure(ExecFailKind::Ended);
+        assert_eq!(ended_as_not_found(ended, &sel).code, Code::NotFound);
+        let closed = ApiError::new(ErrorCode::StdinClosed, "the command has ended, or not");
+        assert_eq!(
+            ended_as_not_found(closed, &sel).code,
+            Code::FailedPrecondition
+        );
+    }
+
+    /// Each kind of a refused start, as envd says it; no kind: the node's error as it is.
+    #[test]
+    fn refused_starts_by_their_kind() {
+        let refused = |kind: ExecFailKind, message: &str| {
+            ApiError::new(ErrorCode::InvalidField, message).with_exec_failure(kind)
+        };
+        let user = ApiError::new(ErrorCode::NoSuchUser, "bob is not a user of the sandbox")
+            .with_exec_failure(ExecFailKind::NoSuchUser);
+        let e = start_error(user, "ls", None);
+        assert_eq!(e.code, Code::Unauthenticated);
+        assert_eq!(
+            e.message,
+            "invalid username: bob is not a user of the sandbox"
+        );
+        let e = start_error(refused(ExecFailKind::CwdMissing, "m"), "ls", Some("/nope"));
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (Code::InvalidArgument, "cwd '/nope' does not exist")
+        );
+        let e = start_error(
+            refused(ExecFailKind::CwdNotDirectory, "m"),
+            "ls",
+            Some("/etc/passwd"),
+        );
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (
+                Code::InvalidArgument,
+                "cwd '/etc/passwd' is not a directory"
+            )
+        );
+        // The user's home missing (no cwd asked for): the start's error.
+        let e = start_error(
+            refused(
+                ExecFailKind::CwdMissing,
+                "cannot change to directory /home/u: No such file or directory",
+            ),
+            "ls",
+            None,
+        );
+        assert_eq!(
+            e.message,
+            "error starting process 'ls': cannot change to directory /home/u: No such file or directory"
+        );
+        for kind in [
+            ExecFailKind::NotFound,
+            ExecFailKind::Permission,
+            ExecFailKind::NotExecutable,
+            ExecFailKind::Other,
+        ] {
+            let e = start_error(refused(kind, "nope: command not found"), "nope", Some("/"));
+            assert_eq!(e.code, Code::InvalidArgument, "{kind:?}");
+            assert_eq!(
+                e.message,
+                "error starting process 'nope': nope: command not found"
+            );
+        }
+        // Not a failed start: as the node's error.
+        let many = ApiError::new(ErrorCode::TooManyCommands, "the sandbox runs 8 commands")
+            .with_exec_failure(ExecFailKind::TooMany);
+        assert_eq!(start_error(many.clone(), "ls", None), RpcError::from(many));
+        let plain = ApiError::new(ErrorCode::InvalidField, "cwd: must be absolute");
+        assert_eq!(
+            start_error(plain.clone(), "ls", None),
+            RpcError::from(plain)
+        );
     }
 }

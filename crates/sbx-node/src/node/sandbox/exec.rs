@@ -3,8 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sbx_api::{ApiError, ErrorCode, ExecObject, ExecRequest};
-use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExecState, Frame, HostMsg};
+use sbx_api::{ApiError, ErrorCode, ExecFailKind, ExecObject, ExecRequest};
+use sbx_proto::{AgentMsg, ExecSpec, ExecState, Frame, HostMsg, StartFailure};
 use sbx_runtime::Sandbox;
 
 use super::*;
@@ -110,20 +110,22 @@ impl Node {
         };
         let state = match answer {
             AgentMsg::Started {
-                pid, started_at_ns, ..
+                pid,
+                started_at_ns,
+                failed,
+                ..
             } => ExecState {
                 exec_id: exec_id.clone(),
                 pid,
                 started_at_ns,
                 exit: None,
                 output: sbx_proto::OutputCounts::default(),
+                failed: StartFailure::of_start(pid, failed),
             },
             AgentMsg::ExecFailed { kind, message, .. } => {
                 return Err(match kind {
-                    ExecFailKind::NoSuchUser => {
-                        ApiError::new(ErrorCode::NoSuchUser, message).with_param("user")
-                    }
-                    ExecFailKind::DuplicateId => ApiError::new(
+                    sbx_proto::ExecFailKind::NoSuchUser => no_such_user(message),
+                    sbx_proto::ExecFailKind::DuplicateId => ApiError::new(
                         ErrorCode::IdempotencyKeyReused,
                         format!("a command {exec_id} exists"),
                     ),
@@ -207,13 +209,40 @@ impl Node {
         });
     }
 
-    /// `POST /v1/sandboxes/{id}/exec`.
+    /// `POST /v1/sandboxes/{id}/exec`. A command that could not be executed (its directory,
+    /// its program) is no error here: its object says it ended with 126 or 127, its stderr
+    /// why.
     pub async fn exec(
         self: &Arc<Self>,
         id: &str,
         req: ExecRequest,
         exec_id: Option<String>,
     ) -> Result<ExecObject, ApiError> {
+        Ok(self.exec_as_told(id, req, exec_id).await?.0)
+    }
+
+    /// As [`Node::exec`], for a front end that tells a command that could not be executed
+    /// as an error (E2B's envd): then an error with its kind ([`ApiError::exec_failure`];
+    /// `invalid_field` on `cwd` or `command`), the command recorded as `exec` records it.
+    pub async fn exec_must_start(
+        self: &Arc<Self>,
+        id: &str,
+        req: ExecRequest,
+        exec_id: Option<String>,
+    ) -> Result<ExecObject, ApiError> {
+        match self.exec_as_told(id, req, exec_id).await? {
+            (obj, None) => Ok(obj),
+            (obj, Some(failure)) => Err(start_refused(&failure, &obj)),
+        }
+    }
+
+    /// The command's object, and why it could not be executed if it could not.
+    async fn exec_as_told(
+        self: &Arc<Self>,
+        id: &str,
+        req: ExecRequest,
+        exec_id: Option<String>,
+    ) -> Result<(ExecObject, Option<StartFailure>), ApiError> {
         let m = self.managed(id)?;
         let sb = self.running_machine(&m)?;
         let exec_id = exec_id.unwrap_or_else(|| sbx_api::new_id("exe"));
@@ -237,6 +266,7 @@ impl Node {
                 ErrorCode::TooManyCommands,
                 format!("the sandbox runs {running} commands, as many as it may at once"),
             )
+            .with_exec_failure(ExecFailKind::TooMany)
         })?;
         let mut env = Self::base_env(&m);
         env.extend(req.env.clone());
@@ -267,10 +297,12 @@ impl Node {
             )
             .await;
         let (state, mut conn, row, slot) = started?;
+        let failed = state.failed.clone();
         let attached = req.wait_seconds > 0.0 && !req.tty;
         if !attached {
             conn.release();
-            return self.exec_get(id, &exec_id, 0.0, req.encoding).await;
+            let obj = self.exec_get(id, &exec_id, 0.0, req.encoding).await?;
+            return Ok((obj, failed));
         }
         let meta = meta_of(&m, &row, req.encoding);
         let mut c = Collected::default();
@@ -350,7 +382,7 @@ impl Node {
             }
             // Every frame of the command was read: the connection serves the next call.
             conn.release();
-            return Ok(c.object(&meta, Some(&exit), output));
+            return Ok((c.object(&meta, Some(&exit), output), failed));
         }
         // Still running when the wait ended, or its agent was lost: a watcher takes it from
         // here (its output may still be streaming on this connection), and a row not written
@@ -365,7 +397,8 @@ impl Node {
             self.watch_exec(m.clone(), sb.clone(), row, slot);
         }
         written.map_err(store_err)?;
-        self.exec_get(id, &exec_id, 0.0, req.encoding).await
+        let obj = self.exec_get(id, &exec_id, 0.0, req.encoding).await?;
+        Ok((obj, failed))
     }
 
     /// The agent socket of a command on a terminal that a session can attach to.
@@ -381,10 +414,10 @@ impl Node {
         }
         let sb = self.running_machine(&m)?;
         if row.boot != m.boot() || row.final_json.is_some() {
-            return Err(ApiError::new(
+            return Err(ended(ApiError::new(
                 ErrorCode::StdinClosed,
                 format!("{exec_id} has ended"),
-            ));
+            )));
         }
         Ok(sb.socket.clone())
     }
@@ -402,10 +435,10 @@ impl Node {
         let row = self.exec_row(&m, exec_id)?;
         let sb = self.running_machine(&m)?;
         if row.final_json.is_some() || row.boot != m.boot() {
-            return Err(ApiError::new(
+            return Err(ended(ApiError::new(
                 ErrorCode::StdinClosed,
                 "the command has ended",
-            ));
+            )));
         }
         // Input after a close would be dropped by the agent: refused instead.
         if self
@@ -430,10 +463,10 @@ impl Node {
             .map_err(agent_lost)?
         {
             if s.exit.is_some() {
-                return Err(ApiError::new(
+                return Err(ended(ApiError::new(
                     ErrorCode::StdinClosed,
                     "the command has ended",
-                ));
+                )));
             }
         }
         if !data.is_empty() {
@@ -503,20 +536,20 @@ impl Node {
     pub async fn exec_signal(&self, id: &str, exec_id: &str, signal: i32) -> Result<(), ApiError> {
         let m = self.managed(id)?;
         let row = self.exec_row(&m, exec_id)?;
-        let ended = || {
-            ApiError::new(
+        let has_ended = || {
+            ended(ApiError::new(
                 ErrorCode::ExecEnded,
                 format!("the command {exec_id} has ended: there is nothing to signal"),
-            )
+            ))
         };
         if row.final_json.is_some() || row.boot != m.boot() {
-            return Err(ended());
+            return Err(has_ended());
         }
         let sb = self.running_machine(&m)?;
         let (mut conn, state) = status_conn(&sb, exec_id).await?;
         if state.exit.is_some() {
             conn.release();
-            return Err(ended());
+            return Err(has_ended());
         }
         conn.send(&HostMsg::Signal {
             exec_id: exec_id.into(),
@@ -527,6 +560,39 @@ impl Node {
         // Answered once the agent has sent it.
         acted_on(conn).await
     }
+}
+
+/// 400 no_such_user, as the agent refused `user`.
+pub(crate) fn no_such_user(message: String) -> ApiError {
+    ApiError::new(ErrorCode::NoSuchUser, message)
+        .with_param("user")
+        .with_exec_failure(ExecFailKind::NoSuchUser)
+}
+
+/// A refusal because the command has ended, said so in its kind.
+fn ended(e: ApiError) -> ApiError {
+    e.with_exec_failure(ExecFailKind::Ended)
+}
+
+/// The error of a command that could not be executed (see [`Node::exec_must_start`]): its
+/// kind, `invalid_field` on what is at fault (`cwd`, else `command`), and the agent's message;
+/// an older agent sends none, and its stderr says it.
+pub(crate) fn start_refused(failure: &StartFailure, obj: &ExecObject) -> ApiError {
+    let kind = crate::agent::start_fail_kind(failure.kind);
+    let param = match kind {
+        ExecFailKind::CwdMissing | ExecFailKind::CwdNotDirectory => "cwd",
+        _ => "command",
+    };
+    let message = if failure.message.is_empty() {
+        let said = obj.stderr.trim().trim_start_matches("sbx: ");
+        format!(
+            "the command could not be executed{}{said}",
+            if said.is_empty() { "" } else { ": " }
+        )
+    } else {
+        failure.message.clone()
+    };
+    ApiError::invalid_field(param, message).with_exec_failure(kind)
 }
 
 /// A connection to `sb`'s agent and the state of command `exec_id` (404 exec_not_found when the
@@ -598,5 +664,88 @@ impl Drop for Attached {
         self.0
             .attached
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sbx_api::{Encoding, ExecObjectKind, ExecStatus, OutputInfo};
+    use sbx_proto::StartFailKind;
+
+    fn ended_126(stderr: &str) -> ExecObject {
+        ExecObject {
+            id: "exe-0123456789abcdef".into(),
+            object: ExecObjectKind::Exec,
+            sandbox_id: "sbx-0123456789abcdef".into(),
+            command: "x".into(),
+            tty: false,
+            status: ExecStatus::Exited,
+            exit_code: Some(126),
+            signal: None,
+            started_at: "2025-01-01T00:00:00.000Z".into(),
+            pid: 0,
+            duration_seconds: Some(0.0),
+            usage: None,
+            output: OutputInfo::default(),
+            stdout: String::new(),
+            stderr: stderr.into(),
+            truncated: false,
+            encoding: Encoding::Utf8,
+        }
+    }
+
+    /// A command that could not be executed, as an error: its kind typed, the field at fault,
+    /// the agent's message (or, from an older agent without one, its stderr).
+    #[test]
+    fn a_failed_start_as_an_error() {
+        let cwd = StartFailure::new(
+            StartFailKind::CwdMissing,
+            "cannot change to directory /nope: No such file or directory",
+        );
+        let e = start_refused(&cwd, &ended_126("sbx: whatever\n"));
+        assert_eq!(e.code, ErrorCode::InvalidField);
+        assert_eq!(e.param.as_deref(), Some("cwd"));
+        assert_eq!(e.exec_failure, Some(ExecFailKind::CwdMissing));
+        assert_eq!(e.message, cwd.message);
+        let not_dir = StartFailure::new(StartFailKind::CwdNotDirectory, "m");
+        let e = start_refused(&not_dir, &ended_126(""));
+        assert_eq!(
+            (e.param.as_deref(), e.exec_failure),
+            (Some("cwd"), Some(ExecFailKind::CwdNotDirectory))
+        );
+        for (kind, want) in [
+            (StartFailKind::NotFound, ExecFailKind::NotFound),
+            (StartFailKind::Permission, ExecFailKind::Permission),
+            (StartFailKind::NotExecutable, ExecFailKind::NotExecutable),
+            (StartFailKind::Other, ExecFailKind::Other),
+        ] {
+            let e = start_refused(&StartFailure::new(kind, "p: why"), &ended_126(""));
+            assert_eq!(e.param.as_deref(), Some("command"));
+            assert_eq!(e.exec_failure, Some(want));
+            assert_eq!(e.message, "p: why");
+        }
+        // An older agent: pid 0 and no kind.
+        let old = StartFailure::of_start(0, None).unwrap();
+        let e = start_refused(&old, &ended_126("sbx: foo: command not found\n"));
+        assert_eq!(e.exec_failure, Some(ExecFailKind::Other));
+        assert_eq!(
+            e.message,
+            "the command could not be executed: foo: command not found"
+        );
+        let e = start_refused(&old, &ended_126(""));
+        assert_eq!(e.message, "the command could not be executed");
+    }
+
+    #[test]
+    fn refusals_say_their_kind() {
+        let e = no_such_user("bob is not a user of the sandbox".into());
+        assert_eq!(e.code, ErrorCode::NoSuchUser);
+        assert_eq!(e.exec_failure, Some(ExecFailKind::NoSuchUser));
+        let e = ended(ApiError::new(
+            ErrorCode::StdinClosed,
+            "the command has ended",
+        ));
+        assert_eq!(e.exec_failure, Some(ExecFailKind::Ended));
     }
 }

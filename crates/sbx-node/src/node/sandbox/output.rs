@@ -207,6 +207,7 @@ impl Node {
                     start: end,
                     end,
                 },
+                failed: None,
             };
             let gap = (from < end).then_some((from, end));
             return Ok((state, Vec::new(), gap));
