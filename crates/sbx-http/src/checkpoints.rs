@@ -5,16 +5,13 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::response::Response;
-use axum::Extension;
-use sbx_api::ApiError;
+use axum::Json;
+use sbx_api::{ApiError, SandboxObject, SnapshotObject};
 use serde_json::{json, Map, Value};
 
-use super::sandboxes::reply;
-use crate::{read_body, AppState, RequestId};
+use crate::{read_body, AppState, HttpResult};
 
 type St = State<Arc<AppState>>;
-type Rid = Extension<RequestId>;
 
 /// A JSON object body with only `known` keys (an empty body is `{}`).
 async fn object_body(body: Body, known: &[&str]) -> Result<Map<String, Value>, ApiError> {
@@ -44,87 +41,81 @@ async fn object_body(body: Body, known: &[&str]) -> Result<Map<String, Value>, A
     Ok(o)
 }
 
-pub(super) async fn sleep(st: St, rid: Rid, id: Path<String>, body: Body) -> Response {
-    sleep_or_wake(st, rid, id, body, false).await
+pub(super) async fn sleep(st: St, id: Path<String>, body: Body) -> HttpResult<Json<SandboxObject>> {
+    sleep_or_wake(st, id, body, false).await
 }
 
-pub(super) async fn wake(st: St, rid: Rid, id: Path<String>, body: Body) -> Response {
-    sleep_or_wake(st, rid, id, body, true).await
+pub(super) async fn wake(st: St, id: Path<String>, body: Body) -> HttpResult<Json<SandboxObject>> {
+    sleep_or_wake(st, id, body, true).await
 }
 
 async fn sleep_or_wake(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     body: Body,
     wake: bool,
-) -> Response {
-    let r = match object_body(body, &[]).await {
-        Ok(_) if wake => st.node.wake_sandbox(&id).await,
-        Ok(_) => st.node.sleep_sandbox(&id).await,
-        Err(e) => Err(e),
+) -> HttpResult<Json<SandboxObject>> {
+    object_body(body, &[]).await?;
+    let o = if wake {
+        st.node.wake_sandbox(&id).await?
+    } else {
+        st.node.sleep_sandbox(&id).await?
     };
-    reply(&st, &rid, StatusCode::OK, r)
+    Ok(Json(o))
 }
 
 pub(super) async fn snapshot(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
-    let r = async {
-        let o = object_body(body, &["name"]).await?;
-        let name = match o.get("name") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(_) => return Err(ApiError::invalid_field("name", "name must be a string")),
-        };
-        st.node.snapshot_sandbox(&id, name).await
-    }
-    .await;
-    reply(&st, &rid, StatusCode::CREATED, r)
+) -> HttpResult<(StatusCode, Json<SnapshotObject>)> {
+    let o = object_body(body, &["name"]).await?;
+    let name = match o.get("name") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(ApiError::invalid_field("name", "name must be a string").into()),
+    };
+    let snap = st.node.snapshot_sandbox(&id, name).await?;
+    Ok((StatusCode::CREATED, Json(snap)))
 }
 
 pub(super) async fn fork(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
-    let r = async {
-        let o = object_body(body, &["count"]).await?;
-        let count = match o.get("count") {
-            None | Some(Value::Null) => 1,
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| ApiError::invalid_field("count", "count must be a whole number"))?,
-        };
-        let (snap, made) = st.node.fork_sandbox(&id, count).await?;
-        Ok(json!({ "object": "fork", "snapshot": snap, "sandboxes": made }))
-    }
-    .await;
-    reply(&st, &rid, StatusCode::CREATED, r)
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    let o = object_body(body, &["count"]).await?;
+    let count = match o.get("count") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| ApiError::invalid_field("count", "count must be a whole number"))?,
+    };
+    let (snap, made) = st.node.fork_sandbox(&id, count).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "object": "fork", "snapshot": snap, "sandboxes": made })),
+    ))
 }
 
-pub(super) async fn list(State(st): St, Extension(rid): Rid) -> Response {
-    let r = st
-        .node
-        .list_snapshots()
-        .map(|data| json!({ "object": "list", "data": data, "has_more": false }));
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn list(State(st): St) -> HttpResult<Json<Value>> {
+    let data = st.node.list_snapshots()?;
+    Ok(Json(
+        json!({ "object": "list", "data": data, "has_more": false }),
+    ))
 }
 
 pub(super) async fn get_one(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
-) -> Response {
-    reply(&st, &rid, StatusCode::OK, st.node.get_snapshot(&id))
+) -> HttpResult<Json<SnapshotObject>> {
+    Ok(Json(st.node.get_snapshot(&id)?))
 }
 
-pub(super) async fn delete(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
-    let r = st.node.delete_snapshot(&id).await;
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn delete(
+    State(st): St,
+    Path(id): Path<String>,
+) -> HttpResult<Json<SnapshotObject>> {
+    Ok(Json(st.node.delete_snapshot(&id).await?))
 }

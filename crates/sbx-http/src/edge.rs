@@ -40,9 +40,10 @@ pub(super) async fn edge(
         .is_some_and(|v| v.trim() != "0")
         || req.headers().contains_key(header::TRANSFER_ENCODING);
     let docs = st.docs_url.as_deref();
+    let refusal = |e: ApiError| HttpError::from(e).answer(&rid, docs);
     let origin = match check_origin(&st, &req) {
         Ok(o) => o,
-        Err(e) => return finish(error_response(&e, &rid, docs), &rid, has_body, None),
+        Err(e) => return finish(refusal(e), &rid, has_body, None),
     };
     if let Some(o) = &origin {
         if req.method() == axum::http::Method::OPTIONS
@@ -73,24 +74,17 @@ pub(super) async fn edge(
             };
             let held = match used {
                 Some(Ok(h)) => Some(h),
-                Some(Err(e)) => {
-                    return finish(
-                        error_response(&e, &rid, docs),
-                        &rid,
-                        has_body,
-                        origin.as_deref(),
-                    )
-                }
+                Some(Err(e)) => return finish(refusal(e), &rid, has_body, origin.as_deref()),
                 None => None,
             };
             let resp = next.run(req).await;
-            let resp = as_error_body(resp, &rid, docs).await;
+            let resp = with_error_body(resp, &rid, docs).await;
             match held {
                 Some(h) => hold_while_sent(resp, h),
                 None => resp,
             }
         }
-        Err(e) => error_response(&e, &rid, docs),
+        Err(e) => refusal(e),
     };
     finish(resp, &rid, has_body, origin.as_deref())
 }
@@ -271,9 +265,14 @@ pub(super) fn check_content_type(req: &Request, has_body: bool) -> Result<(), Ap
     .with_param("Content-Type"))
 }
 
-/// An answer that is an error without the error body (an extractor's rejection: a bad path
-/// parameter, a query that does not parse, ...) gets it, with the code of its status.
-pub(super) async fn as_error_body(resp: Response, rid: &str, docs: Option<&str>) -> Response {
+/// The error body of an error answer, written here for every route: a handler's
+/// [`HttpError`] gets its own; an answer that is an error without the error body (an
+/// extractor's rejection: a bad path parameter, a query that does not parse, ...) gets one
+/// with the code of its status.
+pub(super) async fn with_error_body(mut resp: Response, rid: &str, docs: Option<&str>) -> Response {
+    if let Some(Unwritten(e)) = resp.extensions_mut().remove::<Unwritten>() {
+        return e.answer(rid, docs);
+    }
     let status = resp.status();
     if !(status.is_client_error() || status.is_server_error()) {
         return resp;
@@ -300,7 +299,7 @@ pub(super) async fn as_error_body(resp: Response, rid: &str, docs: Option<&str>)
         400..=499 => ErrorCode::InvalidField,
         _ => {
             tracing::warn!(request_id = %rid, status = status.as_u16(), %text, "a handler failed");
-            return error_response(&ApiError::internal(), rid, docs);
+            return HttpError::from(ApiError::internal()).answer(rid, docs);
         }
     };
     let text = if text.is_empty() {
@@ -308,7 +307,7 @@ pub(super) async fn as_error_body(resp: Response, rid: &str, docs: Option<&str>)
     } else {
         text
     };
-    error_response(&ApiError::new(code, text), rid, docs)
+    HttpError::from(ApiError::new(code, text)).answer(rid, docs)
 }
 
 /// Whether an `Accept` header asks for an event stream: `text/event-stream` listed with a
@@ -417,7 +416,7 @@ mod tests {
             "Failed to deserialize query string",
         )
             .into_response();
-        let resp = rt.block_on(as_error_body(plain, "rid-1", None));
+        let resp = rt.block_on(with_error_body(plain, "rid-1", None));
         assert_eq!(resp.status(), 400);
         let body = rt
             .block_on(axum::body::to_bytes(resp.into_body(), 1 << 20))
@@ -427,15 +426,60 @@ mod tests {
         assert_eq!(v["error"]["request_id"], "rid-1");
         assert_eq!(v["error"]["message"], "Failed to deserialize query string");
         let unsupported = (StatusCode::UNSUPPORTED_MEDIA_TYPE, "").into_response();
-        let resp = rt.block_on(as_error_body(unsupported, "r", None));
+        let resp = rt.block_on(with_error_body(unsupported, "r", None));
         let body = rt
             .block_on(axum::body::to_bytes(resp.into_body(), 1 << 20))
             .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["error"]["code"], "unsupported_media_type");
         let ok = (StatusCode::OK, "fine").into_response();
-        let resp = rt.block_on(as_error_body(ok, "r", None));
+        let resp = rt.block_on(with_error_body(ok, "r", None));
         assert_eq!(resp.status(), 200);
+    }
+
+    #[test]
+    fn a_handlers_error_is_answered_by_the_edge_with_its_body() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let answer = |e: HttpError| {
+            let resp = e.into_response();
+            rt.block_on(async {
+                let resp = with_error_body(resp, "rid-2", Some("https://d/")).await;
+                let (parts, body) = resp.into_parts();
+                let body = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+                (parts, body)
+            })
+        };
+        let retry = |p: &axum::http::response::Parts| {
+            p.headers
+                .get(header::RETRY_AFTER)
+                .map(|v| v.to_str().unwrap().to_string())
+        };
+        let busy = ApiError::new(ErrorCode::NoCapacity, "every slot is in use");
+        let (parts, body) = answer(busy.clone().into());
+        assert_eq!(parts.status, 503);
+        assert_eq!(parts.headers[header::CONTENT_TYPE], "application/json");
+        assert_eq!(retry(&parts).as_deref(), Some("1"));
+        let want = sbx_api::error_body(&busy, "rid-2", Some("https://d/"));
+        assert_eq!(body, serde_json::to_vec(&want).unwrap());
+        // A 503 not worth retrying says nothing of when, unless the handler adds it.
+        let not_here = ApiError::new(ErrorCode::NotServedHere, "no network");
+        let (parts, _) = answer(not_here.clone().into());
+        assert_eq!((parts.status.as_u16(), retry(&parts)), (503, None));
+        let with = HttpError::from(not_here)
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        assert_eq!(retry(&answer(with).0).as_deref(), Some("1"));
+        // Headers besides the body's (a 416's Content-Range).
+        let range = HttpError::from(ApiError::new(ErrorCode::InvalidRange, "past the end"))
+            .with_header(header::CONTENT_RANGE, HeaderValue::from_static("bytes */3"));
+        let (parts, body) = answer(range);
+        assert_eq!(parts.status, 416);
+        assert_eq!(parts.headers[header::CONTENT_RANGE], "bytes */3");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_range");
+        assert_eq!(v["error"]["request_id"], "rid-2");
+        assert_eq!(v["error"]["docs_url"], "https://d/invalid_range");
     }
 
     #[test]

@@ -29,22 +29,17 @@ use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::response::Response;
+use axum::Json;
 use sbx_api::{ApiError, ErrorCode};
 use sbx_proto::FsOp;
 use serde_json::{Map, Value};
 
-use super::{error_response, read_body, AppState, RequestId};
+use super::{read_body, AppState, HttpError, HttpResult};
 use crate::node::files::{self, fs_invalid, FsCall, FsParams, FsReply};
 
 type St = State<Arc<AppState>>;
-type Rid = Extension<RequestId>;
 type Q = Result<Query<Vec<(String, String)>>, QueryRejection>;
-
-fn respond(st: &AppState, rid: &RequestId, r: Result<Response, ApiError>) -> Response {
-    r.unwrap_or_else(|e| error_response(&e, &rid.0, st.docs_url.as_deref()))
-}
 
 /// A call's parameters: its query's, and a POST's JSON object body's.
 fn params(q: Q, body: Option<Map<String, Value>>, known: &[&str]) -> Result<FsParams, ApiError> {
@@ -65,90 +60,83 @@ async fn json_body(body: Body) -> Result<Option<Map<String, Value>>, ApiError> {
 }
 
 /// An operation's answer: its object, 201 when it made something.
-fn answer(r: FsReply) -> Response {
+fn answer(r: FsReply) -> (StatusCode, Json<Value>) {
     let status = if r.created {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    (status, Json(r.object)).into_response()
+    (status, Json(r.object))
 }
 
 /// `GET …/files?path=`: the file's bytes (a `Range: bytes=a-b`, `a-` or `-n` gives 206).
 pub(super) async fn download(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     q: Q,
     headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let p = params(q, None, &["path"])?;
-        let path = p.path()?;
-        let range = parse_range(&headers);
-        let op = match range {
-            None => FsOp::Read {
-                path,
-                offset: 0,
-                length: None,
-                tail: None,
-            },
-            Some(Want::From(a, b)) => FsOp::Read {
-                path,
-                offset: a,
-                length: b.map(|b| b - a + 1),
-                tail: None,
-            },
-            Some(Want::Tail(n)) => FsOp::Read {
-                path,
-                offset: 0,
-                length: None,
-                tail: Some(n),
-            },
-        };
-        let o = st.node.fs_download(&id, op).await?;
-        let unsatisfiable = match range {
-            None => false,
-            Some(Want::From(a, _)) => a >= o.size,
-            Some(Want::Tail(n)) => n == 0 || o.size == 0,
-        };
-        if unsatisfiable {
-            let mut resp = error_response(
-                &ApiError::new(
-                    ErrorCode::InvalidRange,
-                    format!("the range is past the end of the file ({} bytes)", o.size),
-                )
-                .with_param("Range"),
-                &rid.0,
-                st.docs_url.as_deref(),
-            );
-            if let Ok(v) = HeaderValue::from_str(&format!("bytes */{}", o.size)) {
-                resp.headers_mut().insert(header::CONTENT_RANGE, v);
-            }
-            return Ok(resp);
-        }
-        let mut resp = Response::new(Body::from_stream(o.chunks));
-        let h = resp.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/octet-stream"),
+) -> HttpResult<Response> {
+    let p = params(q, None, &["path"])?;
+    let path = p.path()?;
+    let range = parse_range(&headers);
+    let op = match range {
+        None => FsOp::Read {
+            path,
+            offset: 0,
+            length: None,
+            tail: None,
+        },
+        Some(Want::From(a, b)) => FsOp::Read {
+            path,
+            offset: a,
+            length: b.map(|b| b - a + 1),
+            tail: None,
+        },
+        Some(Want::Tail(n)) => FsOp::Read {
+            path,
+            offset: 0,
+            length: None,
+            tail: Some(n),
+        },
+    };
+    let o = st.node.fs_download(&id, op).await?;
+    let unsatisfiable = match range {
+        None => false,
+        Some(Want::From(a, _)) => a >= o.size,
+        Some(Want::Tail(n)) => n == 0 || o.size == 0,
+    };
+    if unsatisfiable {
+        let mut e = HttpError::from(
+            ApiError::new(
+                ErrorCode::InvalidRange,
+                format!("the range is past the end of the file ({} bytes)", o.size),
+            )
+            .with_param("Range"),
         );
-        h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
-        if let Some(len) = o.length {
-            h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        if let Ok(v) = HeaderValue::from_str(&format!("bytes */{}", o.size)) {
+            e = e.with_header(header::CONTENT_RANGE, v);
         }
-        if range.is_some() {
-            let end = o.offset + o.length.unwrap_or(0);
-            let v = format!("bytes {}-{}/{}", o.offset, end.saturating_sub(1), o.size);
-            if let Ok(v) = HeaderValue::from_str(&v) {
-                h.insert(header::CONTENT_RANGE, v);
-            }
-            *resp.status_mut() = StatusCode::PARTIAL_CONTENT;
-        }
-        Ok(resp)
+        return Err(e);
     }
-    .await;
-    respond(&st, &rid, r)
+    let mut resp = Response::new(Body::from_stream(o.chunks));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    if let Some(len) = o.length {
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    if range.is_some() {
+        let end = o.offset + o.length.unwrap_or(0);
+        let v = format!("bytes {}-{}/{}", o.offset, end.saturating_sub(1), o.size);
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert(header::CONTENT_RANGE, v);
+        }
+        *resp.status_mut() = StatusCode::PARTIAL_CONTENT;
+    }
+    Ok(resp)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,18 +171,13 @@ fn parse_range(h: &HeaderMap) -> Option<Want> {
 /// `PUT …/files?path=`: the body becomes the file (mode, parents, owner). 201 when it is new.
 pub(super) async fn upload(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     q: Q,
     body: Body,
-) -> Response {
-    let r = async {
-        let op = files::write_op(&params(q, None, files::WRITE_FIELDS)?)?;
-        let r = st.node.fs_upload(&id, op, body.into_data_stream()).await?;
-        Ok(answer(files::written_reply(r)?))
-    }
-    .await;
-    respond(&st, &rid, r)
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    let op = files::write_op(&params(q, None, files::WRITE_FIELDS)?)?;
+    let r = st.node.fs_upload(&id, op, body.into_data_stream()).await?;
+    Ok(answer(files::written_reply(r)?))
 }
 
 /// A body-less operation: its parameters from the query (and a POST's JSON body), run by the
@@ -205,7 +188,7 @@ async fn call(
     call: FsCall,
     q: Q,
     body: Option<Body>,
-) -> Result<Response, ApiError> {
+) -> HttpResult<(StatusCode, Json<Value>)> {
     let body = match body {
         Some(b) => json_body(b).await?,
         None => None,
@@ -216,35 +199,29 @@ async fn call(
 
 pub(super) async fn list(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     q: Q,
-) -> Response {
-    let r = call(&st, &id, FsCall::List, q, None).await;
-    respond(&st, &rid, r)
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    call(&st, &id, FsCall::List, q, None).await
 }
 
 pub(super) async fn stat(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     q: Q,
-) -> Response {
-    let r = call(&st, &id, FsCall::Stat, q, None).await;
-    respond(&st, &rid, r)
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    call(&st, &id, FsCall::Stat, q, None).await
 }
 
 macro_rules! post_call {
     ($name:ident, $call:expr) => {
         pub(super) async fn $name(
             State(st): St,
-            Extension(rid): Rid,
             Path(id): Path<String>,
             q: Q,
             body: Body,
-        ) -> Response {
-            let r = call(&st, &id, $call, q, Some(body)).await;
-            respond(&st, &rid, r)
+        ) -> HttpResult<(StatusCode, Json<Value>)> {
+            call(&st, &id, $call, q, Some(body)).await
         }
     };
 }
@@ -257,66 +234,53 @@ post_call!(grep, FsCall::Grep);
 post_call!(sed, FsCall::Sed);
 
 /// `GET …/files/tar?path=`: a directory (or a file) as a tar stream.
-pub(super) async fn tar_down(
-    State(st): St,
-    Extension(rid): Rid,
-    Path(id): Path<String>,
-    q: Q,
-) -> Response {
-    let r = async {
-        let p = params(q, None, &["path"])?;
-        let o = st
-            .node
-            .fs_download(&id, FsOp::TarCreate { path: p.path()? })
-            .await?;
-        let mut resp = Response::new(Body::from_stream(o.chunks));
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/x-tar"),
-        );
-        Ok(resp)
-    }
-    .await;
-    respond(&st, &rid, r)
+pub(super) async fn tar_down(State(st): St, Path(id): Path<String>, q: Q) -> HttpResult<Response> {
+    let p = params(q, None, &["path"])?;
+    let o = st
+        .node
+        .fs_download(&id, FsOp::TarCreate { path: p.path()? })
+        .await?;
+    let mut resp = Response::new(Body::from_stream(o.chunks));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-tar"),
+    );
+    Ok(resp)
 }
 
 /// `POST …/files/tar?path=`: a tar stream unpacked into a directory (made with its parents
 /// unless parents=false; owner, or preserve_owners to keep the archive's).
 pub(super) async fn tar_up(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     q: Q,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let r = async {
-        if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-            let ct = ct.to_str().unwrap_or("");
-            let base = ct.split(';').next().unwrap_or("").trim();
-            if !matches!(
-                base,
-                "application/x-tar" | "application/tar" | "application/octet-stream"
-            ) {
-                return Err(fs_invalid(
-                    "Content-Type",
-                    format!("the body must be a tar stream (application/x-tar), not {ct}"),
-                ));
-            }
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = ct.to_str().unwrap_or("");
+        let base = ct.split(';').next().unwrap_or("").trim();
+        if !matches!(
+            base,
+            "application/x-tar" | "application/tar" | "application/octet-stream"
+        ) {
+            return Err(fs_invalid(
+                "Content-Type",
+                format!("the body must be a tar stream (application/x-tar), not {ct}"),
+            )
+            .into());
         }
-        let p = params(q, None, &["path", "parents", "owner", "preserve_owners"])?;
-        let path = p.path()?;
-        let op = FsOp::TarExtract {
-            path: path.clone(),
-            parents: p.bool("parents", true)?,
-            owner: p.owner()?,
-            preserve_owners: p.bool("preserve_owners", false)?,
-        };
-        let r = st.node.fs_upload(&id, op, body.into_data_stream()).await?;
-        Ok(answer(files::unpacked_reply(r, &path)?))
     }
-    .await;
-    respond(&st, &rid, r)
+    let p = params(q, None, &["path", "parents", "owner", "preserve_owners"])?;
+    let path = p.path()?;
+    let op = FsOp::TarExtract {
+        path: path.clone(),
+        parents: p.bool("parents", true)?,
+        owner: p.owner()?,
+        preserve_owners: p.bool("preserve_owners", false)?,
+    };
+    let r = st.node.fs_upload(&id, op, body.into_data_stream()).await?;
+    Ok(answer(files::unpacked_reply(r, &path)?))
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ pub(super) async fn call(
     Extension(rid): Extension<RequestId>,
     Path(function_id): Path<String>,
     body: Body,
-) -> Response {
+) -> Result<Json<Value>, CallFailed> {
     let r = async {
         let bytes = read_body(body).await.map_err(FnError::from)?;
         let payload = if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -30,18 +30,26 @@ pub(super) async fn call(
         invoke(&st.node, &rid.0, &function_id, payload).await
     }
     .await;
-    match r {
-        Ok(v) => (StatusCode::OK, Json(v)).into_response(),
-        Err(e) => {
-            tracing::info!(request_id = %rid.0, function = %function_id, code = e.code.code, message = %e.message, "function failed");
-            let status =
-                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut resp = (status, Json(json!({ "error": error_body(&e) }))).into_response();
-            if e.code.retryable {
-                resp.headers_mut()
-                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-            }
-            resp
+    r.map(Json).map_err(|e| {
+        tracing::info!(request_id = %rid.0, function = %function_id, code = e.code.code, message = %e.message, "function failed");
+        CallFailed(e)
+    })
+}
+
+/// A failed call, answered in the functions interface's own shape (not the API's error body):
+/// `{"error": {code, type, message, retryable, docs_url}}` with the status of its S-code's
+/// kind, and `Retry-After: 1` when it is worth retrying.
+pub(super) struct CallFailed(FnError);
+
+impl IntoResponse for CallFailed {
+    fn into_response(self) -> Response {
+        let e = self.0;
+        let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = (status, Json(json!({ "error": error_body(&e) }))).into_response();
+        if e.code.retryable {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
         }
+        resp
     }
 }

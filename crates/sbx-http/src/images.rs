@@ -10,21 +10,21 @@ use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::{Extension, Json};
 use sbx_api::{ApiError, ErrorCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::image::{ImageStore, Source};
-use crate::{error_response, read_body, AppState, RequestId};
+use crate::{read_body, AppState, HttpResult, RequestId};
 
-pub(super) async fn list(State(st): State<Arc<AppState>>) -> Response {
+pub(super) async fn list(State(st): State<Arc<AppState>>) -> Json<Value> {
     let images = st.node.images.clone();
     let all = tokio::task::spawn_blocking(move || images.list())
         .await
         .unwrap_or_default();
-    Json(json!({ "object": "list", "data": all })).into_response()
+    Json(json!({ "object": "list", "data": all }))
 }
 
 /// What a pull request asks.
@@ -89,30 +89,20 @@ pub(super) async fn pull(
     State(st): State<Arc<AppState>>,
     Extension(rid): Extension<RequestId>,
     body: Body,
-) -> Response {
-    let fail = |e: ApiError| error_response(&e, &rid.0, st.docs_url.as_deref());
-    let bytes = match read_body(body).await {
-        Ok(b) => b,
-        Err(e) => return fail(e),
-    };
-    let req = match parse(&bytes) {
-        Ok(r) => r,
-        Err(e) => return fail(e),
-    };
+) -> HttpResult<Response> {
+    let bytes = read_body(body).await?;
+    let req = parse(&bytes)?;
     let (reference, creds) = match &req.secret {
-        Some(secret) => match st.node.image_login(Some(&req.image), secret) {
-            Ok((creds, Source::Remote(r))) => (r, Some(creds)),
-            Ok((creds, Source::Local(i))) => (i.meta.name, Some(creds)),
-            Err(e) => return fail(e),
+        Some(secret) => match st.node.image_login(Some(&req.image), secret)? {
+            (creds, Source::Remote(r)) => (r, Some(creds)),
+            (creds, Source::Local(i)) => (i.meta.name, Some(creds)),
         },
-        None => match sbx_image::parse_reference(&req.image) {
-            Ok(r) => (r.to_string(), None),
-            Err(e) => {
-                return fail(
-                    ApiError::new(ErrorCode::InvalidImage, e.to_string()).with_param("image"),
-                )
-            }
-        },
+        None => {
+            let r = sbx_image::parse_reference(&req.image).map_err(|e| {
+                ApiError::new(ErrorCode::InvalidImage, e.to_string()).with_param("image")
+            })?;
+            (r.to_string(), None)
+        }
     };
     tracing::info!(request_id = %rid.0, image = %reference, "pull");
     let (tx, rx) = mpsc::channel::<Event>(256);
@@ -168,5 +158,5 @@ pub(super) async fn pull(
         let chunk = sbx_api::sse_event(kind, id, &data);
         Some((Ok::<_, Infallible>(Bytes::from(chunk)), (rx, id + 1, end)))
     });
-    crate::event_stream_answer(Body::from_stream(stream))
+    Ok(crate::event_stream_answer(Body::from_stream(stream)))
 }

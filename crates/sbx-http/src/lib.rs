@@ -1,5 +1,6 @@
 //! The HTTP edge: the node's API over axum. Each resource's routes parse a request into typed
-//! values, call the node (`crate::node`), and answer; `router.rs` is the one table of routes;
+//! values, call the node (`crate::node`), and answer (an `HttpResult`: a failure is an
+//! `HttpError` value, its body written by the edge); `router.rs` is the one table of routes;
 //! `edge.rs` checks every request (where it comes from, its key, its body's type);
 //! `openapi.rs` serves the API's document, which its tests hold to the routes.
 
@@ -30,7 +31,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sbx_api::{ApiError, ErrorCode};
 
@@ -59,15 +60,72 @@ pub struct AppState {
     pub cors_origins: Vec<String>,
 }
 
-pub fn error_response(err: &ApiError, request_id: &str, docs: Option<&str>) -> Response {
-    let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let body = sbx_api::error_body(err, request_id, docs);
-    let mut resp = (status, axum::Json(body)).into_response();
-    if err.retryable() && status == StatusCode::SERVICE_UNAVAILABLE {
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+/// What a handler returns: its answer, or the error to answer with.
+pub(crate) type HttpResult<T> = Result<T, HttpError>;
+
+/// A failed call as a handler returns it (`Err(..)` of an [`HttpResult`]): the [`ApiError`]
+/// to answer with, and the headers its answer carries besides (a 416's `Content-Range`).
+///
+/// Its answer has the status sbx-api's table gives the code, `Retry-After: 1` when that is a
+/// 503 worth retrying, and the error body
+/// `{"error":{type,code,message,param,retryable,request_id,docs_url}}`. The body holds the
+/// request's id and the node's docs URL, which the edge has: [`IntoResponse`] gives an answer
+/// without it, holding the error, and the edge writes it ([`HttpError::answer`]) before the
+/// answer leaves the node. Every route is behind the edge.
+#[derive(Clone, Debug)]
+pub(crate) struct HttpError {
+    err: ApiError,
+    headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl HttpError {
+    /// The same error, its answer carrying `name: value` (set over one of the same name).
+    #[must_use]
+    pub fn with_header(mut self, name: HeaderName, value: HeaderValue) -> HttpError {
+        self.headers.push((name, value));
+        self
     }
-    resp
+
+    /// The error's whole answer, its body naming request `request_id` and the docs at `docs`.
+    pub fn answer(&self, request_id: &str, docs: Option<&str>) -> Response {
+        let err = &self.err;
+        let status =
+            StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = sbx_api::error_body(err, request_id, docs);
+        let mut resp = (status, axum::Json(body)).into_response();
+        if err.retryable() && status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        for (name, value) in &self.headers {
+            resp.headers_mut().insert(name.clone(), value.clone());
+        }
+        resp
+    }
+}
+
+impl From<ApiError> for HttpError {
+    fn from(err: ApiError) -> HttpError {
+        HttpError {
+            err,
+            headers: Vec::new(),
+        }
+    }
+}
+
+/// An error answer whose body the edge has yet to write: the extension of the answer
+/// [`HttpError`]'s `IntoResponse` gives.
+#[derive(Clone)]
+pub(crate) struct Unwritten(pub(crate) HttpError);
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = status.into_response();
+        resp.extensions_mut().insert(Unwritten(self));
+        resp
+    }
 }
 
 pub async fn read_body(body: Body) -> Result<Bytes, ApiError> {

@@ -3,8 +3,7 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Extension;
+use axum::Json;
 use sbx_api::{ApiError, ErrorCode};
 
 use super::*;
@@ -12,36 +11,29 @@ use super::*;
 /// 200 `ok` when the node can make a sandbox; else 503 `unavailable` (the error body, nothing
 /// beside it) whose message names each failed check and its reason. The checks
 /// (`node/health.rs`) run at most once a second; `GET /internal/node` lists them (`health`).
-pub(super) async fn healthz(
-    State(st): State<Arc<AppState>>,
-    Extension(rid): Extension<RequestId>,
-) -> Response {
+pub(super) async fn healthz(State(st): State<Arc<AppState>>) -> HttpResult<&'static str> {
     let node = st.node.clone();
-    let health = match tokio::task::spawn_blocking(move || node.health()).await {
-        Ok(h) => h,
-        Err(e) => {
+    let health = tokio::task::spawn_blocking(move || node.health())
+        .await
+        .map_err(|e| {
             tracing::error!(error = %e, "the health checks failed");
-            return error_response(&ApiError::internal(), &rid.0, st.docs_url.as_deref());
-        }
-    };
+            ApiError::internal()
+        })?;
     match health.reason() {
-        None => "ok\n".into_response(),
-        Some(reason) => error_response(
-            &ApiError::new(
-                ErrorCode::Unavailable,
-                format!("the node cannot make sandboxes: {reason}"),
-            ),
-            &rid.0,
-            st.docs_url.as_deref(),
-        ),
+        None => Ok("ok\n"),
+        Some(reason) => Err(ApiError::new(
+            ErrorCode::Unavailable,
+            format!("the node cannot make sandboxes: {reason}"),
+        )
+        .into()),
     }
 }
 
 /// What the node is and holds: its driver, its shape limits, the warm pool.
-pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
+pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let n = &st.node;
     let disk = n.disk_info();
-    axum::Json(serde_json::json!({
+    Json(serde_json::json!({
         "object": "node",
         "driver": n.driver_name(),
         "max_vcpus": n.cfg.max_vcpus,
@@ -74,34 +66,20 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Response {
             "tls": p.tls,
         })),
     }))
-    .into_response()
 }
 
 fn health_info(h: &crate::node::health::Health) -> serde_json::Value {
     serde_json::json!({ "ok": h.ok(), "checks": h.checks })
 }
 
-pub(super) async fn not_found(
-    State(st): State<Arc<AppState>>,
-    Extension(rid): Extension<RequestId>,
-) -> Response {
-    error_response(
-        &ApiError::new(ErrorCode::NotFound, "no such route"),
-        &rid.0,
-        st.docs_url.as_deref(),
-    )
+pub(super) async fn not_found() -> HttpError {
+    ApiError::new(ErrorCode::NotFound, "no such route").into()
 }
 
-pub(super) async fn method_not_allowed(
-    State(st): State<Arc<AppState>>,
-    Extension(rid): Extension<RequestId>,
-) -> Response {
-    error_response(
-        &ApiError::new(
-            ErrorCode::MethodNotAllowed,
-            "this route does not take that method",
-        ),
-        &rid.0,
-        st.docs_url.as_deref(),
+pub(super) async fn method_not_allowed() -> HttpError {
+    ApiError::new(
+        ErrorCode::MethodNotAllowed,
+        "this route does not take that method",
     )
+    .into()
 }

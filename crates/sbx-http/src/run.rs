@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
-use sbx_api::ApiError;
+use axum::{Extension, Json};
+use sbx_api::{ApiError, ExecObject};
 
 use tokio::sync::mpsc;
 
@@ -22,52 +22,35 @@ pub(super) async fn run(
     Extension(rid): Extension<RequestId>,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let docs = st.docs_url.clone();
-    let fail = |e: ApiError| error_response(&e, &rid.0, docs.as_deref());
+) -> HttpResult<Response> {
     if let Some(key) = headers.get("idempotency-key") {
-        let key = key.to_str().unwrap_or("");
-        if let Err(e) = sbx_api::validate_idempotency_key(key) {
-            return fail(e);
-        }
+        sbx_api::validate_idempotency_key(key.to_str().unwrap_or(""))?;
     }
-    let bytes = match read_body(body).await {
-        Ok(b) => b,
-        Err(e) => return fail(e),
-    };
-    let req = match sbx_api::parse_run_request(&bytes) {
-        Ok(r) => r,
-        Err(e) => return fail(e),
-    };
+    let bytes = read_body(body).await?;
+    let req = sbx_api::parse_run_request(&bytes)?;
     let wants_stream = req.stream.unwrap_or_else(|| accepts_event_stream(&headers));
-    let plan = match st.node.plan_run(req) {
-        Ok(p) => p,
-        Err(e) => return fail(e),
-    };
+    let plan = st.node.plan_run(req)?;
     let meta = plan.meta();
     tracing::info!(request_id = %rid.0, sandbox = %meta.sandbox_id, exec = %meta.exec_id, "run");
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(st.node.clone().run(plan, tx));
     if wants_stream {
-        sse_response(rx, meta, rid.0, docs)
+        Ok(sse_response(rx, meta, rid.0, st.docs_url.clone()))
     } else {
-        json_response(rx, meta, &rid.0, docs.as_deref()).await
+        Ok(json_response(rx, meta).await?.into_response())
     }
 }
 
+/// The run's exec object once it has ended, or the error it failed with.
 pub(super) async fn json_response(
     mut rx: mpsc::Receiver<RunEvent>,
     meta: ExecMeta,
-    rid: &str,
-    docs: Option<&str>,
-) -> Response {
+) -> HttpResult<Json<ExecObject>> {
     let mut c = Collected::default();
     while let Some(ev) = rx.recv().await {
-        match c.take(&meta, ev) {
-            Some(Ok(obj)) => return (StatusCode::OK, axum::Json(obj)).into_response(),
-            Some(Err(e)) => return error_response(&e, rid, docs),
-            None => {}
+        if let Some(r) = c.take(&meta, ev) {
+            return Ok(Json(r?));
         }
     }
-    error_response(&ApiError::internal(), rid, docs)
+    Err(ApiError::internal().into())
 }

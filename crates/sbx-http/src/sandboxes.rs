@@ -8,33 +8,19 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use sbx_api::{ApiError, Encoding, ErrorCode, ExecStatus, SandboxStatus};
+use sbx_api::{
+    ApiError, Encoding, ErrorCode, ExecObject, ExecStatus, SandboxObject, SandboxStatus,
+};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::node::sandbox::ListQuery;
 use crate::node::RunEvent;
 use crate::store::IdemBegin;
-use crate::{error_response, event_stream, read_body, AppState, RequestId, Started};
+use crate::{event_stream, read_body, AppState, HttpError, HttpResult, RequestId, Started};
 
 type St = State<Arc<AppState>>;
 type Rid = Extension<RequestId>;
-
-fn fail(st: &AppState, rid: &RequestId, e: ApiError) -> Response {
-    error_response(&e, &rid.0, st.docs_url.as_deref())
-}
-
-pub(super) fn reply<T: serde::Serialize>(
-    st: &AppState,
-    rid: &RequestId,
-    status: StatusCode,
-    r: Result<T, ApiError>,
-) -> Response {
-    match r {
-        Ok(v) => (status, Json(v)).into_response(),
-        Err(e) => fail(st, rid, e),
-    }
-}
 
 /// Refuses query parameters a call does not take.
 fn only_params(q: &HashMap<String, String>, known: &[&str]) -> Result<(), ApiError> {
@@ -99,7 +85,7 @@ pub(super) async fn idempotent<F, Fut>(
     scope: &str,
     body: &[u8],
     f: F,
-) -> Response
+) -> HttpResult<Response>
 where
     F: FnOnce(Option<String>) -> Fut,
     Fut: std::future::Future<Output = (StatusCode, Result<Value, ApiError>)>,
@@ -117,7 +103,7 @@ async fn idempotent_with<F, Fut>(
     body: &[u8],
     f: F,
     shown: impl Fn(&mut Value),
-) -> Response
+) -> HttpResult<Response>
 where
     F: FnOnce(Option<String>) -> Fut,
     Fut: std::future::Future<Output = (StatusCode, Result<Value, ApiError>)>,
@@ -126,44 +112,34 @@ where
         None => None,
         Some(v) => {
             let k = v.to_str().unwrap_or("");
-            if let Err(e) = sbx_api::validate_idempotency_key(k) {
-                return fail(st, rid, e);
-            }
+            sbx_api::validate_idempotency_key(k)?;
             Some(k.to_string())
         }
     };
     let Some(key) = key else {
         let (status, r) = f(None).await;
-        let r = r.map(|mut v| {
-            shown(&mut v);
-            v
-        });
-        return reply(st, rid, status, r);
+        let mut v = r?;
+        shown(&mut v);
+        return Ok((status, Json(v)).into_response());
     };
     let hash = hex(&Sha256::digest(body));
     match st.node.store.idem_begin(scope, &key, &hash) {
         Err(e) => {
             tracing::error!(error = %e, "idempotency");
-            fail(st, rid, ApiError::internal())
+            Err(ApiError::internal().into())
         }
-        Ok(IdemBegin::Reused) => fail(
-            st,
-            rid,
-            ApiError::new(
-                ErrorCode::IdempotencyKeyReused,
-                "this Idempotency-Key was used with another request",
-            )
-            .with_param("Idempotency-Key"),
-        ),
-        Ok(IdemBegin::InProgress) => fail(
-            st,
-            rid,
-            ApiError::new(
-                ErrorCode::IdempotencyInProgress,
-                "the first request with this Idempotency-Key is still running",
-            )
-            .with_param("Idempotency-Key"),
-        ),
+        Ok(IdemBegin::Reused) => Err(ApiError::new(
+            ErrorCode::IdempotencyKeyReused,
+            "this Idempotency-Key was used with another request",
+        )
+        .with_param("Idempotency-Key")
+        .into()),
+        Ok(IdemBegin::InProgress) => Err(ApiError::new(
+            ErrorCode::IdempotencyInProgress,
+            "the first request with this Idempotency-Key is still running",
+        )
+        .with_param("Idempotency-Key")
+        .into()),
         Ok(IdemBegin::Replay { status, body }) => {
             let mut v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
             // An error replayed is the same error, with this request's id.
@@ -174,39 +150,46 @@ where
             if status.is_success() {
                 shown(&mut v);
             }
-            (status, Json(v)).into_response()
+            Ok((status, Json(v)).into_response())
         }
         Ok(IdemBegin::Fresh) => {
             let (status, r) = f(Some(key.clone())).await;
             // A refusal worth retrying (too_many_commands, ...) is not kept either: the retry
             // with the same key must run the request, not replay the refusal.
             let retryable = r.as_ref().err().is_some_and(|e| e.retryable());
-            let (status, v) = match r {
-                Ok(v) => (status, v),
-                Err(e) => (
-                    StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                    sbx_api::error_body(&e, &rid.0, st.docs_url.as_deref()),
-                ),
+            let status = match &r {
+                Ok(_) => status,
+                Err(e) => {
+                    StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+                }
             };
             if status.is_server_error() || retryable {
                 let _ = st.node.store.idem_forget(scope, &key);
-            } else if let Err(e) =
-                st.node
+            } else {
+                // The record keeps the answer, or the error's body as the edge writes it.
+                let kept = match &r {
+                    Ok(v) => v.to_string(),
+                    Err(e) => sbx_api::error_body(e, &rid.0, st.docs_url.as_deref()).to_string(),
+                };
+                if let Err(e) = st
+                    .node
                     .store
-                    .idem_finish(scope, &key, status.as_u16(), &v.to_string())
-            {
-                tracing::error!(error = %e, "idempotency record");
+                    .idem_finish(scope, &key, status.as_u16(), &kept)
+                {
+                    tracing::error!(error = %e, "idempotency record");
+                }
             }
-            let mut v = v;
-            if status.is_success() {
-                shown(&mut v);
+            match r {
+                Ok(mut v) => {
+                    shown(&mut v);
+                    Ok((status, Json(v)).into_response())
+                }
+                // Every 503 of a call with a key says when to retry, the code's retryable or
+                // not.
+                Err(e) if status == StatusCode::SERVICE_UNAVAILABLE => Err(HttpError::from(e)
+                    .with_header(header::RETRY_AFTER, header::HeaderValue::from_static("1"))),
+                Err(e) => Err(e.into()),
             }
-            let mut resp = (status, Json(v)).into_response();
-            if status == StatusCode::SERVICE_UNAVAILABLE {
-                resp.headers_mut()
-                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-            }
-            resp
         }
     }
 }
@@ -225,11 +208,8 @@ pub(super) async fn create(
     Extension(rid): Rid,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let bytes = match read_body(body).await {
-        Ok(b) => b,
-        Err(e) => return fail(&st, &rid, e),
-    };
+) -> HttpResult<Response> {
+    let bytes = read_body(body).await?;
     let node = st.node.clone();
     let body2 = bytes.clone();
     // The token is in the answer, not in the idempotency record (a replay adds it again).
@@ -269,26 +249,24 @@ fn with_token(st: &AppState, v: &mut Value) {
 
 /// `POST /internal/templates`: a template built ahead (200 when it is built or failed, 202
 /// while it builds).
-pub(super) async fn build_template(State(st): St, Extension(rid): Rid, body: Body) -> Response {
-    let bytes = match read_body(body).await {
-        Ok(b) => b,
-        Err(e) => return fail(&st, &rid, e),
+pub(super) async fn build_template(
+    State(st): St,
+    body: Body,
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    let bytes = read_body(body).await?;
+    let c = sbx_api::parse_sandbox_create(&bytes)?;
+    let (built, v) = st.node.build_template(c).await?;
+    let status = if built {
+        StatusCode::OK
+    } else {
+        StatusCode::ACCEPTED
     };
-    let c = match sbx_api::parse_sandbox_create(&bytes) {
-        Ok(c) => c,
-        Err(e) => return fail(&st, &rid, e),
-    };
-    match st.node.build_template(c).await {
-        Ok((true, v)) => (StatusCode::OK, axum::Json(v)).into_response(),
-        Ok((false, v)) => (StatusCode::ACCEPTED, axum::Json(v)).into_response(),
-        Err(e) => fail(&st, &rid, e),
-    }
+    Ok((status, Json(v)))
 }
 
 /// `GET /internal/templates`: the node's templates, `base` first.
-pub(super) async fn list_templates(State(st): St) -> Response {
-    axum::Json(serde_json::json!({ "object": "list", "data": st.node.template_objects() }))
-        .into_response()
+pub(super) async fn list_templates(State(st): St) -> Json<Value> {
+    Json(json!({ "object": "list", "data": st.node.template_objects() }))
 }
 
 /// A `cursor` of the sandboxes' listing as `next_cursor` gives it: 20 digits (the creation
@@ -309,93 +287,74 @@ fn list_cursor(c: &str) -> Result<String, ApiError> {
 
 pub(super) async fn list(
     State(st): St,
-    Extension(rid): Rid,
     Query(q): Query<HashMap<String, String>>,
-) -> Response {
-    let r = (|| {
-        only_params(&q, &["status", "limit", "cursor"])?;
-        let status = match q.get("status") {
-            None => None,
-            Some(s) => Some(
-                SandboxStatus::parse(s)
-                    .filter(|s| *s != SandboxStatus::Deleted)
-                    .ok_or_else(|| {
-                        ApiError::invalid_field(
-                            "status",
-                            "status must be starting, running, stopping or failed",
-                        )
-                    })?,
-            ),
-        };
-        let limit = match q.get("limit") {
-            None => 100,
-            Some(l) => match l.parse::<usize>() {
-                Ok(n) if (1..=1000).contains(&n) => n,
-                _ => {
-                    return Err(ApiError::invalid_field(
-                        "limit",
-                        "limit must be from 1 to 1000",
-                    ))
-                }
-            },
-        };
-        let mut metadata: Vec<(String, String)> = q
-            .iter()
-            .filter_map(|(k, v)| {
-                k.strip_prefix("metadata.")
-                    .map(|k| (k.to_string(), v.clone()))
-            })
-            .collect();
-        metadata.sort();
-        let query = ListQuery {
-            status,
-            metadata,
-            limit,
-            cursor: q.get("cursor").map(|c| list_cursor(c)).transpose()?,
-        };
-        let (data, next) = st.node.list_sandboxes(&query);
-        Ok(
-            json!({ "object": "list", "data": data, "has_more": next.is_some(), "next_cursor": next }),
-        )
-    })();
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<Value>> {
+    only_params(&q, &["status", "limit", "cursor"])?;
+    let status = match q.get("status") {
+        None => None,
+        Some(s) => Some(
+            SandboxStatus::parse(s)
+                .filter(|s| *s != SandboxStatus::Deleted)
+                .ok_or_else(|| {
+                    ApiError::invalid_field(
+                        "status",
+                        "status must be starting, running, stopping or failed",
+                    )
+                })?,
+        ),
+    };
+    let limit = match q.get("limit") {
+        None => 100,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => {
+                return Err(ApiError::invalid_field("limit", "limit must be from 1 to 1000").into())
+            }
+        },
+    };
+    let mut metadata: Vec<(String, String)> = q
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix("metadata.")
+                .map(|k| (k.to_string(), v.clone()))
+        })
+        .collect();
+    metadata.sort();
+    let query = ListQuery {
+        status,
+        metadata,
+        limit,
+        cursor: q.get("cursor").map(|c| list_cursor(c)).transpose()?,
+    };
+    let (data, next) = st.node.list_sandboxes(&query);
+    Ok(Json(
+        json!({ "object": "list", "data": data, "has_more": next.is_some(), "next_cursor": next }),
+    ))
 }
 
-pub(super) async fn get_one(
-    State(st): St,
-    Extension(rid): Rid,
-    Path(id): Path<String>,
-) -> Response {
-    let r = st.node.sandbox(&id).and_then(to_json).map(|mut v| {
-        with_token(&st, &mut v);
-        v
-    });
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn get_one(State(st): St, Path(id): Path<String>) -> HttpResult<Json<Value>> {
+    let mut v = to_json(st.node.sandbox(&id)?)?;
+    with_token(&st, &mut v);
+    Ok(Json(v))
 }
 
 /// `PATCH /v1/sandboxes/{id}`: `{"egress": {...}}` merged key by key.
 pub(super) async fn patch(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
-    let r = match read_body(body).await {
-        Ok(bytes) => match serde_json::from_slice::<Value>(&bytes) {
-            Ok(v) => st.node.patch_sandbox(&id, &v),
-            Err(_) => Err(ApiError::new(
-                ErrorCode::InvalidJson,
-                "the body is not a JSON object",
-            )),
-        },
-        Err(e) => Err(e),
-    };
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<SandboxObject>> {
+    let bytes = read_body(body).await?;
+    let v = serde_json::from_slice::<Value>(&bytes)
+        .map_err(|_| ApiError::new(ErrorCode::InvalidJson, "the body is not a JSON object"))?;
+    Ok(Json(st.node.patch_sandbox(&id, &v)?))
 }
 
-pub(super) async fn delete(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
-    let r = st.node.delete_sandbox(&id).await;
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn delete(
+    State(st): St,
+    Path(id): Path<String>,
+) -> HttpResult<Json<SandboxObject>> {
+    Ok(Json(st.node.delete_sandbox(&id).await?))
 }
 
 pub(super) async fn restart(
@@ -404,7 +363,7 @@ pub(super) async fn restart(
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
+) -> HttpResult<Response> {
     let bytes = read_body(body).await.unwrap_or_default();
     let node = st.node.clone();
     let scope = format!("POST /v1/sandboxes/{}/restart", sandbox_key(&st, &id));
@@ -440,11 +399,8 @@ pub(super) async fn exec(
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
-    let bytes = match read_body(body).await {
-        Ok(b) => b,
-        Err(e) => return fail(&st, &rid, e),
-    };
+) -> HttpResult<Response> {
+    let bytes = read_body(body).await?;
     let node = st.node.clone();
     let sid = sandbox_key(&st, &id);
     let scope = format!("POST /v1/sandboxes/{sid}/exec");
@@ -469,40 +425,27 @@ pub(super) async fn run(
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
-    let bytes = match read_body(body).await {
-        Ok(b) => b,
-        Err(e) => return fail(&st, &rid, e),
-    };
-    let mut req = match sbx_api::parse_exec_request(&bytes) {
-        Ok(r) => r,
-        Err(e) => return fail(&st, &rid, e),
-    };
+) -> HttpResult<Response> {
+    let bytes = read_body(body).await?;
+    let mut req = sbx_api::parse_exec_request(&bytes)?;
     let stream = wants_stream(&headers, req.stream);
     let encoding = req.encoding;
     req.wait_seconds = 0.0;
-    let started = match st.node.exec(&id, req, None).await {
-        Ok(o) => o,
-        Err(e) => return fail(&st, &rid, e),
-    };
+    let started = st.node.exec(&id, req, None).await?;
     if stream {
-        return match st
+        let (meta, s, rx) = st
             .node
             .exec_output_events(&id, &started.id, 0, encoding)
-            .await
-        {
-            Ok((meta, s, rx)) => {
-                let (tx, rx2) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(forward_with_start(s, rx, tx));
-                event_stream(rx2, meta, Started::default(), 0, rid.0, st.docs_url.clone())
-            }
-            Err(e) => fail(&st, &rid, e),
-        };
+            .await?;
+        let (tx, rx2) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(forward_with_start(s, rx, tx));
+        let docs = st.docs_url.clone();
+        return Ok(event_stream(rx2, meta, Started::default(), 0, rid.0, docs));
     }
     loop {
-        match st.node.exec_get(&id, &started.id, 60.0, encoding).await {
-            Ok(o) if o.status == ExecStatus::Running => continue,
-            r => return reply(&st, &rid, StatusCode::OK, r),
+        let o = st.node.exec_get(&id, &started.id, 60.0, encoding).await?;
+        if o.status != ExecStatus::Running {
+            return Ok(Json(o).into_response());
         }
     }
 }
@@ -526,33 +469,22 @@ pub(super) async fn forward_with_start(
     }
 }
 
-pub(super) async fn exec_list(
-    State(st): St,
-    Extension(rid): Rid,
-    Path(id): Path<String>,
-) -> Response {
-    let r = st
-        .node
-        .exec_list(&id)
-        .await
-        .map(|data| json!({ "object": "list", "data": data, "has_more": false }));
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn exec_list(State(st): St, Path(id): Path<String>) -> HttpResult<Json<Value>> {
+    let data = st.node.exec_list(&id).await?;
+    Ok(Json(
+        json!({ "object": "list", "data": data, "has_more": false }),
+    ))
 }
 
 pub(super) async fn exec_get(
     State(st): St,
-    Extension(rid): Rid,
     Path((id, exec_id)): Path<(String, String)>,
     Query(q): Query<HashMap<String, String>>,
-) -> Response {
-    let r = async {
-        only_params(&q, &["wait_seconds", "encoding"])?;
-        let wait = param_f64(&q, "wait_seconds", sbx_api::sandbox::MAX_WAIT_SECONDS)?;
-        let enc = param_encoding(&q)?;
-        st.node.exec_get(&id, &exec_id, wait, enc).await
-    }
-    .await;
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<ExecObject>> {
+    only_params(&q, &["wait_seconds", "encoding"])?;
+    let wait = param_f64(&q, "wait_seconds", sbx_api::sandbox::MAX_WAIT_SECONDS)?;
+    let enc = param_encoding(&q)?;
+    Ok(Json(st.node.exec_get(&id, &exec_id, wait, enc).await?))
 }
 
 pub(super) async fn output(
@@ -561,7 +493,7 @@ pub(super) async fn output(
     headers: HeaderMap,
     Path((id, exec_id)): Path<(String, String)>,
     Query(q): Query<HashMap<String, String>>,
-) -> Response {
+) -> HttpResult<Response> {
     let parsed = (|| {
         only_params(&q, &["from", "to", "encoding", "stream"])?;
         let resume = headers
@@ -593,52 +525,41 @@ pub(super) async fn output(
             wants_stream(&headers, stream),
         ))
     })();
-    let (from, to, enc, stream) = match parsed {
-        Ok(p) => p,
-        Err(e) => return fail(&st, &rid, e),
-    };
+    let (from, to, enc, stream) = parsed?;
     if stream {
-        return match st.node.exec_output_events(&id, &exec_id, from, enc).await {
-            Ok((meta, started, rx)) => {
-                event_stream(rx, meta, started, from, rid.0, st.docs_url.clone())
-            }
-            Err(e) => fail(&st, &rid, e),
-        };
+        let (meta, started, rx) = st.node.exec_output_events(&id, &exec_id, from, enc).await?;
+        let docs = st.docs_url.clone();
+        return Ok(event_stream(rx, meta, started, from, rid.0, docs));
     }
-    let r = st
-        .node
-        .exec_output_range(&id, &exec_id, from, to)
-        .await
-        .map(|(state, pieces, gap)| {
-            let chunks: Vec<Value> = pieces
-                .iter()
-                .map(|(stream, pos, data)| {
-                    json!({
-                        "stream": if *stream == sbx_proto::Stream::Stderr { "stderr" } else { "stdout" },
-                        "position": pos,
-                        "data": enc.encode(data),
-                    })
-                })
-                .collect();
-            let next = pieces
-                .last()
-                .map(|(_, p, d)| p + d.len() as u64)
-                .or(gap.map(|(_, to)| to))
-                .unwrap_or(from.max(state.output.start).min(state.output.end));
+    let (state, pieces, gap) = st.node.exec_output_range(&id, &exec_id, from, to).await?;
+    let chunks: Vec<Value> = pieces
+        .iter()
+        .map(|(stream, pos, data)| {
             json!({
-                "object": "output",
-                "exec_id": exec_id,
-                "from": from,
-                "next": next,
-                "start": state.output.start,
-                "end": state.output.end,
-                "gap": gap.map(|(a, b)| json!({ "from": a, "to": b })),
-                "exited": state.exit.is_some(),
-                "encoding": enc,
-                "chunks": chunks,
+                "stream": if *stream == sbx_proto::Stream::Stderr { "stderr" } else { "stdout" },
+                "position": pos,
+                "data": enc.encode(data),
             })
-        });
-    reply(&st, &rid, StatusCode::OK, r)
+        })
+        .collect();
+    let next = pieces
+        .last()
+        .map(|(_, p, d)| p + d.len() as u64)
+        .or(gap.map(|(_, to)| to))
+        .unwrap_or(from.max(state.output.start).min(state.output.end));
+    Ok(Json(json!({
+        "object": "output",
+        "exec_id": exec_id,
+        "from": from,
+        "next": next,
+        "start": state.output.start,
+        "end": state.output.end,
+        "gap": gap.map(|(a, b)| json!({ "from": a, "to": b })),
+        "exited": state.exit.is_some(),
+        "encoding": enc,
+        "chunks": chunks,
+    }))
+    .into_response())
 }
 
 /// A JSON object body whose fields are all among `fields`.
@@ -671,53 +592,46 @@ pub(super) async fn json_object(
 
 pub(super) async fn stdin(
     State(st): St,
-    Extension(rid): Rid,
     Path((id, exec_id)): Path<(String, String)>,
     body: Body,
-) -> Response {
-    let r = async {
-        let obj = json_object(body, &["data", "encoding", "close"]).await?;
-        let enc = match obj.get("encoding").and_then(Value::as_str) {
-            None | Some("utf8") => Encoding::Utf8,
-            Some("base64") => Encoding::Base64,
-            Some(_) => {
-                return Err(ApiError::invalid_field(
-                    "encoding",
-                    "encoding must be utf8 or base64",
-                ))
-            }
-        };
-        let data = match obj.get("data") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::String(s)) => enc
-                .decode(s)
-                .ok_or_else(|| ApiError::invalid_field("data", "data is not base64"))?,
-            Some(_) => return Err(ApiError::invalid_field("data", "data must be a string")),
-        };
-        let close = match obj.get("close") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(ApiError::invalid_field("close", "close must be a boolean")),
-        };
-        st.node.exec_stdin(&id, &exec_id, &data, close).await?;
-        Ok(json!({ "object": "stdin", "exec_id": exec_id, "written": data.len(), "closed": close }))
-    }
-    .await;
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<Value>> {
+    let obj = json_object(body, &["data", "encoding", "close"]).await?;
+    let enc = match obj.get("encoding").and_then(Value::as_str) {
+        None | Some("utf8") => Encoding::Utf8,
+        Some("base64") => Encoding::Base64,
+        Some(_) => {
+            return Err(
+                ApiError::invalid_field("encoding", "encoding must be utf8 or base64").into(),
+            )
+        }
+    };
+    let data = match obj.get("data") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => enc
+            .decode(s)
+            .ok_or_else(|| ApiError::invalid_field("data", "data is not base64"))?,
+        Some(_) => return Err(ApiError::invalid_field("data", "data must be a string").into()),
+    };
+    let close = match obj.get("close") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid_field("close", "close must be a boolean").into()),
+    };
+    st.node.exec_stdin(&id, &exec_id, &data, close).await?;
+    Ok(Json(
+        json!({ "object": "stdin", "exec_id": exec_id, "written": data.len(), "closed": close }),
+    ))
 }
 
 pub(super) async fn signal(
     State(st): St,
-    Extension(rid): Rid,
     Path((id, exec_id)): Path<(String, String)>,
     body: Body,
-) -> Response {
-    let r = async {
-        let obj = json_object(body, &["signal"]).await?;
-        let sig = sbx_api::signal_field(obj.get("signal"))?;
-        st.node.exec_signal(&id, &exec_id, sig).await?;
-        Ok(json!({ "object": "signal", "exec_id": exec_id, "signal": sbx_api::signal_name(sig) }))
-    }
-    .await;
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<Value>> {
+    let obj = json_object(body, &["signal"]).await?;
+    let sig = sbx_api::signal_field(obj.get("signal"))?;
+    st.node.exec_signal(&id, &exec_id, sig).await?;
+    Ok(Json(
+        json!({ "object": "signal", "exec_id": exec_id, "signal": sbx_api::signal_name(sig) }),
+    ))
 }

@@ -14,72 +14,50 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{Path as UrlPath, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
-use sbx_api::ApiError;
+use axum::Json;
 use serde_json::{json, Value};
 
 use crate::node::credentials::{check_name, parse_put};
-use crate::{error_response, read_body, AppState, RequestId};
+use crate::{read_body, AppState, HttpResult};
 
 type St = State<Arc<AppState>>;
 
-type Rid = Extension<RequestId>;
-
-fn reply(
-    st: &AppState,
-    rid: &RequestId,
-    status: StatusCode,
-    r: Result<Value, ApiError>,
-) -> Response {
-    match r {
-        Ok(v) => (status, Json(v)).into_response(),
-        Err(e) => error_response(&e, &rid.0, st.docs_url.as_deref()),
-    }
-}
-
+/// `PUT /v1/secrets/{name}`: 201 when the secret is new, 200 when its value was replaced.
 pub(super) async fn put(
     State(st): St,
-    Extension(rid): Rid,
     UrlPath(name): UrlPath<String>,
     body: Body,
-) -> Response {
-    let r = async {
-        check_name(&name)?;
-        let bytes = read_body(body).await?;
-        let (value, hosts) = parse_put(&bytes)?;
-        st.node.put_secret(&name, &value, hosts)
-    }
-    .await;
-    match r {
-        Ok((true, obj)) => reply(&st, &rid, StatusCode::CREATED, Ok(obj)),
-        Ok((false, obj)) => reply(&st, &rid, StatusCode::OK, Ok(obj)),
-        Err(e) => reply(&st, &rid, StatusCode::OK, Err(e)),
-    }
+) -> HttpResult<(StatusCode, Json<Value>)> {
+    check_name(&name)?;
+    let bytes = read_body(body).await?;
+    let (value, hosts) = parse_put(&bytes)?;
+    let (created, obj) = st.node.put_secret(&name, &value, hosts)?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(obj)))
 }
 
-pub(super) async fn list(State(st): St, Extension(rid): Rid) -> Response {
-    let r = st
-        .node
-        .list_secrets()
-        .map(|data| json!({ "object": "list", "data": data, "has_more": false }));
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn list(State(st): St) -> HttpResult<Json<Value>> {
+    let data = st.node.list_secrets()?;
+    Ok(Json(
+        json!({ "object": "list", "data": data, "has_more": false }),
+    ))
 }
 
 pub(super) async fn get_one(
     State(st): St,
-    Extension(rid): Rid,
     UrlPath(name): UrlPath<String>,
-) -> Response {
-    let r = st.node.secret_object(&name);
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<Value>> {
+    Ok(Json(st.node.secret_object(&name)?))
 }
 
 pub(super) async fn delete(
     State(st): St,
-    Extension(rid): Rid,
     UrlPath(name): UrlPath<String>,
-) -> Response {
-    let r = check_name(&name).and_then(|()| st.node.delete_secret(&name));
-    reply(&st, &rid, StatusCode::OK, r)
+) -> HttpResult<Json<Value>> {
+    check_name(&name)?;
+    Ok(Json(st.node.delete_secret(&name)?))
 }

@@ -20,14 +20,13 @@ use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
-use axum::Extension;
 use futures_util::{SinkExt, StreamExt};
 use sbx_api::{ApiError, ErrorCode};
 use sbx_proto::{AgentMsg, Frame, HostMsg};
 use serde_json::{json, Value};
 
 use crate::agent::AgentConn;
-use crate::{error_response, AppState, RequestId};
+use crate::{AppState, HttpResult};
 
 /// The most bytes of one message from the client, all its fragments together.
 pub const MAX_MESSAGE: usize = 4 << 20;
@@ -36,39 +35,28 @@ const OUTPUT_QUEUE: usize = 8;
 
 pub(super) async fn terminal(
     State(st): State<Arc<AppState>>,
-    Extension(rid): Extension<RequestId>,
     Path((id, exec_id)): Path<(String, String)>,
     Query(q): Query<HashMap<String, String>>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
-) -> Response {
-    let fail = |e: ApiError| error_response(&e, &rid.0, st.docs_url.as_deref());
+) -> HttpResult<Response> {
     let from = match q.get("from").map(|v| v.parse::<u64>()) {
         None => 0,
         Some(Ok(n)) => n,
-        Some(Err(_)) => return fail(ApiError::invalid_field("from", "from must be a position")),
-    };
-    let socket = match st.node.terminal_socket(&id, &exec_id) {
-        Ok(s) => s,
-        Err(e) => return fail(e),
-    };
-    let ws = match ws {
-        Ok(ws) => ws,
-        Err(e) => {
-            return fail(
-                ApiError::new(
-                    ErrorCode::InvalidField,
-                    format!("this route is a WebSocket: {e}"),
-                )
-                .with_param("Upgrade"),
-            )
+        Some(Err(_)) => {
+            return Err(ApiError::invalid_field("from", "from must be a position").into())
         }
     };
-    let held = match st.node.use_sandbox(&id).await {
-        Some(Ok(h)) => Some(h),
-        Some(Err(e)) => return fail(e),
-        None => None,
-    };
-    ws.max_message_size(MAX_MESSAGE)
+    let socket = st.node.terminal_socket(&id, &exec_id)?;
+    let ws = ws.map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidField,
+            format!("this route is a WebSocket: {e}"),
+        )
+        .with_param("Upgrade")
+    })?;
+    let held = st.node.use_sandbox(&id).await.transpose()?;
+    Ok(ws
+        .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
         .on_upgrade(move |ws| async move {
             // The sandbox stays awake while its terminal is open, unless a sleep asked for
@@ -89,7 +77,7 @@ pub(super) async fn terminal(
                 }
                 () = cut => tracing::info!("terminal closed: the sandbox was put to sleep"),
             }
-        })
+        }))
 }
 
 /// Aborts the task it holds when dropped: the reader of the agent's frames ends with its

@@ -5,45 +5,39 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::Extension;
-use serde_json::json;
+use axum::Json;
+use sbx_api::VolumeObject;
+use serde_json::{json, Value};
 
-use super::sandboxes::reply;
-use crate::{read_body, AppState, RequestId};
+use crate::{read_body, AppState, HttpResult};
 
 type St = State<Arc<AppState>>;
-type Rid = Extension<RequestId>;
 
-pub(super) async fn create(State(st): St, Extension(rid): Rid, body: Body) -> Response {
-    let r = async {
-        let bytes = read_body(body).await?;
-        let c = sbx_api::parse_volume_create(&bytes)?;
-        st.node.create_volume(c).await
-    }
-    .await;
-    reply(&st, &rid, StatusCode::CREATED, r)
+pub(super) async fn create(
+    State(st): St,
+    body: Body,
+) -> HttpResult<(StatusCode, Json<VolumeObject>)> {
+    let bytes = read_body(body).await?;
+    let c = sbx_api::parse_volume_create(&bytes)?;
+    let v = st.node.create_volume(c).await?;
+    Ok((StatusCode::CREATED, Json(v)))
 }
 
-pub(super) async fn list(State(st): St, Extension(rid): Rid) -> Response {
-    let r = st
-        .node
-        .list_volumes()
-        .map(|data| json!({ "object": "list", "data": data, "has_more": false }));
-    reply(&st, &rid, StatusCode::OK, r)
+pub(super) async fn list(State(st): St) -> HttpResult<Json<Value>> {
+    let data = st.node.list_volumes()?;
+    Ok(Json(
+        json!({ "object": "list", "data": data, "has_more": false }),
+    ))
 }
 
 pub(super) async fn get_one(
     State(st): St,
-    Extension(rid): Rid,
     Path(id): Path<String>,
-) -> Response {
-    reply(&st, &rid, StatusCode::OK, st.node.get_volume(&id))
+) -> HttpResult<Json<VolumeObject>> {
+    Ok(Json(st.node.get_volume(&id)?))
 }
 
-pub(super) async fn delete(State(st): St, Extension(rid): Rid, Path(id): Path<String>) -> Response {
-    match st.node.delete_volume(&id).await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => reply::<()>(&st, &rid, StatusCode::OK, Err(e)),
-    }
+pub(super) async fn delete(State(st): St, Path(id): Path<String>) -> HttpResult<StatusCode> {
+    st.node.delete_volume(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
