@@ -25,7 +25,6 @@ use serde_json::{json, Value};
 use crate::node::Node;
 use crate::store::Store;
 
-
 const KEY_FILE: &str = "node.key";
 
 const KEY_LEN: usize = 32;
@@ -607,7 +606,10 @@ mod tests {
         );
         let e = parse_put(br#"{"value":""}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("value"));
-        let big = format!(r#"{{"value":"{}"}}"#, "a".repeat(sbx_api::secret::MAX_SECRET_VALUE_BYTES + 1));
+        let big = format!(
+            r#"{{"value":"{}"}}"#,
+            "a".repeat(sbx_api::secret::MAX_SECRET_VALUE_BYTES + 1)
+        );
         assert_eq!(
             parse_put(big.as_bytes()).unwrap_err().param.as_deref(),
             Some("value")
