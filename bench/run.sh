@@ -13,8 +13,11 @@ images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 target/release/sandboxd --images-dir "$images" build-base >&2
 data=$(mktemp -d /tmp/sbx-bench.XXXXXX)
 port=7799
+# Each node's disk of its own size (a default node reserves half of what the host has free, and
+# promises a sandbox 1 GiB: concurrency 8 beside the warm pool would find it full).
+disk=(--disk-image-bytes $((4 << 30)) --disk-bytes $((256 << 20)) --disk-overcommit 8)
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port --data-dir "$data" \
-  --images-dir "$images" --cgroup-name sbx-bench --preview-listen off \
+  --images-dir "$images" --cgroup-name sbx-bench --preview-listen off "${disk[@]}" \
   >"$data/sandboxd.log" 2>&1 &
 pid=$!
 # A second node whose sandboxes have no network, for the network's cost.
@@ -22,6 +25,7 @@ data2=$(mktemp -d /tmp/sbx-bench.XXXXXX)
 port2=7798
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port2 --data-dir "$data2" \
   --images-dir "$images" --cgroup-name sbx-bench-lo --egress-default none --preview-listen off \
+  "${disk[@]}" \
   >"$data2/sandboxd.log" 2>&1 &
 pid2=$!
 trap 'kill $pid $pid2 2>/dev/null; wait $pid $pid2 2>/dev/null; rm -rf "$data" "$data2"' EXIT
