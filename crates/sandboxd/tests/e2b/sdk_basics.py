@@ -163,8 +163,14 @@ try:
         "nohup python3 -c 'import time\nx = 41\nwhile True:\n    open(\"/tmp/x\", \"w\").write(str(x)); x += 1; time.sleep(0.2)' "
         ">/dev/null 2>&1 &"
     )
-    time.sleep(1)
-    before = int(s.commands.run("cat /tmp/x").stdout)
+    # Its first count is there once python has started (a second or more on a busy host).
+    deadline = time.time() + 20
+    while True:
+        seen = s.commands.run("cat /tmp/x 2>/dev/null || true").stdout.strip()
+        if seen.isdigit() or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    before = int(seen)
     check("pause: paused", s.pause() is True)
     check("pause: the state is paused", Sandbox.get_info(s.sandbox_id).state.value == "paused")
     check("pause again: already paused", Sandbox.pause(s.sandbox_id) is False)
