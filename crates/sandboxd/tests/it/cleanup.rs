@@ -258,14 +258,7 @@ fn no_sandbox_then_stop(args: &[&str]) {
         held.iter().any(|t| t.starts_with("loop")) && held.iter().any(|t| t.starts_with("mount")),
         "the running node has no disk: {held:?}"
     );
-    let status = node.stop().expect("the node was running");
-    assert!(status.success(), "the node exited with {status}");
-    let left = disk_traces(&node);
-    assert!(
-        left.is_empty(),
-        "left after the node stopped:\n  {}",
-        left.join("\n  ")
-    );
+    stop_and_assert_disk_released(&mut node);
 }
 
 /// A node killed (its disk left mounted) and started again takes its disk away when it stops,
@@ -275,15 +268,7 @@ fn a_node_started_again_after_a_kill_releases_its_disk_at_stop() {
     let mut node = TestNode::start_with(&["--warm-pool", "0"]);
     node.kill();
     node.restart();
-    let status = node.stop().expect("the node was running");
-    assert!(status.success(), "the node exited with {status}");
-    let left = disk_traces(&node);
-    assert!(
-        left.is_empty(),
-        "left after the node stopped:\n  {}\n{}",
-        left.join("\n  "),
-        node.log_tail(20)
-    );
+    stop_and_assert_disk_released(&mut node);
 }
 
 /// The same for a node that made sandboxes (its warm pool, a kept one deleted, a run).
@@ -296,12 +281,19 @@ fn a_node_that_made_sandboxes_releases_its_disk_at_stop() {
         .to_string();
     node.delete_sandbox(&id);
     node.run_ok(&json!({ "command": "true" }));
+    stop_and_assert_disk_released(&mut node);
+}
+
+/// Stops `node` (it must exit 0) and asserts nothing of its disk is left: no loop device, no
+/// mount.
+fn stop_and_assert_disk_released(node: &mut TestNode) {
     let status = node.stop().expect("the node was running");
     assert!(status.success(), "the node exited with {status}");
-    let left = disk_traces(&node);
+    let left = disk_traces(node);
     assert!(
         left.is_empty(),
-        "left after the node stopped:\n  {}",
-        left.join("\n  ")
+        "left after the node stopped:\n  {}\n{}",
+        left.join("\n  "),
+        node.log_tail(20)
     );
 }
