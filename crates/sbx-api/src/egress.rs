@@ -20,14 +20,17 @@
 //!   `Authorization`) to `value` (default `{secret}`) with the secret's value in the place of
 //!   `{secret}`, on every request to host.
 //!
-//! The rules are kept as the calls gave them (a JSON object) and parsed again where they are
-//! used; [`merge`] is a PATCH's key-by-key merge.
+//! The rules are kept as the calls gave them ([`EgressRules`]: each part absent, null or as
+//! written) and parsed again where they are used ([`Egress`]); [`merge`] is a PATCH's
+//! key-by-key merge.
 
 use std::net::{IpAddr, Ipv4Addr};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{ApiError, ErrorCode};
+use crate::Field;
 
 /// Most entries of `allow` or `deny`.
 pub const MAX_TARGETS: usize = 256;
@@ -38,8 +41,9 @@ pub use crate::run::MAX_DENY_PORTS;
 /// Most bytes of the rules as JSON.
 pub const MAX_EGRESS_BYTES: usize = 256 * 1024;
 
-/// Allowed or not.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Allowed or not (`allow`, `deny`: `default` of the rules).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Verdict {
     Allow,
     Deny,
@@ -697,6 +701,87 @@ pub fn merge(base: Option<&Value>, patch: &Value) -> Option<Value> {
     (!out.is_empty()).then_some(Value::Object(out))
 }
 
+/// A rule of `http` as given.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HttpRuleGiven {
+    pub host: String,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub methods: Field<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub paths: Field<Vec<String>>,
+}
+
+/// A rule of `inject` as given.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InjectGiven {
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub header: Field<String>,
+    pub host: String,
+    pub secret: String,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub value: Field<String>,
+}
+
+/// A sandbox's egress rules as the calls gave them: each part absent, null or as written, so
+/// that they are shown back as given (`egress` of the sandbox object) and a PATCH replaces
+/// the parts it gives ([`EgressRules::merge`]). [`EgressRules::from_value`] checks them;
+/// [`EgressRules::rules`] are the rules in force. Keys in name order (as the API has always
+/// written them).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressRules {
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub allow: Field<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub default: Field<Verdict>,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub deny: Field<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub deny_ports: Field<Vec<u16>>,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub http: Field<Vec<HttpRuleGiven>>,
+    #[serde(default, skip_serializing_if = "Field::is_absent")]
+    pub inject: Field<Vec<InjectGiven>>,
+}
+
+impl EgressRules {
+    /// Rules as a call gives them (`egress` of a create or a run), checked as [`Egress::parse`]
+    /// checks them (400 invalid_egress naming the part at fault).
+    pub fn from_value(v: &Value) -> Result<EgressRules, ApiError> {
+        Egress::parse(v)?;
+        serde_json::from_value(v.clone())
+            .map_err(|e| bad("egress", &format!("cannot be kept: {e}")))
+    }
+
+    /// The rules as given, as JSON (what the sandbox object shows).
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or_else(|_| Value::Object(Map::new()))
+    }
+
+    /// The rules in force: these, where they give no `default` the node's (`default_deny`).
+    pub fn rules(&self, default_deny: bool) -> Result<Egress, ApiError> {
+        let mut v = self.to_value();
+        if let Some(obj) = v.as_object_mut() {
+            if default_deny && obj.get("default").is_none_or(Value::is_null) {
+                obj.insert("default".into(), Value::from("deny"));
+            }
+        }
+        Egress::parse(&v)
+    }
+
+    /// A PATCH's `egress` keys merged into `base` ([`merge`]): each key given replaces the
+    /// part, each given as null removes it; `None` when no part is left. The rules as merged
+    /// are checked (400 invalid_egress).
+    pub fn merge(
+        base: Option<&EgressRules>,
+        patch: &Map<String, Value>,
+    ) -> Result<Option<EgressRules>, ApiError> {
+        let base = base.map(EgressRules::to_value);
+        merge(base.as_ref(), &Value::Object(patch.clone()))
+            .map(|v| EgressRules::from_value(&v))
+            .transpose()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -892,6 +977,48 @@ mod tests {
         assert_eq!(
             merge(None, &json!({"default": "deny"})),
             Some(json!({"default": "deny"}))
+        );
+    }
+
+    #[test]
+    fn rules_as_given_are_kept_as_given() {
+        let given = json!({
+            "allow": ["API.example.com", "10.0.0.0/8"], "deny": null, "deny_ports": [25, 25],
+            "http": [{"host": "api.example.com", "methods": null}],
+            "inject": [{"host": "*.example.com", "secret": "tok", "header": null}]
+        });
+        let r = EgressRules::from_value(&given).unwrap();
+        // Shown back as given: case, nulls and repeats kept; written with sorted keys.
+        assert_eq!(r.to_value(), given);
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            serde_json::to_string(&given).unwrap()
+        );
+        assert_eq!(r.deny, Field::Null);
+        assert!(r.default.is_absent());
+        // In force: parsed, the node's default where the rules give none.
+        let e = r.rules(true).unwrap();
+        assert!(e.default_deny);
+        assert_eq!(e.deny_ports, vec![25]);
+        assert_eq!(e.inject[0].header, "authorization");
+        assert!(!r.rules(false).unwrap().default_deny);
+        let allow = EgressRules::from_value(&json!({"default": "allow"})).unwrap();
+        assert!(!allow.rules(true).unwrap().default_deny);
+        // Refused as Egress::parse refuses.
+        let e = EgressRules::from_value(&json!({"allow": ["bad name"]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("egress.allow[0]"));
+        // A PATCH's keys.
+        let patch = json!({"allow": null, "deny_ports": [22]});
+        let merged = EgressRules::merge(Some(&r), patch.as_object().unwrap())
+            .unwrap()
+            .unwrap();
+        assert!(merged.allow.is_absent());
+        assert_eq!(merged.deny_ports, Field::Value(vec![22]));
+        let only = EgressRules::from_value(&json!({"allow": ["a.com"]})).unwrap();
+        let none = json!({"allow": null});
+        assert_eq!(
+            EgressRules::merge(Some(&only), none.as_object().unwrap()).unwrap(),
+            None
         );
     }
 }

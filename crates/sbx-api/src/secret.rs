@@ -36,17 +36,38 @@ impl std::fmt::Debug for SecretPut {
     }
 }
 
-/// The secret object: its name and where it may go, never its value.
+/// The secret object: its name and where it may go, never its value. Keys in name order (as
+/// the API has always written them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SecretObject {
-    /// Always `"secret"`.
-    pub object: String,
-    pub name: String,
     /// `None` (null): any host.
     pub allowed_hosts: Option<Vec<String>>,
     /// RFC 3339, with milliseconds.
     pub created_at: String,
+    pub name: String,
+    /// Always `"secret"`.
+    pub object: String,
     pub updated_at: String,
+}
+
+/// `DELETE /v1/secrets/{name}`: the secret that was.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretDeleted {
+    /// Always true.
+    pub deleted: bool,
+    pub name: String,
+    /// Always `"secret"`.
+    pub object: String,
+}
+
+impl SecretDeleted {
+    pub fn new(name: &str) -> SecretDeleted {
+        SecretDeleted {
+            deleted: true,
+            name: name.to_string(),
+            object: "secret".into(),
+        }
+    }
 }
 
 /// A host of `allowed_hosts`: a DNS name (`registry.example.com`, `docker.io`) or a wildcard of

@@ -9,48 +9,9 @@ use sbx_api::{Encoding, SandboxObject, SnapshotObject};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// A key an answer may leave out, give as null or give a value: kept as it came, so that the
-/// answer is written back the same. Use with `#[serde(default, skip_serializing_if =
-/// "Field::is_absent")]`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Field<T> {
-    #[default]
-    Absent,
-    Null,
-    Value(T),
-}
-
-impl<T> Field<T> {
-    /// The value, if there is one.
-    pub fn get(&self) -> Option<&T> {
-        match self {
-            Field::Value(v) => Some(v),
-            _ => None,
-        }
-    }
-
-    pub fn is_absent(&self) -> bool {
-        matches!(self, Field::Absent)
-    }
-}
-
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Field<T> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Field<T>, D::Error> {
-        Ok(match Option::<T>::deserialize(d)? {
-            Some(v) => Field::Value(v),
-            None => Field::Null,
-        })
-    }
-}
-
-impl<T: Serialize> Serialize for Field<T> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Field::Value(v) => v.serialize(s),
-            Field::Absent | Field::Null => s.serialize_none(),
-        }
-    }
-}
+/// A key an answer may leave out, give as null or give a value (sbx-api's, which its objects
+/// use too).
+pub use sbx_api::Field;
 
 /// A list: `{object: "list", data, has_more, next_cursor}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -616,7 +616,11 @@ fn set_end(
         }
     }
     let at = sbx_api::format_rfc3339_millis(at_ns);
-    node.patch_sandbox(&o.id, &json!({ "expires_at": at }))
+    let patch = sbx_api::SandboxPatch {
+        expires_at: Some(Some(at)),
+        ..Default::default()
+    };
+    node.patch_sandbox(&o.id, patch)
         .map(|_| ())
         .map_err(api_error)
 }

@@ -16,7 +16,7 @@
 #![forbid(unsafe_code)]
 
 use sbx_front::guard;
-use sbx_node::{agent, image, node, sync};
+use sbx_node::{image, node, sync};
 
 pub mod api;
 pub mod connect;
@@ -26,15 +26,12 @@ pub mod interp;
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
-use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{header, Request, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tower::ServiceExt;
@@ -50,8 +47,6 @@ pub const ENVD_VERSION: &str = "0.5.7";
 
 /// The most connections the listener serves at once.
 const MAX_CONNECTIONS: usize = 1024;
-/// How long a client has to send a request's head.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What every request of the listener shares.
 pub struct Shared {
@@ -77,7 +72,7 @@ impl sbx_front::PortFront for EnvdPort {
 
     fn serve(
         &self,
-        req: Request<Incoming>,
+        req: Request<Body>,
         peer: SocketAddr,
         sandbox: String,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + 'static>> {
@@ -114,6 +109,7 @@ pub async fn start(
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    use sbx_front::listen::{serve_conn, Protocol, Timeouts};
     sbx_front::listen::accept_loop(
         listener,
         "E2B listener",
@@ -121,26 +117,14 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         std::future::pending(),
         move |stream, peer| {
             let shared = shared.clone();
-            async move {
-                let service = hyper::service::service_fn(move |req| {
-                    let shared = shared.clone();
-                    async move {
-                        Ok::<_, std::convert::Infallible>(handle(req, peer, shared).await)
-                    }
-                });
-                let mut builder =
-                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                builder
-                    .http1()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HEAD_TIMEOUT);
-                if let Err(e) = builder
-                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
-                    .await
-                {
-                    tracing::debug!(error = %e, "E2B listener: a client connection");
-                }
-            }
+            serve_conn(
+                stream,
+                peer,
+                Timeouts::STREAMS,
+                Protocol::Http1And2,
+                None,
+                move |req| handle(req, peer, shared.clone()),
+            )
         },
     )
     .await;
@@ -155,7 +139,7 @@ pub fn e2b_error(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
-fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+fn header_str<'a>(req: &'a Request<Body>, name: &str) -> Option<&'a str> {
     req.headers()
         .get(name)
         .and_then(|v| v.to_str().ok())
@@ -213,7 +197,7 @@ enum From {
 /// Where the request comes from, as the API decides it: on a node without keys a loopback
 /// `Host` only; an `Origin` only the listener's own (`http://{host}`) or one of
 /// `--cors-origin`.
-fn where_from(req: &Request<Incoming>, shared: &Shared) -> From {
+fn where_from(req: &Request<Body>, shared: &Shared) -> From {
     let host = header_str(req, "host").or_else(|| req.uri().authority().map(|a| a.as_str()));
     let decided = crate::guard::check_origin(
         shared.api_keys.is_none(),
@@ -244,7 +228,7 @@ fn where_from(req: &Request<Incoming>, shared: &Shared) -> From {
 
 /// The answer to a CORS preflight of an origin `--cors-origin` allows: the methods E2B's
 /// SDKs use, the headers the page asks for (E2B's SDKs send headers of their own).
-fn preflight(req: &Request<Incoming>) -> Response {
+fn preflight(req: &Request<Body>) -> Response {
     let mut resp = StatusCode::NO_CONTENT.into_response();
     let asked = req
         .headers()
@@ -279,7 +263,7 @@ fn with_cors(mut resp: Response, origin: &str) -> Response {
     resp
 }
 
-async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
+async fn handle(req: Request<Body>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
     match where_from(&req, &shared) {
         From::Refused(r) => r,
         From::Served => route(req, peer, shared).await,
@@ -299,7 +283,7 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -
 }
 
 /// A request the listener serves: a sandbox's side when it names one, else the control plane.
-async fn route(req: Request<Incoming>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
+async fn route(req: Request<Body>, peer: SocketAddr, shared: Arc<Shared>) -> Response {
     if let Some(id) = header_str(&req, "e2b-sandbox-id").map(str::to_string) {
         let port = match header_str(&req, "e2b-sandbox-port") {
             None => ENVD_PORT,
@@ -343,7 +327,7 @@ pub struct Access {
 /// A request for a port of sandbox `id`: envd's is the node's, any other the sandbox's. The
 /// node's credentials are taken out of it first, whichever.
 async fn sandbox_side(
-    req: Request<Incoming>,
+    req: Request<Body>,
     peer: SocketAddr,
     shared: &Arc<Shared>,
     id: &str,
@@ -384,7 +368,7 @@ async fn sandbox_side(
 /// a caller the control plane takes. It goes without the node's credentials
 /// ([`sandbox_side`] took them out).
 async fn proxy(
-    req: Request<Incoming>,
+    req: Request<Body>,
     peer: SocketAddr,
     shared: &Arc<Shared>,
     access: &Access,

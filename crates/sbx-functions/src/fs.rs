@@ -6,13 +6,21 @@ use std::sync::Arc;
 use base64::Engine as _;
 use bytes::Bytes;
 use futures_util::StreamExt;
+use sbx_api::files::{FsCall, FsParams, WriteRequest};
 use sbx_api::functions::FnError;
-use sbx_proto::FsOp;
 use serde_json::{json, Map, Value};
 
 use super::{Payload, INLINE_MAX};
-use crate::node::files::{self, FsCall, FsParams};
+use crate::node::files::{FsRead, FsReply};
 use crate::node::Node;
+
+/// An answer's object as the function's JSON.
+fn object_of(r: FsReply) -> Result<Value, FnError> {
+    serde_json::to_value(r.object).map_err(|e| {
+        tracing::error!(error = %e, "a file operation's answer as JSON");
+        FnError::from(sbx_api::ApiError::internal())
+    })
+}
 
 /// What a URL's path or query value keeps as it is: the unreserved characters and `/`.
 const KEEP: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
@@ -38,8 +46,8 @@ pub(super) async fn fs_call(
     rest.remove("sandbox_id");
     let call = |c: FsCall, rest: Map<String, Value>| async move {
         Payload(rest.clone()).known(c.fields())?;
-        let r = node.fs_call(id, c, &FsParams::from_map(rest)).await?;
-        Ok::<Value, FnError>(r.object)
+        let req = c.request(&FsParams::from_payload(rest))?;
+        object_of(node.fs_call(id, &req).await?)
     };
     match op {
         "mkdir" => call(FsCall::Mkdir, rest).await,
@@ -77,23 +85,17 @@ pub(super) async fn fs_call(
             let mut m = q.0;
             m.remove("content");
             m.remove("content_b64");
-            let op = files::write_op(&FsParams::from_map(m))?;
+            let w = WriteRequest::parse(&FsParams::from_payload(m))?;
             let once =
                 futures_util::stream::iter([Ok::<_, std::convert::Infallible>(Bytes::from(bytes))]);
-            let r = node.fs_upload(id, op, once).await?;
-            Ok(files::written_reply(r)?.object)
+            let r = node.fs_write(id, w.into(), once).await?;
+            object_of(r.reply())
         }
         "read" => {
             let q = Payload(rest);
             q.known(&["path"])?;
             let path = q.req_str("path")?;
-            let op = FsOp::Read {
-                path: path.clone(),
-                offset: 0,
-                length: None,
-                tail: None,
-            };
-            let mut d = node.fs_download(id, op).await?;
+            let mut d = node.fs_read(id, FsRead::whole(path.clone())).await?;
             let size = d.size;
             let mut reply = json!({
                 "path": path,

@@ -233,7 +233,7 @@ fn output() -> Value {
     )
 }
 
-/// A file's entry (`node::files::entry_json`), plus what an operation adds.
+/// A file's entry (sbx-api's `files::FileObject`), plus what an operation adds.
 fn entry() -> Value {
     reply(
         json!({

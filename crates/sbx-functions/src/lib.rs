@@ -8,8 +8,8 @@
 //! `stop` are `Node::create_sandbox`, `Node::exec`/`exec_get`, `Node::list_sandboxes`,
 //! `Node::delete_sandbox` (the requests built by type and checked by the HTTP API's rules:
 //! `RunRequest::check`, `ExecRequest::check`); the `fs::*` functions are `Node::fs_call`,
-//! `fs_upload`, `fs_download` with the file routes' own `FsParams`, so that their parameters
-//! and error codes are the same ones. What is only the interface's lives here: the config file's checks
+//! `fs_write`, `fs_read` with the file routes' own `FsParams` (sbx-api's), so that their
+//! parameters and error codes are the same ones. What is only the interface's lives here: the config file's checks
 //! (allowlist, custom images, sandbox cap, exec timeout cap), stopped ids (S004) and the idle
 //! reaper.
 

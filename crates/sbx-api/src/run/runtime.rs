@@ -203,6 +203,23 @@ impl Runtime {
     }
 }
 
+/// Written in its canonical form ([`Runtime::to_value`]), as the node keeps it (and hashes it
+/// into a template's key).
+impl serde::Serialize for Runtime {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.to_value().serialize(s)
+    }
+}
+
+/// Read as [`Runtime::parse`] reads it: a runtime that does not parse is an error (its
+/// message the parse's).
+impl<'de> serde::Deserialize<'de> for Runtime {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Runtime, D::Error> {
+        let v = Value::deserialize(d)?;
+        Runtime::parse(&v).map_err(|e| serde::de::Error::custom(e.message))
+    }
+}
+
 fn dns_value(d: &RuntimeDns) -> Value {
     let servers: Vec<String> = d.servers.iter().map(|s| s.to_string()).collect();
     json!({"servers": servers, "search": d.search, "options": d.options})
@@ -655,5 +672,15 @@ mod tests {
             none.shown()["dns"],
             json!({"servers": [], "search": [], "options": []})
         );
+    }
+
+    #[test]
+    fn serde_writes_the_canonical_form_and_reads_it_back() {
+        let rt = Runtime::parse(&json!({"ulimits": {"nofile": 64}, "tmpfs": ["/run"]})).unwrap();
+        let text = serde_json::to_string(&rt).unwrap();
+        assert_eq!(text, serde_json::to_string(&rt.to_value()).unwrap());
+        assert_eq!(serde_json::from_str::<Runtime>(&text).unwrap(), rt);
+        let e = serde_json::from_str::<Runtime>(r#"{"ulimits": {"nope": 1}}"#).unwrap_err();
+        assert!(e.to_string().contains("nope is not a ulimit"), "{e}");
     }
 }

@@ -16,13 +16,14 @@ use axum::http::{header, HeaderMap, HeaderValue, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
+use sbx_api::files::WriteRequest;
 use sbx_api::{ApiError, ErrorCode};
-use sbx_proto::{FsOp, FsResult};
 use serde_json::{json, Value};
 
 use super::filesystem::entry::{resolve, users_for, Users};
 use super::Ctx;
 use crate::e2b_error;
+use crate::node::files::{FsRead, FsWrite};
 
 /// A stream of body bytes whose errors are text.
 type Bytestream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, String>> + Send>>;
@@ -106,13 +107,11 @@ pub async fn download(ctx: &Ctx, req: Request<Body>) -> Response {
         Ok(p) => p,
         Err(e) => return e2b_error(StatusCode::BAD_REQUEST, e.message),
     };
-    let op = FsOp::Read {
-        path: path.clone(),
-        offset: 0,
-        length: None,
-        tail: None,
-    };
-    let dl = match ctx.node().fs_download(&ctx.sandbox, op).await {
+    let dl = match ctx
+        .node()
+        .fs_read(&ctx.sandbox, FsRead::whole(path.clone()))
+        .await
+    {
         Ok(d) => d,
         Err(e) if e.code == ErrorCode::PathNotFound => {
             return e2b_error(
@@ -322,28 +321,23 @@ async fn write_one<S>(
 where
     S: Stream<Item = Result<Bytes, String>> + Unpin,
 {
-    let stat = FsOp::Stat {
-        path: path.to_string(),
-    };
-    let is_new = match ctx.node().fs_op(&ctx.sandbox, stat).await {
+    let is_new = match ctx.node().fs_stat(&ctx.sandbox, path).await {
         Ok(_) => false,
         Err(e) if e.code == ErrorCode::PathNotFound => true,
         Err(e) => return Err(http_error(e)),
     };
-    let op = FsOp::Write {
-        path: path.to_string(),
-        mode: None,
-        parents: true,
-        owner,
+    let w = FsWrite {
+        file: WriteRequest {
+            path: path.to_string(),
+            mode: None,
+            parents: true,
+            owner,
+        },
         in_place: is_new,
     };
-    let written = ctx.node().fs_upload(&ctx.sandbox, op, bytes).await;
+    let written = ctx.node().fs_write(&ctx.sandbox, w, bytes).await;
     if written.is_err() && is_new {
-        let rm = FsOp::Remove {
-            path: path.to_string(),
-            recursive: false,
-        };
-        match ctx.node().fs_op(&ctx.sandbox, rm).await {
+        match ctx.node().fs_remove(&ctx.sandbox, path, false).await {
             Ok(_) => {}
             Err(e) if e.code == ErrorCode::PathNotFound => {}
             Err(e) => {
@@ -353,12 +347,11 @@ where
         }
     }
     match written {
-        Ok(FsResult::Written { entry, .. }) => Ok(json!({
-            "name": entry.name,
+        Ok(w) => Ok(json!({
+            "name": w.entry.name,
             "type": "file",
             "path": path,
         })),
-        Ok(other) => Err(http_error(crate::agent::files::unexpected(&other))),
         Err(e) if e.code == ErrorCode::WrongType => Err(e2b_error(
             StatusCode::BAD_REQUEST,
             format!("path is a directory: {path} ({})", e.message),

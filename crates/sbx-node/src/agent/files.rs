@@ -18,32 +18,20 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{AgentConn, AgentError};
+use crate::node::files::Download;
 
 /// The id of the one operation of a connection.
 const OP: &str = "fs";
 
 /// Upload bytes gathered into one data frame.
-pub const FRAME: usize = MAX_DATA;
+pub(crate) const FRAME: usize = MAX_DATA;
 
 /// Download chunks queued for the reader.
-pub const DOWNLOAD_QUEUE: usize = 4;
+pub(crate) const DOWNLOAD_QUEUE: usize = 4;
 
 /// How long the rest of an upload is read (and dropped) after the agent refused it, so that the
 /// client reads the answer instead of a reset connection.
 const DRAIN_FOR: Duration = Duration::from_secs(30);
-
-/// A download's bytes, in order; an error ends it midway (the reader sees it cut).
-pub type Chunks = ReceiverStream<Result<Bytes, std::io::Error>>;
-
-/// A download as the agent opened it.
-pub struct Download {
-    /// The file's size.
-    pub size: u64,
-    /// Where the bytes start, and how many come (`None`: to the end).
-    pub offset: u64,
-    pub length: Option<u64>,
-    pub chunks: Chunks,
-}
 
 fn aborted(message: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::StreamAborted, message)
@@ -88,7 +76,7 @@ pub fn unexpected(r: &FsResult) -> ApiError {
 }
 
 /// Aborts a task when dropped.
-pub struct TaskGuard(pub tokio::task::JoinHandle<()>);
+pub(crate) struct TaskGuard(pub tokio::task::JoinHandle<()>);
 
 impl Drop for TaskGuard {
     fn drop(&mut self) {

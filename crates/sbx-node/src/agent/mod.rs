@@ -30,7 +30,7 @@ pub fn program(c: &sbx_api::Command) -> Program {
 
 /// The HTTP API's status of a command the agent reports ended. The one conversion from the
 /// protocol's status (sbx-api and sbx-proto do not depend on each other, so it lives here).
-pub fn exec_status(s: ExitStatus) -> ExecStatus {
+pub(crate) fn exec_status(s: ExitStatus) -> ExecStatus {
     match s {
         ExitStatus::Exited => ExecStatus::Exited,
         ExitStatus::TimedOut => ExecStatus::TimedOut,
@@ -41,7 +41,7 @@ pub fn exec_status(s: ExitStatus) -> ExecStatus {
 /// The protocol's status of a command the node recorded as ended (a row's final object):
 /// the inverse of [`exec_status`]; `Running`, which an ended command's object never has, reads
 /// as `Exited`.
-pub fn exit_status(s: ExecStatus) -> ExitStatus {
+pub(crate) fn exit_status(s: ExecStatus) -> ExitStatus {
     match s {
         ExecStatus::Exited | ExecStatus::Running => ExitStatus::Exited,
         ExecStatus::TimedOut => ExitStatus::TimedOut,
@@ -51,7 +51,7 @@ pub fn exit_status(s: ExecStatus) -> ExitStatus {
 
 /// The API's kind of a command the agent could not execute. The one conversion from the
 /// protocol's kind (as [`exec_status`]).
-pub fn start_fail_kind(k: StartFailKind) -> ExecFailKind {
+pub(crate) fn start_fail_kind(k: StartFailKind) -> ExecFailKind {
     match k {
         StartFailKind::CwdMissing => ExecFailKind::CwdMissing,
         StartFailKind::CwdNotDirectory => ExecFailKind::CwdNotDirectory,
@@ -153,18 +153,18 @@ impl AgentConn {
 
     /// Whether a command given no input can be started with no stdin at all
     /// ([`sbx_proto::ExecSpec::stdin_null`]), so that no `CloseStdin` has to follow.
-    pub fn takes_stdin_null(&self) -> bool {
+    pub(crate) fn takes_stdin_null(&self) -> bool {
         self.stdin_null
     }
 
     /// Whether the agent serves file operations (see [`files`]).
-    pub fn serves_fs(&self) -> bool {
+    pub(crate) fn serves_fs(&self) -> bool {
         self.fs
     }
 
     /// Whether the agent serves watches, `List`'s depth, `Write`'s `in_place` and `Users`
     /// ([`sbx_proto::FEATURE_WATCH`]).
-    pub fn serves_watch(&self) -> bool {
+    pub(crate) fn serves_watch(&self) -> bool {
         self.watch
     }
 
@@ -258,7 +258,7 @@ fn take_idle(socket: &Path) -> Option<AgentConn> {
 /// Closes the idle connections to the agent at `socket`: before a checkpoint, since an open
 /// connection to the node is a peer outside the sandbox, which CRIU refuses; and when the
 /// sandbox ends.
-pub fn close_idle(socket: &Path) {
+pub(crate) fn close_idle(socket: &Path) {
     IDLE.locked().remove(socket);
 }
 
@@ -282,14 +282,14 @@ pub async fn set_dumpable(socket: &Path, dumpable: bool) -> Result<(), AgentErro
 /// in one process starts the next node as a new process would, without the first node's
 /// connections (they belong to its runtime, which is gone).
 #[cfg(test)]
-pub fn forget_idle_under(dir: &Path) {
+pub(crate) fn forget_idle_under(dir: &Path) {
     IDLE.locked().retain(|socket, _| !socket.starts_with(dir));
 }
 
 /// One request and its answer, on an idle connection or a new one (given back after the
 /// answer); the answer within 10 s (`Wait` excepted: its answer comes when the command ends,
 /// and the caller bounds it).
-pub async fn one_shot(socket: &Path, msg: &HostMsg) -> Result<AgentMsg, AgentError> {
+pub(crate) async fn one_shot(socket: &Path, msg: &HostMsg) -> Result<AgentMsg, AgentError> {
     let mut c = AgentConn::open(socket, Duration::from_secs(5)).await?;
     let answer = if matches!(msg, HostMsg::Wait { .. }) {
         c.request(msg).await?

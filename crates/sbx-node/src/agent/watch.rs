@@ -1,38 +1,21 @@
 //! A watch of a directory over its own agent connection ([`HostMsg::Watch`]): the agent's
-//! batches of changes as they come. Dropping the [`Watch`] (or its receiver) closes the
-//! connection, which ends the watch in the agent.
+//! batches of changes as they come, as the node's [`WatchItem`]s. Dropping the [`Watcher`]
+//! closes the connection, which ends the watch in the agent.
 
 use sbx_api::ApiError;
-use sbx_proto::{AgentMsg, Frame, HostMsg, WatchEvent};
+use sbx_proto::{AgentMsg, Frame, HostMsg};
 use tokio::sync::mpsc;
 
 use super::files::{api_error, TaskGuard};
 use super::{AgentConn, AgentError};
+use crate::node::files::{WatchItem, Watcher};
 
 /// The id of the one watch of a connection.
 const ID: &str = "w";
 
 /// Batches queued for the watch's reader (the agent waits while it is full, and the kernel
 /// bounds what it holds meanwhile).
-pub const QUEUE: usize = 16;
-
-/// What a watch reports.
-#[derive(Debug)]
-pub enum WatchItem {
-    /// Changes, in order; `overflow`: some before them were lost.
-    Events {
-        events: Vec<WatchEvent>,
-        overflow: bool,
-    },
-    /// The watch ended by itself (its directory went, or the agent did): why.
-    Ended(ApiError),
-}
-
-/// A running watch.
-pub struct Watch {
-    pub items: mpsc::Receiver<WatchItem>,
-    _task: TaskGuard,
-}
+pub(crate) const QUEUE: usize = 16;
 
 fn broke(e: AgentError) -> ApiError {
     ApiError::new(
@@ -55,7 +38,7 @@ pub async fn watch(
     path: String,
     recursive: bool,
     ends: Option<Ends>,
-) -> Result<Watch, ApiError> {
+) -> Result<Watcher, ApiError> {
     conn.send(&HostMsg::Watch {
         id: ID.into(),
         path,
@@ -77,7 +60,7 @@ pub async fn watch(
     }
     let (tx, rx) = mpsc::channel(QUEUE);
     let task = tokio::spawn(pump(conn, tx, ends));
-    Ok(Watch {
+    Ok(Watcher {
         items: rx,
         _task: TaskGuard(task),
     })
@@ -114,7 +97,10 @@ async fn pump(mut conn: AgentConn, tx: mpsc::Sender<WatchItem>, ends: Option<End
         let item = match f {
             Ok(Frame::Msg(AgentMsg::WatchEvents {
                 events, overflow, ..
-            })) => WatchItem::Events { events, overflow },
+            })) => WatchItem::Events {
+                events: events.into_iter().map(Into::into).collect(),
+                overflow,
+            },
             Ok(Frame::Msg(AgentMsg::WatchEnded { error, .. })) => WatchItem::Ended(match error {
                 Some(f) => api_error(f),
                 None => broke(AgentError::Closed),

@@ -47,7 +47,7 @@ pub trait Checkpointer: Send + Sync {
 }
 
 /// How a restored sandbox gets its network again: from its lease.
-pub type NetPlace = sbx_runtime::net::Relink;
+pub(crate) type NetPlace = sbx_runtime::net::Relink;
 
 /// This node's checkpoints: a checkpointer, or why there is none.
 pub enum Checkpoints {
@@ -68,7 +68,7 @@ impl Checkpoints {
     }
 
     /// The node's data directory ([`Checkpointer::set_data_dir`]).
-    pub fn set_data_dir(&self, dir: &Path) {
+    pub(crate) fn set_data_dir(&self, dir: &Path) {
         if let Checkpoints::Ready(c) = self {
             c.set_data_dir(dir);
         }
@@ -82,10 +82,38 @@ impl Checkpoints {
     }
 
     /// For `GET /internal/node`.
-    pub fn info(&self) -> serde_json::Value {
+    pub fn info(&self) -> CheckpointsInfo {
         match self {
-            Checkpoints::Ready(c) => serde_json::json!({ "available": true, "by": c.describe() }),
-            Checkpoints::Off(why) => serde_json::json!({ "available": false, "reason": why }),
+            Checkpoints::Ready(c) => CheckpointsInfo {
+                available: true,
+                by: Some(c.describe()),
+                reason: None,
+            },
+            Checkpoints::Off(why) => CheckpointsInfo::off(why),
+        }
+    }
+}
+
+/// Whether the node checkpoints sandboxes (sleep, snapshots, forks), with what, or why not
+/// (`checkpoints` of `GET /internal/node`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CheckpointsInfo {
+    pub available: bool,
+    /// What checkpoints them (`criu 4.0.0 (/usr/sbin/criu)`), when available.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// Why not, when not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl CheckpointsInfo {
+    /// Not available, for `reason`.
+    pub fn off(reason: &str) -> CheckpointsInfo {
+        CheckpointsInfo {
+            available: false,
+            by: None,
+            reason: Some(reason.to_string()),
         }
     }
 }
@@ -107,7 +135,7 @@ pub fn images_dir(data_dir: &Path, id: &str) -> PathBuf {
 /// them), to be removed later: a sleep that comes at once writes `images` again while the
 /// removal may still run. `None` when the rename failed (then they are removed in place at
 /// the next sleep or the delete).
-pub fn set_aside(images: &Path) -> Option<PathBuf> {
+pub(crate) fn set_aside(images: &Path) -> Option<PathBuf> {
     let name = images.file_name()?.to_string_lossy().into_owned();
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -117,7 +145,7 @@ pub fn set_aside(images: &Path) -> Option<PathBuf> {
 }
 
 /// Removes what [`set_aside`] left beside `images` (a node that stopped before removing it).
-pub fn remove_spent(images: &Path) {
+pub(crate) fn remove_spent(images: &Path) {
     let (Some(dir), Some(name)) = (images.parent(), images.file_name()) else {
         return;
     };

@@ -19,8 +19,7 @@ use base64::Engine;
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
 use rusqlite::{params, OptionalExtension};
-use sbx_api::{ApiError, ErrorCode};
-use serde_json::{json, Value};
+use sbx_api::{ApiError, ErrorCode, SecretDeleted, SecretObject};
 
 use crate::node::Node;
 use crate::store::Store;
@@ -49,7 +48,7 @@ static NODE_KEY: OnceLock<NodeKey> = OnceLock::new();
 
 /// The key that seals what the node keeps of secrets. Its bytes are never printed.
 #[derive(Clone)]
-pub struct NodeKey(Key);
+pub(crate) struct NodeKey(Key);
 
 impl std::fmt::Debug for NodeKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -131,7 +130,7 @@ impl NodeKey {
     }
 
     /// Seals `plain` with a new random nonce; `aad` binds it to where it belongs.
-    pub fn seal(&self, plain: &[u8], aad: &[u8]) -> Result<Vec<u8>, ApiError> {
+    pub(crate) fn seal(&self, plain: &[u8], aad: &[u8]) -> Result<Vec<u8>, ApiError> {
         let nonce: [u8; NONCE_LEN] = random_bytes().map_err(|e| {
             tracing::error!(error = %e, "no random bytes for a nonce");
             ApiError::internal()
@@ -172,7 +171,7 @@ pub fn init(data_dir: &Path, store: &Store) -> Result<(), KeyError> {
 }
 
 /// The node key ([`init`] loads it).
-pub fn node_key() -> Result<&'static NodeKey, ApiError> {
+pub(crate) fn node_key() -> Result<&'static NodeKey, ApiError> {
     NODE_KEY.get().ok_or_else(|| {
         tracing::error!("the node key is not loaded");
         ApiError::internal()
@@ -187,7 +186,7 @@ fn now_ns() -> i64 {
 }
 
 /// A secret as the table keeps it (its value sealed).
-pub struct SecretRow {
+pub(crate) struct SecretRow {
     name: String,
     sealed: Vec<u8>,
     pub allowed_hosts: Option<Vec<String>>,
@@ -197,14 +196,14 @@ pub struct SecretRow {
 
 impl SecretRow {
     /// The secret object: never the value.
-    fn object(&self) -> Value {
-        json!({
-            "object": "secret",
-            "name": self.name,
-            "allowed_hosts": self.allowed_hosts,
-            "created_at": sbx_api::format_rfc3339_millis(i128::from(self.created_at_ns)),
-            "updated_at": sbx_api::format_rfc3339_millis(i128::from(self.updated_at_ns)),
-        })
+    fn object(&self) -> SecretObject {
+        SecretObject {
+            allowed_hosts: self.allowed_hosts.clone(),
+            created_at: sbx_api::format_rfc3339_millis(i128::from(self.created_at_ns)),
+            name: self.name.clone(),
+            object: "secret".into(),
+            updated_at: sbx_api::format_rfc3339_millis(i128::from(self.updated_at_ns)),
+        }
     }
 }
 
@@ -248,7 +247,7 @@ pub fn parse_put(body: &[u8]) -> Result<(String, Option<Vec<String>>), ApiError>
 /// Whether `host` (a registry's host as a reference writes it, without its port) is one the
 /// secret may go to: `None` is anywhere; an entry is the host itself, or `*.domain` for any
 /// subdomain of `domain` (not `domain` itself). Case does not matter.
-pub fn host_allowed(allowed: Option<&[String]>, host: &str) -> bool {
+pub(crate) fn host_allowed(allowed: Option<&[String]>, host: &str) -> bool {
     let Some(list) = allowed else {
         return true;
     };
@@ -278,7 +277,7 @@ fn split_credentials(value: &str) -> Option<(String, String)> {
 
 impl Node {
     /// A secret's object (its value never), 404 secret_not_found.
-    pub fn secret_object(&self, name: &str) -> Result<Value, ApiError> {
+    pub fn secret_object(&self, name: &str) -> Result<SecretObject, ApiError> {
         check_name(name)?;
         match self.secret_row(name)? {
             Some(row) => Ok(row.object()),
@@ -286,7 +285,7 @@ impl Node {
         }
     }
 
-    pub fn secret_row(&self, name: &str) -> Result<Option<SecretRow>, ApiError> {
+    pub(crate) fn secret_row(&self, name: &str) -> Result<Option<SecretRow>, ApiError> {
         secret_row(&self.store, name)
     }
 
@@ -307,7 +306,7 @@ impl Node {
         name: &str,
         value: &str,
         allowed_hosts: Option<Vec<String>>,
-    ) -> Result<(bool, Value), ApiError> {
+    ) -> Result<(bool, SecretObject), ApiError> {
         let key = node_key()?;
         let sealed = key.seal(value.as_bytes(), name.as_bytes())?;
         let hosts = match &allowed_hosts {
@@ -353,7 +352,7 @@ impl Node {
         Ok((created, row.object()))
     }
 
-    pub fn list_secrets(&self) -> Result<Vec<Value>, ApiError> {
+    pub fn list_secrets(&self) -> Result<Vec<SecretObject>, ApiError> {
         let rows = self
             .store
             .with_conn(|c| {
@@ -365,7 +364,7 @@ impl Node {
         Ok(rows.iter().map(SecretRow::object).collect())
     }
 
-    pub fn delete_secret(&self, name: &str) -> Result<Value, ApiError> {
+    pub fn delete_secret(&self, name: &str) -> Result<SecretDeleted, ApiError> {
         let n = self
             .store
             .with_conn(|c| c.execute("DELETE FROM secrets WHERE name=?1", params![name]))
@@ -374,7 +373,7 @@ impl Node {
             return Err(not_found(name, None));
         }
         tracing::info!(secret = %name, "secret deleted");
-        Ok(json!({ "object": "secret", "name": name, "deleted": true }))
+        Ok(SecretDeleted::new(name))
     }
 
     /// The credentials of an image's registry held by the secret `secret_name`, for the tool
@@ -384,7 +383,7 @@ impl Node {
     /// 404 `secret_not_found` when there is no such secret, 403 `secret_host_not_allowed` when
     /// its `allowed_hosts` do not cover the host, 400 `invalid_field` when its value is not
     /// `username:password` in printable ASCII; all with param `image_pull_secret`.
-    pub fn pull_credentials(
+    pub(crate) fn pull_credentials(
         &self,
         secret_name: &str,
         registry_host: &str,

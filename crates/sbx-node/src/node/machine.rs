@@ -28,7 +28,11 @@ pub struct Machine {
 impl Node {
     /// Checks what a run or a create asks of the machine against what this node serves, and
     /// resolves its image and shape. Every refusal happens here, before anything is made.
-    pub fn check_machine(&self, req: &RunRequest, long_lived: bool) -> Result<Machine, ApiError> {
+    pub(crate) fn check_machine(
+        &self,
+        req: &RunRequest,
+        long_lived: bool,
+    ) -> Result<Machine, ApiError> {
         if let Some(allowed) = &self.cfg.image_allowlist {
             let name = req.image.as_deref().unwrap_or("base");
             if !allowed.iter().any(|a| a == name) {
@@ -69,7 +73,8 @@ impl Node {
             )
             .with_param("init"));
         }
-        crate::node::runtime_settings::check_on_node(req.runtime.as_ref())?;
+        let rt = crate::node::runtime_settings::of_request(req.runtime.as_ref())?;
+        crate::node::runtime_settings::check_on_node(rt.as_ref())?;
         if !long_lived && (req.ready.is_some() || req.start_command.is_some()) {
             let param = if req.ready.is_some() {
                 "ready"
@@ -201,11 +206,12 @@ impl Node {
 
     /// The resolv.conf of `runtime.dns` (`None`: not given: the node's, or the image's):
     /// its servers, else the node's DNS for a sandbox on the network.
-    pub fn resolv_for(&self, runtime: Option<&serde_json::Value>, network: bool) -> Option<String> {
-        let dns = runtime
-            .and_then(|r| r.get("dns"))
-            .filter(|d| !d.is_null())?;
-        let dns = sbx_api::run::RuntimeDns::parse(dns).ok()?;
+    pub(crate) fn resolv_for(
+        &self,
+        runtime: Option<&sbx_api::run::Runtime>,
+        network: bool,
+    ) -> Option<String> {
+        let dns = runtime.and_then(|r| r.dns.as_ref())?;
         let fallback: Vec<std::net::IpAddr> = match self.net.as_ref() {
             Some(n) if network => vec![n.gateway().into()],
             _ => Vec::new(),
@@ -311,7 +317,7 @@ impl Node {
 
 /// How many ms until `expires_at` (RFC 3339, in the future; rounded up): 400 invalid_field
 /// for another text, 400 expires_in_the_past for a time that has passed.
-pub fn expires_in_ms(at: &str) -> Result<u64, ApiError> {
+pub(crate) fn expires_in_ms(at: &str) -> Result<u64, ApiError> {
     let at_ns = sbx_api::parse_rfc3339(at).ok_or_else(|| {
         ApiError::invalid_field("expires_at", "expires_at is not an RFC 3339 time")
     })?;
@@ -330,7 +336,7 @@ impl Node {
     /// 503 no_capacity when the node holds its most sandboxes (runs' and kept ones), 503
     /// drive_full when its disk cannot promise one more; the caller holds the admission lock
     /// until its sandbox is counted.
-    pub fn check_capacity(&self) -> Result<(), ApiError> {
+    pub(crate) fn check_capacity(&self) -> Result<(), ApiError> {
         let held = self.sandbox_count() + self.managed.locked().len();
         if held >= self.cfg.max_sandboxes {
             return Err(ApiError::new(

@@ -33,10 +33,10 @@ pub struct NodeNet {
 }
 
 /// Where a sandbox's CA bundle is (the node's bundle is mounted over it).
-pub const SANDBOX_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+pub(crate) const SANDBOX_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The variables that point TLS clients at it (OpenSSL, Python's requests and pip, curl,
 /// Node), set where the image has the bundle and does not set them itself.
-pub const CA_ENV: [&str; 4] = [
+pub(crate) const CA_ENV: [&str; 4] = [
     "SSL_CERT_FILE",
     "REQUESTS_CA_BUNDLE",
     "CURL_CA_BUNDLE",
@@ -84,7 +84,7 @@ impl Policies {
 }
 
 /// What the kernel enforces of `e`; `None` when it holds nothing more than the node's rules.
-pub fn kernel_rules(e: &Egress) -> Option<SandboxRules> {
+pub(crate) fn kernel_rules(e: &Egress) -> Option<SandboxRules> {
     let r = SandboxRules {
         default_deny: e.default_deny,
         exceptions: e.exceptions4(),
@@ -142,7 +142,7 @@ impl Default for NetLimits {
 }
 
 /// A secret's value by name (`None`: no such secret).
-pub type SecretLookup = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+pub(crate) type SecretLookup = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// What one sandbox, and all of them, may have of the node's DNS at once.
 #[derive(Clone, Debug)]
@@ -305,7 +305,7 @@ fn write_bundle(dir: &std::path::Path, ca_pem: &str) -> std::io::Result<PathBuf>
 }
 
 /// The egress proxy's port on the gateway.
-pub const PROXY_PORT: u16 = 3129;
+pub(crate) const PROXY_PORT: u16 = 3129;
 
 impl NodeNet {
     /// Loads the node's table, turns forwarding on, starts the DNS forwarder on the gateway
@@ -387,7 +387,7 @@ impl NodeNet {
 
     /// For a sandbox that wakes: the namespace it kept while it slept, or a new one when it
     /// has none (after the node's restart: then true). Where it is.
-    pub fn keep_or_take(
+    pub(crate) fn keep_or_take(
         &self,
         id: &str,
         spec: &mut sbx_runtime::SandboxSpec,
@@ -426,7 +426,7 @@ impl NodeNet {
 
     /// Puts sandbox `id`'s egress rules in force (`None`: none of its own): the kernel's part
     /// in one transaction, then what its DNS and proxy read.
-    pub fn set_egress(
+    pub(crate) fn set_egress(
         &self,
         id: &str,
         e: Option<Arc<Egress>>,
@@ -464,7 +464,7 @@ impl NodeNet {
 
     /// Marks sandbox `id`'s namespace as its alone (sysctls of its own were written there):
     /// it is not given to another sandbox after it. For an adopted one.
-    pub fn keep_own(&self, id: &str) {
+    pub(crate) fn keep_own(&self, id: &str) {
         self.no_recycle.locked().insert(id.to_string());
     }
 
@@ -559,33 +559,75 @@ impl NodeNet {
 
     /// The gateway, the leases held and the namespaces ready, the limits per sandbox and the
     /// host's conntrack table (entries, most), for `GET /internal/node`.
-    pub fn info(&self) -> serde_json::Value {
+    pub fn info(&self) -> NetInfo {
         let ct = sbx_runtime::net::conntrack_usage();
         let l = &self.limits;
-        serde_json::json!({
-            "conntrack": {
-                "count": ct.map(|c| c.0),
-                "max": ct.map(|c| c.1),
-                "per_sandbox": l.ct_per_sandbox,
+        NetInfo {
+            conntrack: ConntrackInfo {
+                count: ct.map(|c| c.0),
+                max: ct.map(|c| c.1),
+                per_sandbox: l.ct_per_sandbox,
             },
-            "limits": {
-                "conntrack_per_sandbox": l.ct_per_sandbox,
-                "dns_in_flight_per_sandbox": l.dns.udp_per_sandbox,
-                "dns_in_flight": l.dns.udp_total,
-                "dns_tcp_per_sandbox": l.dns.tcp_per_sandbox,
-                "dns_tcp": l.dns.tcp_total,
-                "dns_tcp_idle_ms": l.dns.tcp_idle.as_millis() as u64,
-                "proxy_per_sandbox": l.proxy_per_sandbox,
-                "proxy": PROXY_MAX_CONNECTIONS,
+            gateway: self.network.gateway().to_string(),
+            interface_prefix: self.network.config().prefix.clone(),
+            leased: self.leases.locked().len(),
+            limits: NetLimitsInfo {
+                conntrack_per_sandbox: l.ct_per_sandbox,
+                dns_in_flight: l.dns.udp_total,
+                dns_in_flight_per_sandbox: l.dns.udp_per_sandbox,
+                dns_tcp: l.dns.tcp_total,
+                dns_tcp_idle_ms: l.dns.tcp_idle.as_millis() as u64,
+                dns_tcp_per_sandbox: l.dns.tcp_per_sandbox,
+                proxy: PROXY_MAX_CONNECTIONS,
+                proxy_per_sandbox: l.proxy_per_sandbox,
             },
-            "gateway": self.network.gateway().to_string(),
-            "range": self.network.config().range.to_string(),
-            "table": self.network.config().table,
-            "interface_prefix": self.network.config().prefix,
-            "ready": self.network.ready(),
-            "leased": self.leases.locked().len(),
-        })
+            range: self.network.config().range.to_string(),
+            ready: self.network.ready(),
+            table: self.network.config().table.clone(),
+        }
     }
+}
+
+/// The sandboxes' network (`network` of `GET /internal/node`). Keys in name order (as the API
+/// has always written them).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NetInfo {
+    pub conntrack: ConntrackInfo,
+    /// The sandboxes' default route, DNS server and egress proxy.
+    pub gateway: String,
+    /// Host-side interfaces are named this and a number.
+    pub interface_prefix: String,
+    /// Namespaces leased to sandboxes.
+    pub leased: usize,
+    pub limits: NetLimitsInfo,
+    /// The sandboxes' addresses (a CIDR).
+    pub range: String,
+    /// Namespaces made ahead, ready to lease.
+    pub ready: usize,
+    /// The node's nftables table.
+    pub table: String,
+}
+
+/// The host's conntrack table: its entries and most (null where the kernel does not say), and
+/// what one sandbox may hold of it (0: no limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ConntrackInfo {
+    pub count: Option<u64>,
+    pub max: Option<u64>,
+    pub per_sandbox: u32,
+}
+
+/// What one sandbox, and all of them, may hold at once ([`NetLimits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct NetLimitsInfo {
+    pub conntrack_per_sandbox: u32,
+    pub dns_in_flight: usize,
+    pub dns_in_flight_per_sandbox: usize,
+    pub dns_tcp: usize,
+    pub dns_tcp_idle_ms: u64,
+    pub dns_tcp_per_sandbox: usize,
+    pub proxy: usize,
+    pub proxy_per_sandbox: usize,
 }
 
 #[cfg(test)]

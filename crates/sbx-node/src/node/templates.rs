@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use crate::probe::Probe;
 use crate::store::{Store, StoreError};
 use crate::sync::LockExt;
-use sbx_api::Command;
+use sbx_api::{Command, Field, TemplateObject, TemplateReady};
 
 /// The key of the node's base template: the base image, the node's default shape, nothing
 /// started.
@@ -47,13 +47,17 @@ pub struct Settings {
     /// The runtime settings in their canonical form: a template of its own
     /// (`node::runtime_settings`). Absent from the hashed text when none, so the keys of
     /// templates without one are what they were.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub runtime: Option<serde_json::Value>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::node::runtime_settings::read_kept"
+    )]
+    pub runtime: Option<sbx_api::run::Runtime>,
 }
 
 impl Settings {
     /// Whether these are the base template's settings, given the node's default shape.
-    pub fn is_base(&self, default_vcpus: u32, default_memory: u64) -> bool {
+    pub(crate) fn is_base(&self, default_vcpus: u32, default_memory: u64) -> bool {
         self.image == "base"
             && self.image_pull_secret.is_none()
             && self.start != Some(true)
@@ -120,7 +124,7 @@ pub enum TemplateError {
 }
 
 /// How a build ended, as its waiters see it: `Err((failure_code, failure))`.
-pub type BuildResult = Result<(), (String, String)>;
+pub(crate) type BuildResult = Result<(), (String, String)>;
 
 /// What a create does about its template.
 pub enum Plan {
@@ -143,7 +147,7 @@ pub struct Builder {
 }
 
 /// The failure code of a build whose sandbox went away midway: waiters build it again.
-pub const CANCELLED: &str = "cancelled";
+pub(crate) const CANCELLED: &str = "cancelled";
 
 pub struct Templates {
     building: Mutex<HashMap<String, watch::Receiver<Option<BuildResult>>>>,
@@ -297,7 +301,7 @@ pub async fn wait(mut rx: watch::Receiver<Option<BuildResult>>) -> BuildResult {
 impl crate::node::Node {
     /// The node's templates as GET /internal/node lists them: `base` first, then every one
     /// built or being built (env by names only).
-    pub fn template_objects(&self) -> Vec<serde_json::Value> {
+    pub fn template_objects(&self) -> Vec<TemplateObject> {
         let mut out = vec![self.base_template_object()];
         let rows = list(&self.store).unwrap_or_else(|e| {
             tracing::error!(error = %e, "templates");
@@ -308,39 +312,58 @@ impl crate::node::Node {
     }
 
     /// The base template as GET /internal/node lists it.
-    pub fn base_template_object(&self) -> serde_json::Value {
-        serde_json::json!({
-            "key": BASE,
-            "status": "ready",
-            "image": "base",
-            "vcpus": self.cfg.default_vcpus,
-            "memory_bytes": self.cfg.default_memory_bytes,
-        })
+    pub(crate) fn base_template_object(&self) -> TemplateObject {
+        TemplateObject {
+            built_by: Field::Absent,
+            built_ms: Field::Absent,
+            created_at: None,
+            digest: Field::Absent,
+            env: None,
+            failure: Field::Absent,
+            failure_code: Field::Absent,
+            image: "base".into(),
+            image_pull_secret: Field::Absent,
+            key: BASE.into(),
+            memory_bytes: self.cfg.default_memory_bytes,
+            ready: Field::Absent,
+            start: Field::Absent,
+            start_command: Field::Absent,
+            status: "ready".into(),
+            vcpus: self.cfg.default_vcpus,
+        }
     }
 }
 
 /// A template as the API shows it (env by names only).
-pub fn object_of(t: &TemplateRow) -> serde_json::Value {
+pub fn object_of(t: &TemplateRow) -> TemplateObject {
     let s = &t.settings;
-    serde_json::json!({
-        "key": t.key,
-        "status": t.status,
-        "image": s.image,
-        "digest": t.digest,
-        "image_pull_secret": s.image_pull_secret,
-        "start": s.start,
-        "start_command": s.start_command.as_ref().map(|c| c.display()),
-        "ready": s.ready_command.as_ref().map(|c| serde_json::json!({"command": c.display()}))
-            .or_else(|| s.ready_probe.as_ref().map(|p| serde_json::json!(p))),
-        "env": s.env.keys().collect::<Vec<_>>(),
-        "vcpus": s.vcpus,
-        "memory_bytes": s.memory_bytes,
-        "built_ms": t.built_ms,
-        "built_by": t.built_by,
-        "failure_code": t.failure_code,
-        "failure": t.failure,
-        "created_at": sbx_api::format_rfc3339_millis(i128::from(t.created_at_ns)),
-    })
+    let ready = match (&s.ready_command, &s.ready_probe) {
+        (Some(c), _) => Some(TemplateReady::Command(c.display())),
+        (None, Some(Probe::Tcp { port })) => Some(TemplateReady::Tcp { port: *port }),
+        (None, Some(Probe::Http { port, path })) => Some(TemplateReady::Http {
+            path: path.clone(),
+            port: *port,
+        }),
+        (None, None) => None,
+    };
+    TemplateObject {
+        built_by: Field::given(t.built_by.clone()),
+        built_ms: Field::given(t.built_ms),
+        created_at: Some(sbx_api::format_rfc3339_millis(i128::from(t.created_at_ns))),
+        digest: Field::given(t.digest.clone()),
+        env: Some(s.env.keys().cloned().collect()),
+        failure: Field::given(t.failure.clone()),
+        failure_code: Field::given(t.failure_code.clone()),
+        image: s.image.clone(),
+        image_pull_secret: Field::given(s.image_pull_secret.clone()),
+        key: t.key.clone(),
+        memory_bytes: s.memory_bytes,
+        ready: Field::given(ready),
+        start: Field::given(s.start),
+        start_command: Field::given(s.start_command.as_ref().map(|c| c.display())),
+        status: t.status.clone(),
+        vcpus: s.vcpus,
+    }
 }
 
 impl crate::node::Node {
@@ -493,14 +516,23 @@ mod tests {
         );
         // The key of settings without a runtime is the hash of the text without the field.
         let mut c = settings("base");
-        c.runtime = Some(serde_json::json!({"ulimits": {"nofile": {"soft": 64, "hard": 64}}}));
+        let rt = |n: u32| {
+            sbx_api::run::Runtime::parse(&serde_json::json!({"ulimits": {"nofile": n}}))
+                .expect("a runtime")
+        };
+        c.runtime = Some(rt(64));
+        // Hashed in its canonical form, as the node always kept it.
+        assert_eq!(
+            serde_json::to_value(&c).expect("json")["runtime"],
+            rt(64).to_value()
+        );
         let kc = c.key(1, 512 << 20);
         assert!(
             sbx_api::is_id("img", &kc),
             "a runtime is never the base: {kc}"
         );
         let mut d = c.clone();
-        d.runtime = Some(serde_json::json!({"ulimits": {"nofile": {"soft": 65, "hard": 65}}}));
+        d.runtime = Some(rt(65));
         assert_ne!(d.key(1, 512 << 20), kc, "another runtime, another template");
         assert!(!serde_json::to_string(&a).unwrap().contains("runtime"));
     }
@@ -515,7 +547,7 @@ mod tests {
     }
 
     /// The first create of `s` (it builds) and a second one (it waits).
-    pub fn build_and_wait(
+    pub(crate) fn build_and_wait(
         t: &Templates,
         store: &Store,
         key: &str,

@@ -29,7 +29,7 @@ use crate::fail::store_err;
 use crate::sync::LockExt;
 
 /// The most volumes that are not shared a sandbox mounts (too_many_volumes past it).
-pub const MAX_EXCLUSIVE_VOLUMES: usize = 8;
+pub(crate) const MAX_EXCLUSIVE_VOLUMES: usize = 8;
 
 /// The node's disk and the sizes it gives (set once at start).
 #[derive(Debug)]
@@ -64,6 +64,38 @@ pub struct Volumes {
     runs: Mutex<HashMap<String, Vec<StoredVolume>>>,
     /// Disk promised and not yet counted otherwise: a sandbox's or a volume's id -> bytes.
     held: Mutex<HashMap<String, u64>>,
+}
+
+/// The node's disk and volumes, for `GET /internal/node` (its `disk_bytes`, `disk` and
+/// `volumes`; each null without a disk).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DiskInfo {
+    /// Each sandbox's disk.
+    pub disk_bytes: Option<u64>,
+    pub disk: Option<DiskState>,
+    pub volumes: Option<VolumeLimits>,
+}
+
+/// What the node's disk filesystem has, and has promised. Keys in name order (as the API has
+/// always written them).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DiskState {
+    /// Always `btrfs`.
+    pub filesystem: String,
+    pub free_bytes: u64,
+    /// Its mount point.
+    pub path: String,
+    pub promise: Option<Promise>,
+    pub promised_bytes: Option<u64>,
+    pub total_bytes: u64,
+}
+
+/// The sizes a volume may have, and how many a sandbox may hold alone. Keys in name order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct VolumeLimits {
+    pub default_size_bytes: u64,
+    pub max_exclusive_per_sandbox: usize,
+    pub max_size_bytes: u64,
 }
 
 /// What the node's disk has promised, and what it may.
@@ -106,7 +138,7 @@ impl Promise {
 
 /// Disk promised to a sandbox or a volume being made, until it is counted by its id (its
 /// directory, its entry, its row): dropped, the hold goes.
-pub struct DiskHold {
+pub(crate) struct DiskHold {
     node: std::sync::Weak<Node>,
     id: String,
 }
@@ -176,48 +208,52 @@ impl Volumes {
 impl Node {
     /// The node's disk, for `GET /internal/node`: each sandbox's size, what the disk
     /// filesystem has, and what it has promised ([`Promise`]).
-    pub fn disk_info(&self) -> serde_json::Value {
+    pub fn disk_info(&self) -> DiskInfo {
         match self.volumes.settings.as_ref() {
             Some(s) => {
                 let space = s.disk.space();
                 let promise = self.disk_promise().ok().flatten();
-                serde_json::json!({
-                    "disk_bytes": s.disk_bytes,
-                    "disk": {
-                        "filesystem": "btrfs",
-                        "path": s.disk.root(),
-                        "total_bytes": space.total_bytes,
-                        "free_bytes": space.free_bytes,
-                        "promised_bytes": promise.map(|p| p.promised_bytes),
-                        "promise": promise,
-                    },
-                    "volumes": {
-                        "default_size_bytes": s.default_bytes,
-                        "max_size_bytes": s.max_bytes,
-                        "max_exclusive_per_sandbox": MAX_EXCLUSIVE_VOLUMES,
-                    },
-                })
+                DiskInfo {
+                    disk_bytes: Some(s.disk_bytes),
+                    disk: Some(DiskState {
+                        filesystem: "btrfs".into(),
+                        free_bytes: space.free_bytes,
+                        path: s.disk.root().to_string_lossy().into_owned(),
+                        promise,
+                        promised_bytes: promise.map(|p| p.promised_bytes),
+                        total_bytes: space.total_bytes,
+                    }),
+                    volumes: Some(VolumeLimits {
+                        default_size_bytes: s.default_bytes,
+                        max_exclusive_per_sandbox: MAX_EXCLUSIVE_VOLUMES,
+                        max_size_bytes: s.max_bytes,
+                    }),
+                }
             }
-            None => serde_json::json!({ "disk_bytes": null, "disk": null, "volumes": null }),
+            None => DiskInfo {
+                disk_bytes: None,
+                disk: None,
+                volumes: None,
+            },
         }
     }
 
     /// At a stop: the node's mount of its disk goes (lazily: sandboxes that run on keep
     /// theirs, and the next node mounts the same device again).
-    pub fn release_disk(&self) {
+    pub(crate) fn release_disk(&self) {
         if let Some(s) = self.volumes.settings.as_ref() {
             s.disk.release();
         }
     }
 
     /// The node's disk's mount point and what its filesystem has (none: no disk).
-    pub fn disk_space(&self) -> Option<(PathBuf, sbx_runtime::diskfs::DiskSpace)> {
+    pub(crate) fn disk_space(&self) -> Option<(PathBuf, sbx_runtime::diskfs::DiskSpace)> {
         let s = self.volumes.settings.as_ref()?;
         Some((s.disk.root().to_path_buf(), s.disk.space()))
     }
 
     /// What the node's disk has promised (none: the node has no disk).
-    pub fn disk_promise(&self) -> Result<Option<Promise>, ApiError> {
+    pub(crate) fn disk_promise(&self) -> Result<Option<Promise>, ApiError> {
         let Some(s) = self.volumes.settings.as_ref() else {
             return Ok(None);
         };
@@ -265,7 +301,7 @@ impl Node {
 
     /// 503 drive_full when one more sandbox's disk would pass what the node's disk may
     /// promise. Called under the admission lock, before the sandbox is counted.
-    pub fn check_sandbox_disk(&self) -> Result<(), ApiError> {
+    pub(crate) fn check_sandbox_disk(&self) -> Result<(), ApiError> {
         match self.disk_promise()? {
             Some(p) if !p.fits(p.disk_bytes) => Err(drive_full(
                 p.refusal(p.disk_bytes, "one more sandbox's disk"),
@@ -277,7 +313,10 @@ impl Node {
     /// Holds one sandbox's disk for `id` (a warm sandbox about to be made) until the hold is
     /// dropped (its directory is there by then); `Ok(None)`: the node has no disk. 503
     /// drive_full when it does not fit.
-    pub fn hold_sandbox_disk(self: &Arc<Self>, id: &str) -> Result<Option<DiskHold>, ApiError> {
+    pub(crate) fn hold_sandbox_disk(
+        self: &Arc<Self>,
+        id: &str,
+    ) -> Result<Option<DiskHold>, ApiError> {
         let _admission = self.admission.locked();
         self.check_sandbox_disk()?;
         match self.volumes.settings.as_ref() {
@@ -500,7 +539,10 @@ impl Node {
     /// A create's or a run's `volumes`, checked in the seed's order (invalid_path is the
     /// parser's): duplicate_volume, mount_path_taken, volume_in_use, too_many_volumes,
     /// volume_not_found. Called under the admission lock.
-    pub fn check_volumes(&self, mounts: &[VolumeMount]) -> Result<Vec<StoredVolume>, ApiError> {
+    pub(crate) fn check_volumes(
+        &self,
+        mounts: &[VolumeMount],
+    ) -> Result<Vec<StoredVolume>, ApiError> {
         if mounts.is_empty() {
             return Ok(Vec::new());
         }
@@ -576,7 +618,7 @@ impl Node {
 
     /// Records a run's sandbox as having `vols` (under the admission lock, after
     /// [`Node::check_volumes`]).
-    pub fn attach_run_volumes(&self, sandbox: &str, vols: &[StoredVolume]) {
+    pub(crate) fn attach_run_volumes(&self, sandbox: &str, vols: &[StoredVolume]) {
         if !vols.is_empty() {
             self.volumes
                 .runs
@@ -586,12 +628,12 @@ impl Node {
     }
 
     /// A run's sandbox is ended: its volumes are free.
-    pub fn detach_run_volumes(&self, sandbox: &str) {
+    pub(crate) fn detach_run_volumes(&self, sandbox: &str) {
         self.volumes.runs.locked().remove(sandbox);
     }
 
     /// What init binds for `vols`.
-    pub fn volume_binds(&self, vols: &[StoredVolume]) -> Vec<VolumeBind> {
+    pub(crate) fn volume_binds(&self, vols: &[StoredVolume]) -> Vec<VolumeBind> {
         let Some(s) = self.volumes.settings.as_ref() else {
             return Vec::new();
         };
@@ -607,7 +649,7 @@ impl Node {
 }
 
 /// The sandbox object's `volumes`.
-pub fn sandbox_volumes(vols: &[StoredVolume]) -> Vec<SandboxVolume> {
+pub(crate) fn sandbox_volumes(vols: &[StoredVolume]) -> Vec<SandboxVolume> {
     vols.iter()
         .map(|v| SandboxVolume {
             volume: v.volume.clone(),

@@ -6,11 +6,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
-use sbx_proto::{FsEntry, FsKind, FsOp, FsResult, GroupInfo, UserInfo};
 use serde_json::{json, Map, Value};
 
 use crate::connect::RpcError;
 use crate::envd::Ctx;
+use crate::node::files::{FileKind as FsKind, FsEntry, GroupInfo, SandboxUsers, UserInfo};
 use crate::sync::LockExt;
 
 /// The sandbox's users and groups, as its agent read them.
@@ -32,18 +32,11 @@ type Cache = HashMap<String, (Instant, Arc<Users>)>;
 static CACHE: LazyLock<Mutex<Cache>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 impl Users {
-    pub fn of(r: FsResult) -> Option<Users> {
-        match r {
-            FsResult::Users {
-                users,
-                groups,
-                default_user,
-            } => Some(Users {
-                users,
-                groups,
-                default_user,
-            }),
-            _ => None,
+    pub fn of(u: SandboxUsers) -> Users {
+        Users {
+            users: u.users,
+            groups: u.groups,
+            default_user: u.default_user,
         }
     }
 
@@ -103,8 +96,8 @@ pub async fn users(ctx: &Ctx) -> Result<Arc<Users>, RpcError> {
             return Ok(u.clone());
         }
     }
-    let users = match ctx.node().fs_op(&ctx.sandbox, FsOp::Users).await {
-        Ok(r) => Users::of(r).unwrap_or_default(),
+    let users = match ctx.node().fs_users(&ctx.sandbox).await {
+        Ok(u) => Users::of(u),
         Err(e) if e.code == sbx_api::ErrorCode::Unsupported => Users::default(),
         Err(e) => return Err(e.into()),
     };

@@ -12,14 +12,13 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::response::Response;
 use sbx_api::ErrorCode;
-use sbx_proto::{FsOp, FsResult};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use self::entry::{entry_info, parent, resolve, users_for};
 use super::Ctx;
-use crate::agent::files::unexpected;
 use crate::connect::{read_unary, unary_reply, Code, RpcError};
+use crate::node::files::{FileKind, FsMade};
 
 #[derive(Deserialize, Default)]
 #[serde(default)]
@@ -81,31 +80,17 @@ pub async fn call(ctx: Ctx, name: &str, req: Request<Body>) -> Response {
     unary_reply(r)
 }
 
-/// The entry of an operation's result.
-fn entry_of(r: FsResult) -> Result<sbx_proto::FsEntry, RpcError> {
-    match r {
-        FsResult::Entry { entry, .. } => Ok(entry),
-        other => Err(unexpected(&other).into()),
-    }
-}
-
 async fn stat(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
     let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
-    let e = entry_of(ctx.node().fs_op(&ctx.sandbox, FsOp::Stat { path }).await?)?;
+    let e = ctx.node().fs_stat(&ctx.sandbox, &path).await?;
     Ok(json!({ "entry": entry_info(&e, &users) }))
 }
 
 /// Makes `dir` and its missing parents, owned by the request's user: whether `dir` was made.
-async fn make_dirs(ctx: &Ctx, dir: &str, owner: Option<String>) -> Result<FsResult, RpcError> {
-    let op = FsOp::Mkdir {
-        path: dir.to_string(),
-        parents: true,
-        mode: None,
-        owner,
-    };
+async fn make_dirs(ctx: &Ctx, dir: &str, owner: Option<String>) -> Result<FsMade, RpcError> {
     ctx.node()
-        .fs_op(&ctx.sandbox, op)
+        .fs_mkdir(&ctx.sandbox, dir, true, None, owner)
         .await
         .map_err(|e| match e.code {
             ErrorCode::PathExists | ErrorCode::WrongType => {
@@ -119,14 +104,14 @@ async fn make_dir(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
     let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     match make_dirs(ctx, &path, users.owner(ctx.user())).await? {
-        FsResult::Entry {
+        FsMade {
             created: false,
             entry,
-        } if entry.kind == sbx_proto::FsKind::Dir => Err(RpcError::new(
+        } if entry.kind == FileKind::Dir => Err(RpcError::new(
             Code::AlreadyExists,
             format!("directory already exists: {path}"),
         )),
-        r => Ok(json!({ "entry": entry_info(&entry_of(r)?, &users) })),
+        made => Ok(json!({ "entry": entry_info(&made.entry, &users) })),
     }
 }
 
@@ -138,12 +123,7 @@ async fn move_(ctx: &Ctx, r: MoveReq) -> Result<Value, RpcError> {
     // As envd: the destination's directories are made (the user's), then a rename that
     // replaces what is there.
     make_dirs(ctx, &parent(&dst), users.owner(ctx.user())).await?;
-    let op = FsOp::Move {
-        src,
-        dst,
-        overwrite: true,
-    };
-    let e = entry_of(ctx.node().fs_op(&ctx.sandbox, op).await?)?;
+    let e = ctx.node().fs_move(&ctx.sandbox, &src, &dst, true).await?;
     Ok(json!({ "entry": entry_info(&e, &users) }))
 }
 
@@ -151,39 +131,33 @@ async fn list_dir(ctx: &Ctx, r: ListReq) -> Result<Value, RpcError> {
     let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
     let depth = r.depth.clamp(1, MAX_DEPTH);
-    let op = FsOp::List {
-        path,
-        limit: None,
-        depth: Some(depth),
-    };
-    let res = ctx.node().fs_op(&ctx.sandbox, op).await.map_err(|e| {
-        if e.code == ErrorCode::WrongType {
-            RpcError::invalid(e.message)
-        } else {
-            e.into()
-        }
-    })?;
-    match res {
-        FsResult::List { entries, truncated } => {
-            if truncated {
-                tracing::info!(sandbox = %ctx.sandbox, "ListDir: the listing was cut at the agent's cap");
+    let listing = ctx
+        .node()
+        .fs_list(&ctx.sandbox, &path, None, Some(depth))
+        .await
+        .map_err(|e| {
+            if e.code == ErrorCode::WrongType {
+                RpcError::invalid(e.message)
+            } else {
+                e.into()
             }
-            let entries: Vec<Value> = entries.iter().map(|e| entry_info(e, &users)).collect();
-            Ok(json!({ "entries": entries }))
-        }
-        other => Err(unexpected(&other).into()),
+        })?;
+    if listing.truncated {
+        tracing::info!(sandbox = %ctx.sandbox, "ListDir: the listing was cut at the agent's cap");
     }
+    let entries: Vec<Value> = listing
+        .entries
+        .iter()
+        .map(|e| entry_info(e, &users))
+        .collect();
+    Ok(json!({ "entries": entries }))
 }
 
 async fn remove(ctx: &Ctx, r: PathReq) -> Result<Value, RpcError> {
     let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
-    let op = FsOp::Remove {
-        path,
-        recursive: true,
-    };
     // As envd (a RemoveAll): what is not there is removed already.
-    match ctx.node().fs_op(&ctx.sandbox, op).await {
+    match ctx.node().fs_remove(&ctx.sandbox, &path, true).await {
         Ok(_) => Ok(json!({})),
         Err(e) if e.code == ErrorCode::PathNotFound => Ok(json!({})),
         Err(e) => Err(e.into()),

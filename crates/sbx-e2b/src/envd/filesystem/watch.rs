@@ -10,17 +10,16 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::Request;
 use axum::response::Response;
-use sbx_proto::{WatchEvent, WatchKind};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::entry::{resolve, users_for};
-use crate::agent::watch::{Watch, WatchItem};
 use crate::connect::{
     keepalive_interval, read_stream_request, read_unary, stream_error, stream_reply, unary_reply,
     Code, RpcError,
 };
 use crate::envd::Ctx;
+use crate::node::files::{WatchEvent, WatchItem, WatchKind, Watcher as Watch};
 use crate::sync::LockExt;
 
 /// A watcher not polled for this long is removed.
@@ -95,7 +94,7 @@ pub(super) async fn watch_dir(ctx: Ctx, req: Request<Body>) -> Response {
         }
         loop {
             let item = tokio::select! {
-                item = watch.items.recv() => item,
+                item = watch.next() => item,
                 _ = out.closed() => return Ok(()),
             };
             match item {
@@ -162,7 +161,7 @@ async fn collect(
     loop {
         let idle_until = held.locked().polled + WATCHER_IDLE;
         let item = tokio::select! {
-            item = watch.items.recv() => item,
+            item = watch.next() => item,
             _ = tokio::time::sleep_until(idle_until.into()) => {
                 if held.locked().polled + WATCHER_IDLE <= Instant::now() {
                     tracing::info!(watcher = %id, "a watcher not polled for 10 minutes is removed");

@@ -29,7 +29,7 @@ use axum::http::{HeaderMap, Request};
 use axum::response::Response;
 use futures_util::StreamExt;
 use sbx_api::{ApiError, Command, Encoding, ErrorCode, ExecFailKind, ExecRequest};
-use sbx_proto::{ExitStatus, FsOp, FsResult, Stream};
+use sbx_proto::{ExitStatus, Stream};
 use serde_json::json;
 
 use super::Ctx;
@@ -120,17 +120,9 @@ async fn start_process(
     if config.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd: name the program to run"));
     }
-    let run_as = match ctx.node().fs_op(&ctx.sandbox, FsOp::Users).await {
-        Ok(FsResult::Users {
-            users,
-            default_user,
-            ..
-        }) => user::resolve(Some(ctx.user()), &users, default_user.as_deref())?,
+    let run_as = match ctx.node().fs_users(&ctx.sandbox).await {
+        Ok(u) => user::resolve(Some(ctx.user()), &u.users, u.default_user.as_deref())?,
         // An agent that lists no users (older than the node): the name as it is.
-        Ok(_) => user::RunAs {
-            user: Some(ctx.user().to_string()),
-            home: None,
-        },
         Err(e) if e.code == ErrorCode::Unsupported => user::RunAs {
             user: Some(ctx.user().to_string()),
             home: None,

@@ -3,10 +3,9 @@
 //! reads it), and its working directory as envd resolves it (unset: the user's home; `~/…`;
 //! relative to the home).
 
-use sbx_proto::UserInfo;
-
 use crate::connect::{Code, RpcError};
 use crate::envd::DEFAULT_USER;
+use crate::node::files::UserInfo;
 
 /// The user a process runs as.
 #[derive(Debug, Clone, PartialEq, Eq)]
