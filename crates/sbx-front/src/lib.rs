@@ -17,7 +17,6 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 
 use axum::body::Body;
-use hyper::body::Incoming;
 use hyper::{Request, Response};
 
 /// A front end that serves one port of every sandbox itself (E2B's envd, on 49983): the
@@ -29,7 +28,7 @@ pub trait PortFront: Send + Sync + 'static {
     /// Serves `req` of sandbox `sandbox` (an id or a name, as the host named it), from `peer`.
     fn serve(
         &self,
-        req: Request<Incoming>,
+        req: Request<Body>,
         peer: SocketAddr,
         sandbox: String,
     ) -> Pin<Box<dyn Future<Output = Response<Body>> + Send + 'static>>;

@@ -1,16 +1,20 @@
-//! The node's listener: an accept loop over hyper's HTTP/1.1 connections (upgrades for the
-//! terminal's WebSocket) with what `axum::serve` lacks:
+//! The node's listeners: an accept loop ([`accept_loop`]) and the serving of each connection
+//! ([`serve_conn`]: hyper's HTTP/1.1, or HTTP/1.1 and HTTP/2, upgrades kept for WebSockets),
+//! with what `axum::serve` and hyper's builders lack, for every listener alike (the API, E2B's,
+//! the preview listener):
 //!
-//! - a cap on open connections (`--max-connections`): one over it is answered 503
+//! - a cap on open connections (`--max-connections` for the API): one over it is answered 503
 //!   `unavailable` (retryable) and closed, with a log line;
 //! - the header timeout (`--header-timeout-ms`): a request head that is not complete that long
 //!   after its first byte closes the connection;
 //! - the keep-alive timeout (`--keepalive-timeout-ms`): a connection with no request in flight
 //!   and no byte of a next one is closed after it;
-//! - the body-idle timeout (`--body-idle-timeout-ms`): a request body that the node waits for
-//!   and that sends nothing for that long fails (its handler gets an error, the connection
-//!   closes). A body that keeps coming, however slowly, and an answer that streams (an event
-//!   stream, a download) are never cut; nor is an upgraded WebSocket.
+//! - the body-idle timeout (`--body-idle-timeout-ms`): a request body that is waited for while
+//!   nothing is read from or written to its connection for that long fails (its handler gets
+//!   an error, the connection closes). Only idle time counts, never total time: a body that
+//!   keeps coming, however slowly, a body that waits while its answer streams (a stream
+//!   forwarded both ways), and an answer that streams (an event stream, a download) are never
+//!   cut; nor is an upgraded WebSocket, which leaves the connection's watch.
 //! - fd exhaustion on accept: logged, one connection answered 503 through a descriptor kept in
 //!   reserve for it, and accept backs off instead of spinning.
 
@@ -30,10 +34,11 @@ use axum::body::{Body, Bytes};
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::rt::TokioIo;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 use tower::ServiceExt;
 
 /// The timeouts and the cap of the listener.
@@ -43,6 +48,50 @@ pub struct Limits {
     pub body_idle: Duration,
     pub keepalive: Duration,
     pub max_connections: usize,
+}
+
+impl Limits {
+    /// Its timeouts.
+    pub fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            header: self.header,
+            body_idle: self.body_idle,
+            keepalive: self.keepalive,
+        }
+    }
+}
+
+/// The timeouts of a listener's connections (see the module's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// From the first byte of a request head to its end.
+    pub header: Duration,
+    /// A request body waited for on a connection that reads and writes nothing.
+    pub body_idle: Duration,
+    /// A connection with no request in flight and no byte of a next one.
+    pub keepalive: Duration,
+}
+
+impl Timeouts {
+    /// The listeners that carry streams both ways (E2B's envd, whose SDKs send a keepalive on
+    /// an input stream every 50 s; the preview listener, which forwards a sandbox's own
+    /// services): the API's default header and keep-alive timeouts (`--header-timeout-ms`,
+    /// `--keepalive-timeout-ms`), and a body may wait two minutes with its connection idle.
+    pub const STREAMS: Timeouts = Timeouts {
+        header: Duration::from_secs(10),
+        body_idle: Duration::from_secs(120),
+        keepalive: Duration::from_secs(60),
+    };
+}
+
+/// How a listener's connections speak HTTP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP/1.1 only (the API).
+    Http1,
+    /// HTTP/1.1 or HTTP/2 (with prior knowledge, or ALPN under TLS), by the connection's first
+    /// bytes: hyper-util's auto builder.
+    Http1And2,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -66,12 +115,41 @@ struct Activity {
 struct Conn {
     activity: Mutex<Activity>,
     changed: Notify,
+    /// When the connection was accepted: the origin of `last_io`.
+    start: Instant,
+    /// Milliseconds from `start` to the last byte read or written.
+    last_io: AtomicU64,
 }
 
 impl Conn {
+    fn new() -> Conn {
+        let now = Instant::now();
+        Conn {
+            activity: Mutex::new(Activity {
+                in_flight: 0,
+                idle_since: now,
+                head_since: None,
+            }),
+            changed: Notify::new(),
+            start: now,
+            last_io: AtomicU64::new(0),
+        }
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut Activity) -> T) -> T {
         let mut a = self.activity.locked();
         f(&mut a)
+    }
+
+    /// A byte was read or written now.
+    fn io_now(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_io.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// When a byte was last read or written.
+    fn last_io(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_io.load(Ordering::Relaxed))
     }
 }
 
@@ -102,13 +180,14 @@ impl Drop for InFlight {
     }
 }
 
-/// The socket, noting the first byte of a request head.
-struct Watched {
-    io: TcpStream,
+/// The connection's stream (a socket, a TLS stream), noting the first byte of a request head
+/// and when bytes last went either way.
+struct Watched<I> {
+    io: I,
     conn: Arc<Conn>,
 }
 
-impl AsyncRead for Watched {
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -117,6 +196,7 @@ impl AsyncRead for Watched {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.io).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.conn.io_now();
             let started = self.conn.with(|a| {
                 let start = a.in_flight == 0 && a.head_since.is_none();
                 if start {
@@ -132,13 +212,17 @@ impl AsyncRead for Watched {
     }
 }
 
-impl AsyncWrite for Watched {
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.conn.io_now();
+        }
+        r
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_flush(cx)
@@ -151,20 +235,26 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.conn.io_now();
+        }
+        r
     }
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
     }
 }
 
-/// A request body that fails when the node waits for it and nothing comes for `idle`: only
-/// the time spent waiting counts, not the time the handler takes between reads.
+/// A request body that fails when it is waited for and its connection reads and writes
+/// nothing for `idle`: only the time spent waiting counts, not the time the handler takes
+/// between reads, nor the time while its answer is being written.
 struct IdleBody {
     inner: Incoming,
     idle: Duration,
     timer: Pin<Box<tokio::time::Sleep>>,
     waiting: bool,
+    conn: Arc<Conn>,
 }
 
 impl hyper::body::Body for IdleBody {
@@ -186,9 +276,19 @@ impl hyper::body::Body for IdleBody {
                 this.waiting = false;
                 Poll::Ready(r.map(|f| f.map_err(ListenError::Body)))
             }
-            Poll::Pending => match this.timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(ListenError::BodyIdle(this.idle)))),
-                Poll::Pending => Poll::Pending,
+            Poll::Pending => loop {
+                match this.timer.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(()) => {
+                        // Bytes went either way meanwhile (an answer that streams while its
+                        // request's body waits): idle from then on.
+                        let due = this.conn.last_io() + this.idle;
+                        if due <= Instant::now() {
+                            return Poll::Ready(Some(Err(ListenError::BodyIdle(this.idle))));
+                        }
+                        this.timer.as_mut().reset(due.into());
+                    }
+                }
             },
         }
     }
@@ -266,18 +366,37 @@ pub async fn serve(
 ) {
     // Told to every connection when the node stops: an idle one closes at once, a busy one
     // after its answer (it is not kept alive).
-    let (stopping, _) = tokio::sync::watch::channel(false);
+    let (stopping, _) = watch::channel(false);
     let told = stopping.clone();
     let stop = async move {
         stop.await;
         let _ = told.send(true);
     };
+    let timeouts = limits.timeouts();
     accept_loop(
         listener,
         "API listener",
         limits.max_connections,
         stop,
-        move |stream, peer| serve_conn(stream, peer, app.clone(), limits, stopping.subscribe()),
+        move |stream, peer| {
+            let app = app.clone();
+            serve_conn(
+                stream,
+                peer,
+                timeouts,
+                Protocol::Http1,
+                Some(stopping.subscribe()),
+                move |req| {
+                    let app = app.clone();
+                    async move {
+                        match app.oneshot(req).await {
+                            Ok(r) => r,
+                            Err(never) => match never {},
+                        }
+                    }
+                },
+            )
+        },
     )
     .await;
 }
@@ -396,55 +515,58 @@ async fn refuse(mut s: TcpStream) {
 
 /// When a connection with nothing in flight is closed, and which timeout that is: the header
 /// timeout from the first byte of a request, else the keep-alive timeout.
-fn due(conn: &Conn, limits: Limits) -> Option<(Instant, &'static str)> {
+fn due(conn: &Conn, t: Timeouts) -> Option<(Instant, &'static str)> {
     conn.with(|a| {
         if a.in_flight > 0 {
             None
         } else if let Some(h) = a.head_since {
-            Some((h + limits.header, "header"))
+            Some((h + t.header, "header"))
         } else {
-            Some((a.idle_since + limits.keepalive, "keep-alive"))
+            Some((a.idle_since + t.keepalive, "keep-alive"))
         }
     })
 }
 
-async fn serve_conn(
-    stream: TcpStream,
+/// Serves one connection `io` (accepted from `peer`) with `handler` under `timeouts`: its
+/// requests, their bodies watched for idleness and `ConnectInfo(peer)` among their
+/// extensions, until the client closes it, a timeout closes it, or `stopping` turns true (the
+/// node stops: closed at once when nothing is in flight, else after its answer). Upgrades
+/// (WebSockets) are kept.
+pub async fn serve_conn<I, H, F>(
+    io: I,
     peer: SocketAddr,
-    app: Router,
-    limits: Limits,
-    mut stopping: tokio::sync::watch::Receiver<bool>,
-) {
-    let conn = Arc::new(Conn {
-        activity: Mutex::new(Activity {
-            in_flight: 0,
-            idle_since: Instant::now(),
-            head_since: None,
-        }),
-        changed: Notify::new(),
-    });
+    timeouts: Timeouts,
+    protocol: Protocol,
+    stopping: Option<watch::Receiver<bool>>,
+    handler: H,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<Body>) -> F + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let conn = Arc::new(Conn::new());
     let io = TokioIo::new(Watched {
-        io: stream,
+        io,
         conn: conn.clone(),
     });
+    let handler = Arc::new(handler);
     let svc_conn = conn.clone();
-    let svc = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let in_flight = InFlight::new(&svc_conn);
+        let conn = svc_conn.clone();
         let mut req = req.map(|b| {
             Body::new(IdleBody {
                 inner: b,
-                idle: limits.body_idle,
-                timer: Box::pin(tokio::time::sleep(limits.body_idle)),
+                idle: timeouts.body_idle,
+                timer: Box::pin(tokio::time::sleep(timeouts.body_idle)),
                 waiting: false,
+                conn,
             })
         });
         req.extensions_mut().insert(ConnectInfo(peer));
-        let app = app.clone();
+        let answer = handler(req);
         async move {
-            let resp = match app.oneshot(req).await {
-                Ok(r) => r,
-                Err(never) => match never {},
-            };
+            let resp = answer.await;
             Ok::<_, Infallible>(resp.map(|b| {
                 Body::new(Answer {
                     inner: b,
@@ -453,19 +575,70 @@ async fn serve_conn(
             }))
         }
     });
-    let serving = hyper::server::conn::http1::Builder::new()
-        .serve_connection(io, svc)
-        .with_upgrades();
+    match protocol {
+        Protocol::Http1 => {
+            let serving = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, svc)
+                .with_upgrades();
+            watch_conn(
+                serving,
+                |s| s.graceful_shutdown(),
+                &conn,
+                timeouts,
+                peer,
+                stopping,
+            )
+            .await;
+        }
+        Protocol::Http1And2 => {
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let serving = builder.serve_connection_with_upgrades(io, svc);
+            watch_conn(
+                serving,
+                |s| s.graceful_shutdown(),
+                &conn,
+                timeouts,
+                peer,
+                stopping,
+            )
+            .await;
+        }
+    }
+}
+
+/// Drives a connection being served until it ends, closing it when a timeout of `t` passes
+/// with nothing in flight, or when the node stops.
+async fn watch_conn<S, E>(
+    serving: S,
+    graceful: impl Fn(Pin<&mut S>),
+    conn: &Conn,
+    t: Timeouts,
+    peer: SocketAddr,
+    mut stopping: Option<watch::Receiver<bool>>,
+) where
+    S: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
     tokio::pin!(serving);
     loop {
         // A change of the connection's activity wakes this; a deadline that passed is looked
         // at again before the connection is closed.
         let changed = conn.changed.notified();
-        let deadline = due(&conn, limits);
+        let deadline = due(conn, t);
         let timer = async {
             match deadline {
                 Some((at, _)) => tokio::time::sleep_until(at.into()).await,
                 None => std::future::pending().await,
+            }
+        };
+        let stop = async {
+            match stopping.as_mut() {
+                Some(s) if !*s.borrow() => {
+                    if s.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                _ => std::future::pending().await,
             }
         };
         tokio::select! {
@@ -476,16 +649,16 @@ async fn serve_conn(
                 return;
             }
             () = changed => {}
-            Ok(()) = stopping.changed(), if !*stopping.borrow() => {
+            () = stop => {
                 // The node stops: nothing in flight, closed now; else closed after its answer.
                 if conn.with(|a| a.in_flight == 0) {
                     return;
                 }
-                serving.as_mut().graceful_shutdown();
+                graceful(serving.as_mut());
             }
             () = timer => {
                 let now = Instant::now();
-                if let Some((_, why)) = due(&conn, limits).filter(|(at, _)| *at <= now) {
+                if let Some((_, why)) = due(conn, t).filter(|(at, _)| *at <= now) {
                     tracing::debug!(%peer, timeout = why, "connection closed: timed out");
                     return;
                 }
@@ -493,3 +666,6 @@ async fn serve_conn(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

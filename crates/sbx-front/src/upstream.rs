@@ -10,7 +10,6 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
@@ -95,7 +94,7 @@ pub enum ForwardError {
 }
 
 /// Whether an HTTP/1.1 request asks to switch protocols (`Connection: upgrade` + `Upgrade`).
-fn wants_upgrade(req: &Request<Incoming>) -> bool {
+fn wants_upgrade<B>(req: &Request<B>) -> bool {
     req.version() <= Version::HTTP_11
         && req.headers().contains_key(header::UPGRADE)
         && req
@@ -108,11 +107,16 @@ fn wants_upgrade(req: &Request<Incoming>) -> bool {
 }
 
 /// Sends `req` to the service over `stream` and answers with its answer, streamed.
-pub async fn forward(
-    mut req: Request<Incoming>,
+pub async fn forward<B>(
+    mut req: Request<B>,
     stream: TcpStream,
     fwd: Forwarded,
-) -> Result<Response<Body>, ForwardError> {
+) -> Result<Response<Body>, ForwardError>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let upgrading = wants_upgrade(&req);
     let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
@@ -188,14 +192,19 @@ pub async fn forward(
 
 /// Forwards `req` to port `port` in the network namespace `ns` names (for the E2B front
 /// end's requests of a sandbox's port).
-pub async fn forward_to(
-    req: Request<Incoming>,
+pub async fn forward_to<B>(
+    req: Request<B>,
     ns: std::os::fd::OwnedFd,
     port: u16,
     client: SocketAddr,
     host: String,
     held: Option<sbx_node::node::sandbox::sleep::InUse>,
-) -> Result<Response<Body>, String> {
+) -> Result<Response<Body>, String>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let stream = connect(ns, port).await.map_err(|e| e.to_string())?;
     let fwd = Forwarded {
         client,

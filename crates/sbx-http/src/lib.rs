@@ -26,6 +26,8 @@ mod secrets;
 mod sse;
 mod terminal;
 mod volumes;
+#[cfg(test)]
+mod wire_tests;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -1,59 +1,30 @@
 //! Idempotency-Key, which lives in the HTTP layer (`http::sandboxes::idempotent`) over the
 //! store's records: requests through the node's router, on the fake driver.
 
-use std::net::SocketAddr;
-
-use axum::body::Body;
-use axum::extract::ConnectInfo;
-use axum::http::{Request, StatusCode};
-use axum::Router;
+use axum::http::StatusCode;
 use serde_json::Value;
-use tower::ServiceExt;
 
-use std::sync::Arc;
+use sbx_node::node::fake::{create, until};
 
-use sbx_node::node::fake::{create, node_in, until, TempDir, World};
-use sbx_node::node::Node;
+use crate::wire_tests::{Flags, Wire};
 
-use crate::AppState;
-
-fn app(node: &Arc<Node>) -> Router {
-    crate::router(Arc::new(AppState {
-        node: node.clone(),
-        api_keys: None,
-        docs_url: None,
-        cors_origins: Vec::new(),
-    }))
-}
-
-/// One request from a loopback caller: its status and JSON body.
+/// One request from a loopback caller, with `Idempotency-Key: key` when given: its status and
+/// JSON body.
 async fn call(
-    app: &Router,
+    w: &Wire,
     method: &str,
     path: &str,
     key: Option<&str>,
     body: &str,
 ) -> (StatusCode, Value) {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "127.0.0.1:7700")
-        .header("content-type", "application/json");
+    let mut c = w.call(method, path).json_bytes(body.as_bytes());
     if let Some(k) = key {
-        req = req.header("idempotency-key", k);
+        c = c.header("idempotency-key", k);
     }
-    let mut req = req.body(Body::from(body.to_string())).expect("a request");
-    req.extensions_mut()
-        .insert(ConnectInfo(SocketAddr::from(([127, 0, 0, 1], 40000))));
-    let resp = app.clone().oneshot(req).await.expect("an answer");
-    let status = resp.status();
-    let bytes = http_body_util::BodyExt::collect(resp.into_body())
-        .await
-        .expect("a body")
-        .to_bytes();
+    let a = c.send().await;
     (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        a.status,
+        serde_json::from_slice(&a.body).unwrap_or(Value::Null),
     )
 }
 
@@ -63,14 +34,12 @@ fn code(v: &Value) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_retried_with_its_key_makes_one_sandbox() {
-    let dir = TempDir::new("idemcreate");
-    let world = World::new();
-    let node = node_in(dir.path(), &world, |c| c.max_sandboxes = 2);
-    let app = app(&node);
+    let w = Wire::start_with("idemcreate", Flags::default(), |c| c.max_sandboxes = 2);
+    let (world, node, app) = (&w.world, &w.node, &w);
     let body = r#"{"metadata":{"try":"1"}}"#;
-    let (s1, first) = call(&app, "POST", "/v1/sandboxes", Some("k-1"), body).await;
+    let (s1, first) = call(app, "POST", "/v1/sandboxes", Some("k-1"), body).await;
     assert_eq!(s1, StatusCode::CREATED, "{first}");
-    let (s2, again) = call(&app, "POST", "/v1/sandboxes", Some("k-1"), body).await;
+    let (s2, again) = call(app, "POST", "/v1/sandboxes", Some("k-1"), body).await;
     assert_eq!(s2, StatusCode::CREATED);
     assert_eq!(again["id"], first["id"], "the first answer, replayed");
     assert_eq!(world.creates(), 1);
@@ -84,41 +53,39 @@ async fn a_create_retried_with_its_key_makes_one_sandbox() {
         1
     );
 
-    let (s, v) = call(&app, "POST", "/v1/sandboxes", Some("k-1"), "{}").await;
+    let (s, v) = call(app, "POST", "/v1/sandboxes", Some("k-1"), "{}").await;
     assert_eq!(
         (s, code(&v)),
         (StatusCode::CONFLICT, "idempotency_key_reused")
     );
 
     // A refusal worth retrying is not kept: the retry runs again.
-    call(&app, "POST", "/v1/sandboxes", None, "{}").await;
-    let (s, v) = call(&app, "POST", "/v1/sandboxes", Some("k-2"), "{}").await;
+    call(app, "POST", "/v1/sandboxes", None, "{}").await;
+    let (s, v) = call(app, "POST", "/v1/sandboxes", Some("k-2"), "{}").await;
     assert_eq!(code(&v), "no_capacity", "{s} {v}");
     let id = first["id"].as_str().expect("an id");
     node.delete_sandbox(id).await.expect("delete");
-    let (s, v) = call(&app, "POST", "/v1/sandboxes", Some("k-2"), "{}").await;
+    let (s, v) = call(app, "POST", "/v1/sandboxes", Some("k-2"), "{}").await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
     assert_eq!(world.creates(), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exec_retried_with_its_key_runs_one_command() {
-    let dir = TempDir::new("idemexec");
-    let world = World::new();
-    let node = node_in(dir.path(), &world, |_| {});
-    let app = app(&node);
-    let s = create(&node, r#"{"name":"x"}"#).await.expect("create");
+    let w = std::sync::Arc::new(Wire::start("idemexec"));
+    let (world, node, app) = (&w.world, &w.node, &w);
+    let s = create(node, r#"{"name":"x"}"#).await.expect("create");
     let body = r#"{"command":"await go","wait_seconds":5}"#;
     let first = {
-        let app = app.clone();
+        let w = w.clone();
         tokio::spawn(
-            async move { call(&app, "POST", "/v1/sandboxes/x/exec", Some("e-1"), body).await },
+            async move { call(&w, "POST", "/v1/sandboxes/x/exec", Some("e-1"), body).await },
         )
     };
     until("the first command runs", || node.running_execs(&s.id) == 1).await;
     // By its id or its name, the sandbox is one scope.
     let path = format!("/v1/sandboxes/{}/exec", s.id);
-    let (st, v) = call(&app, "POST", &path, Some("e-1"), body).await;
+    let (st, v) = call(app, "POST", &path, Some("e-1"), body).await;
     assert_eq!(
         (st, code(&v)),
         (StatusCode::CONFLICT, "idempotency_in_progress")
@@ -127,7 +94,7 @@ async fn an_exec_retried_with_its_key_runs_one_command() {
     let (st, done) = first.await.expect("the first request");
     assert_eq!(st, StatusCode::CREATED, "{done}");
     assert_eq!(done["status"], "exited");
-    let (st, again) = call(&app, "POST", &path, Some("e-1"), body).await;
+    let (st, again) = call(app, "POST", &path, Some("e-1"), body).await;
     assert_eq!(st, StatusCode::CREATED);
     assert_eq!(again["id"], done["id"], "replayed");
     assert_eq!(
@@ -136,7 +103,7 @@ async fn an_exec_retried_with_its_key_runs_one_command() {
         "one command ran"
     );
     // Another key is another command.
-    let (st, other) = call(&app, "POST", &path, Some("e-2"), body).await;
+    let (st, other) = call(app, "POST", &path, Some("e-2"), body).await;
     assert_eq!(st, StatusCode::CREATED);
     assert_ne!(other["id"], done["id"]);
 }

@@ -37,10 +37,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
-use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use sbx_api::{ApiError, ErrorCode};
 use tokio::net::TcpListener;
 
@@ -53,7 +51,8 @@ pub type Body = axum::body::Body;
 /// Connections open at once; one more waits for a place.
 const MAX_CONNECTIONS: usize = 1024;
 
-/// A TLS handshake or a request head not done this long after the connection is closed.
+/// A TLS handshake not done this long after the connection is closed (a request head then
+/// has the listeners' header timeout, `sbx_front::listen::Timeouts::STREAMS`).
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The listener's settings, from the node's flags.
@@ -203,10 +202,10 @@ async fn accept_loop(
             let (tls, shared) = (tls.clone(), shared.clone());
             async move {
                 match tls {
-                    None => serve_conn(TokioIo::new(stream), peer, shared).await,
+                    None => serve_conn(stream, peer, shared).await,
                     Some(acceptor) => {
                         match tokio::time::timeout(HEAD_TIMEOUT, acceptor.accept(stream)).await {
-                            Ok(Ok(s)) => serve_conn(TokioIo::new(s), peer, shared).await,
+                            Ok(Ok(s)) => serve_conn(s, peer, shared).await,
                             Ok(Err(e)) => tracing::debug!(error = %e, "preview: TLS handshake"),
                             Err(_) => tracing::debug!("preview: TLS handshake timed out"),
                         }
@@ -218,27 +217,30 @@ async fn accept_loop(
     .await;
 }
 
-/// One client connection: HTTP/1.1 (with upgrades) or HTTP/2.
-async fn serve_conn<I>(io: TokioIo<I>, peer: SocketAddr, shared: Arc<Shared>)
+/// One client connection: HTTP/1.1 (with upgrades) or HTTP/2, with the timeouts of every
+/// listener of the node (`sbx_front::listen`): only idle time counts, never total time, so
+/// that forwarded streams and WebSockets last as long as they are used.
+async fn serve_conn<I>(io: I, peer: SocketAddr, shared: Arc<Shared>)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let service = hyper::service::service_fn(move |req| {
-        let shared = shared.clone();
-        async move { Ok::<_, std::convert::Infallible>(handle(req, peer, &shared).await) }
-    });
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEAD_TIMEOUT);
-    if let Err(e) = builder.serve_connection_with_upgrades(io, service).await {
-        tracing::debug!(error = %e, "preview: a client connection");
-    }
+    use sbx_front::listen::{Protocol, Timeouts};
+    sbx_front::listen::serve_conn(
+        io,
+        peer,
+        Timeouts::STREAMS,
+        Protocol::Http1And2,
+        None,
+        move |req| {
+            let shared = shared.clone();
+            async move { handle(req, peer, &shared).await }
+        },
+    )
+    .await;
 }
 
 /// A request: its host names a port of a sandbox, which it may open, and which answers.
-async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared) -> Response<Body> {
+async fn handle(req: Request<Body>, peer: SocketAddr, shared: &Shared) -> Response<Body> {
     let rid = sbx_api::request_id_or_new(
         req.headers()
             .get("x-request-id")
@@ -370,7 +372,7 @@ fn not_a_preview_host(host: &str) -> ApiError {
 }
 
 /// The request's host: `Host`, or an HTTP/2 request's `:authority`.
-fn request_host(req: &Request<Incoming>) -> Option<String> {
+fn request_host(req: &Request<Body>) -> Option<String> {
     req.headers()
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
