@@ -245,7 +245,7 @@ impl ExecEvents {
 
 /// The data of an event, as `T`.
 fn data<T: DeserializeOwned>(f: &Frame) -> Result<T, Error> {
-    serde_json::from_str(&f.data)
+    f.data_as()
         .map_err(|e| Error::Decode(format!("the data of a {} event: {e}", f.event)))
 }
 

@@ -258,6 +258,22 @@ impl Client {
         Ok(ExecEvents::once(body))
     }
 
+    /// `POST /v1/run` as the raw event stream (`stream` is sent true), for a reader of its own
+    /// frames ([`sse::FrameReader`]): a test of the stream's framing, ids and order.
+    pub fn run_events_raw(&self, r: &RunRequest) -> Result<Download, Error> {
+        let mut r = r.clone();
+        r.stream = Some(true);
+        Ok(Download {
+            len: None,
+            content_range: None,
+            body: Client::open(
+                self.json_req("POST", "/v1/run")
+                    .set("accept", "text/event-stream"),
+                Some(&r.to_json()),
+            )?,
+        })
+    }
+
     // Kept sandboxes.
 
     /// `POST /v1/sandboxes`: a sandbox, possibly `starting` (its image pulled, its template
@@ -466,6 +482,26 @@ impl Client {
         loop {
             let o = self.exec_object(sandbox, exec, 60.0, Encoding::Utf8)?;
             if o.status.is_done() {
+                return Ok(o);
+            }
+        }
+    }
+
+    /// The exec object of a command once it has ended, or as it is when `timeout` is up
+    /// (`status` running then): `GET …/exec/{exec_id}?wait_seconds=` until one or the other.
+    pub fn wait_exec_for(
+        &self,
+        sandbox: &str,
+        exec: &str,
+        timeout: Duration,
+    ) -> Result<ExecObject, Error> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            // Whole milliseconds, at most a minute a call (the node takes up to 300 s).
+            let wait = (left.as_millis().min(60_000) as f64) / 1000.0;
+            let o = self.exec_object(sandbox, exec, wait, Encoding::Utf8)?;
+            if o.status.is_done() || left.is_zero() {
                 return Ok(o);
             }
         }

@@ -9,6 +9,8 @@
 
 use std::io::{self, BufRead};
 
+use serde::de::DeserializeOwned;
+
 /// One event of a stream.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Frame {
@@ -25,6 +27,11 @@ impl Frame {
     pub fn id_u64(&self) -> Option<u64> {
         self.id.as_deref().and_then(|i| i.trim().parse().ok())
     }
+
+    /// The data read as JSON, as `T` (the API's events carry a JSON object each).
+    pub fn data_as<T: DeserializeOwned>(&self) -> serde_json::Result<T> {
+        serde_json::from_str(&self.data)
+    }
 }
 
 /// Reads frames off a buffered reader, counting the bytes it took.
@@ -32,6 +39,8 @@ pub struct FrameReader<R> {
     inner: R,
     line: Vec<u8>,
     bytes: u64,
+    /// The stream ended inside an event: after a field of one, or in the middle of a line.
+    cut_off: bool,
 }
 
 impl<R: BufRead> FrameReader<R> {
@@ -40,7 +49,15 @@ impl<R: BufRead> FrameReader<R> {
             inner,
             line: Vec::new(),
             bytes: 0,
+            cut_off: false,
         }
+    }
+
+    /// Whether the stream ended inside an event (after one of its fields, or in the middle of
+    /// a line), the event dropped: a stream the server cut off rather than ended. False until
+    /// [`FrameReader::next_frame`] has answered `None`.
+    pub fn ended_inside_event(&self) -> bool {
+        self.cut_off
     }
 
     /// Bytes read off the stream so far (what came over the wire).
@@ -71,6 +88,7 @@ impl<R: BufRead> FrameReader<R> {
                 let n = self.inner.read_until(b'\n', &mut data)?;
                 self.bytes += (prefix + n) as u64;
                 if data.pop() != Some(b'\n') {
+                    self.cut_off = true;
                     return Ok(None);
                 }
                 if data.last() == Some(&b'\r') {
@@ -83,6 +101,7 @@ impl<R: BufRead> FrameReader<R> {
             self.line.clear();
             let n = self.inner.read_until(b'\n', &mut self.line)?;
             if n == 0 {
+                self.cut_off = has_data || !frame.event.is_empty() || frame.id.is_some();
                 return Ok(None);
             }
             self.bytes += n as u64;
@@ -90,6 +109,7 @@ impl<R: BufRead> FrameReader<R> {
             if line.last() != Some(&b'\n') {
                 // The last line of a stream that ended without its line break: no event
                 // ends there.
+                self.cut_off = true;
                 return Ok(None);
             }
             line = &line[..line.len() - 1];
@@ -202,6 +222,40 @@ mod tests {
     fn bytes_that_are_not_utf8_are_replaced() {
         let mut r = FrameReader::new(&b"data: a\xffb\n\n"[..]);
         assert_eq!(r.next_frame().unwrap().unwrap().data, "a\u{fffd}b");
+    }
+
+    #[test]
+    fn a_stream_cut_inside_an_event_is_told_apart() {
+        for (s, cut) in [
+            ("data: 1\n\n: bye\n", false),
+            ("data: 1\n\n", false),
+            ("data: 1\n\ndata: 2\n", true),
+            ("data: 1\n\nevent: x\n", true),
+            ("data: 1\n\nid: 4\n", true),
+            ("data: 1\n\ndata: 2", true),
+            ("data: 1\n\nevent: x", true),
+        ] {
+            let mut r = FrameReader::new(s.as_bytes());
+            assert_eq!(
+                r.next_frame().unwrap().map(|f| f.data),
+                Some("1".into()),
+                "{s:?}"
+            );
+            assert!(!r.ended_inside_event(), "{s:?}");
+            assert!(r.next_frame().unwrap().is_none(), "{s:?}");
+            assert_eq!(r.ended_inside_event(), cut, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn data_is_read_as_json() {
+        let f = FrameReader::new(&b"data: {\"a\":\ndata: 1}\n\n"[..])
+            .next()
+            .unwrap()
+            .unwrap();
+        let v: serde_json::Value = f.data_as().unwrap();
+        assert_eq!(v["a"], 1);
+        assert!(Frame::default().data_as::<serde_json::Value>().is_err());
     }
 
     #[test]

@@ -5,8 +5,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::common::{get_json, stdout, TestNode};
-use serde_json::json;
+use crate::common::{assert_refused, create_req, create_with, exec_req, TestNode};
+use sbx_api::{Command, ExecRequest, OnExpiry, Ready, RunRequest, SandboxStatus};
+use sbx_client::{Client, Sandbox};
 
 /// The freezer state of a sandbox's cgroup, read on the host (`FROZEN`, `THAWED`).
 fn freezer_state(node: &TestNode, id: &str) -> String {
@@ -17,16 +18,14 @@ fn freezer_state(node: &TestNode, id: &str) -> String {
         .to_string()
 }
 
-fn paused(node: &TestNode, id: &str) -> bool {
-    let (status, v) = get_json(node, &format!("/v1/sandboxes/{id}"));
-    assert_eq!(status, 200, "{v}");
-    v["paused"].as_bool().expect("paused")
+fn paused(c: &Client, id: &str) -> bool {
+    c.sandbox(id).expect("get the sandbox").paused
 }
 
-fn wait_paused(node: &TestNode, id: &str, within: Duration) -> bool {
+fn wait_paused(c: &Client, id: &str, within: Duration) -> bool {
     let end = Instant::now() + within;
     while Instant::now() < end {
-        if paused(node, id) {
+        if paused(c, id) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -37,34 +36,35 @@ fn wait_paused(node: &TestNode, id: &str, within: Duration) -> bool {
 #[test]
 fn an_idle_sandbox_pauses_and_its_next_use_resumes_it() {
     let node = TestNode::start_with(&["--sleep-after-seconds", "1"]);
+    let c = node.client();
     // The node's default (1 s), null (never), and one with a command running.
-    let idle = node.create_sandbox(&json!({}));
-    let idle_id = idle["id"].as_str().unwrap().to_string();
-    assert_eq!(idle["sleep_after_seconds"], json!(1.0), "{idle}");
-    assert_eq!(idle["paused"], json!(false), "{idle}");
-    let never = node.create_sandbox(&json!({ "sleep_after_seconds": null }));
-    let never_id = never["id"].as_str().unwrap().to_string();
-    assert!(never["sleep_after_seconds"].is_null(), "{never}");
-    let busy = node.create_sandbox(&json!({ "sleep_after_seconds": 1 }));
-    let busy_id = busy["id"].as_str().unwrap().to_string();
-    let running = node.exec(
-        &busy_id,
-        &json!({ "command": "sleep 4; echo slept", "wait_seconds": 0 }),
-    );
-    let running_id = running["id"].as_str().unwrap().to_string();
+    let idle = c.create_sandbox(&create_req()).expect("create");
+    let idle_id = idle.id.clone();
+    assert_eq!(idle.sleep_after_seconds, Some(1.0), "{idle:?}");
+    assert!(!idle.paused, "{idle:?}");
+    let never = c
+        .create_sandbox(&create_with(|s| s.sleep_after_seconds = Some(None)))
+        .expect("create");
+    let never_id = never.id.clone();
+    assert!(never.sleep_after_seconds.is_none(), "{never:?}");
+    let busy = c
+        .create_sandbox(&create_with(|s| s.sleep_after_seconds = Some(Some(1.0))))
+        .expect("create");
+    let busy_id = busy.id.clone();
+    let running_id = c
+        .exec(&busy_id, &exec_req("sleep 4; echo slept"))
+        .expect("exec")
+        .id;
 
     // A process of its own counts in the background of the idle one: frozen, it stops.
-    let v = node.exec(
+    run_in(
+        &c,
         &idle_id,
-        &json!({
-            "command": "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 < /dev/null &",
-            "wait_seconds": 10,
-        }),
+        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 < /dev/null &",
     );
-    assert_eq!(v["exit_code"], 0, "{v}");
 
     assert!(
-        wait_paused(&node, &idle_id, Duration::from_secs(10)),
+        wait_paused(&c, &idle_id, Duration::from_secs(10)),
         "an idle sandbox did not pause"
     );
     assert_eq!(freezer_state(&node, &idle_id), "FROZEN");
@@ -79,12 +79,8 @@ fn an_idle_sandbox_pauses_and_its_next_use_resumes_it() {
     assert_eq!(before, after, "a process of a paused sandbox ran");
 
     // The next use resumes it, and its processes go on.
-    let v = node.exec(
-        &idle_id,
-        &json!({ "command": "sleep 0.3; cat /tmp/count", "wait_seconds": 10 }),
-    );
-    assert_eq!(v["exit_code"], 0, "{v}");
-    let n: u64 = stdout(&v).trim().parse().expect("a count");
+    let out = run_in(&c, &idle_id, "sleep 0.3; cat /tmp/count");
+    let n: u64 = out.trim().parse().expect("a count");
     assert!(
         n > before.trim().parse::<u64>().expect("a count"),
         "the count did not go on: {before} then {n}"
@@ -92,24 +88,63 @@ fn an_idle_sandbox_pauses_and_its_next_use_resumes_it() {
     assert_ne!(freezer_state(&node, &idle_id), "FROZEN");
 
     // Never by itself, and never while a command runs.
-    assert!(!paused(&node, &never_id), "sleep_after_seconds null paused");
+    assert!(!paused(&c, &never_id), "sleep_after_seconds null paused");
     assert!(
-        !paused(&node, &busy_id),
+        !paused(&c, &busy_id),
         "a sandbox with a command running paused"
     );
-    let done = node.exec_wait(&busy_id, &running_id, Duration::from_secs(20));
-    assert_eq!(stdout(&done), "slept\n", "{done}");
+    let done = c
+        .wait_exec_for(&busy_id, &running_id, Duration::from_secs(20))
+        .expect("wait");
+    assert_eq!(done.stdout, "slept\n", "{done:?}");
     // Its command done, it pauses in turn.
     assert!(
-        wait_paused(&node, &busy_id, Duration::from_secs(10)),
+        wait_paused(&c, &busy_id, Duration::from_secs(10)),
         "a sandbox whose command ended did not pause"
     );
     // A paused sandbox is deleted as any other, and nothing of it is left.
     for id in [&idle_id, &never_id, &busy_id] {
-        node.delete_sandbox(id);
+        c.delete_sandbox(id).expect("delete");
     }
     node.assert_clean(Duration::from_secs(10));
 }
+
+/// The command line `line`, waited for up to 10 s: its stdout (it must exit 0).
+fn run_in(c: &Client, id: &str, line: &str) -> String {
+    let v = c
+        .exec(
+            id,
+            &ExecRequest {
+                wait_seconds: 10.0,
+                ..exec_req(line)
+            },
+        )
+        .unwrap_or_else(|e| panic!("{line}: {e}"));
+    assert_eq!(v.exit_code, Some(0), "{line}: {v:?}");
+    v.stdout
+}
+
+/// `python3 -c CODE` in the sandbox, waited for up to 10 s: its stdout.
+fn python_in(c: &Client, id: &str, code: &str) -> String {
+    let v = c
+        .exec(
+            id,
+            &ExecRequest {
+                wait_seconds: 10.0,
+                ..ExecRequest::new(argv(&["python3", "-c", code]))
+            },
+        )
+        .unwrap_or_else(|e| panic!("python3 -c {code}: {e}"));
+    assert_eq!(v.exit_code, Some(0), "{v:?}");
+    v.stdout
+}
+
+fn argv(args: &[&str]) -> Command {
+    Command::Argv(args.iter().map(|a| a.to_string()).collect())
+}
+
+/// Python that prints the sandbox's address: the source of a route out (no packet is sent).
+const ADDR: &str = "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('203.0.113.1', 9)); print(s.getsockname()[0])";
 
 /// A Python service of the sandbox's own: it holds 40 MiB resident, and each TCP
 /// connection to port 7000 that sends `+` adds one to a count in its memory and answers the
@@ -131,47 +166,69 @@ while True:
 
 const ASK: &str = "import socket; c = socket.create_connection(('127.0.0.1', 7000), timeout=5); c.sendall(b'+'); print(c.recv(64).decode())";
 
-fn counter_sandbox(node: &TestNode, extra: serde_json::Value) -> String {
-    let mut body = json!({
-        "start_command": ["python3", "-c", COUNTER],
-        "ready": { "command": "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7000), timeout=1)\"" },
-        "sleep_after_seconds": null,
+/// A sandbox whose start command is `python3 -c CODE`, up once `check` (Python) succeeds,
+/// never paused by itself, with what `set` sets: its id, once it is running (the first
+/// sandbox of its settings builds their template: answered starting).
+fn service_sandbox(
+    c: &Client,
+    code: &str,
+    check: &str,
+    set: impl FnOnce(&mut RunRequest),
+) -> String {
+    let create = create_with(|s| {
+        s.start_command = Some(argv(&["python3", "-c", code]));
+        s.ready = Some(Ready::Command(Command::Shell(format!(
+            "python3 -c \"{check}\""
+        ))));
+        s.sleep_after_seconds = Some(None);
+        set(s);
     });
-    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
-        for (k, v) in e {
-            b.insert(k.clone(), v.clone());
-        }
-    }
-    let r = node.post_json("/v1/sandboxes", &body);
-    let v = r.json();
-    assert_eq!(r.status, 201, "{v}");
-    let id = v["id"].as_str().unwrap().to_string();
-    // The first sandbox of its settings builds their template: answered starting.
+    let v = c.create_sandbox(&create).expect("create");
     let end = Instant::now() + Duration::from_secs(120);
-    while status(node, &id) != "running" {
-        assert!(Instant::now() < end, "not running: {v}");
+    while status(c, &v.id) != SandboxStatus::Running {
+        assert!(Instant::now() < end, "not running: {v:?}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    id
+    v.id.clone()
+}
+
+fn counter_sandbox(c: &Client, set: impl FnOnce(&mut RunRequest)) -> String {
+    service_sandbox(
+        c,
+        COUNTER,
+        "import socket; socket.create_connection(('127.0.0.1', 7000), timeout=1)",
+        set,
+    )
 }
 
 /// One connection to the counter: the count it answers.
-fn ask(node: &TestNode, id: &str) -> u64 {
-    let v = node.exec(
-        id,
-        &json!({ "command": ["python3", "-c", ASK], "wait_seconds": 20 }),
-    );
-    assert_eq!(v["exit_code"], 0, "{v}");
-    stdout(&v)
-        .trim()
+fn ask(c: &Client, id: &str) -> u64 {
+    let out = python_in(c, id, ASK);
+    out.trim()
         .parse()
-        .unwrap_or_else(|_| panic!("a count: {v}"))
+        .unwrap_or_else(|_| panic!("a count: {out:?}"))
 }
 
-fn status(node: &TestNode, id: &str) -> String {
-    let (s, v) = get_json(node, &format!("/v1/sandboxes/{id}"));
-    assert_eq!(s, 200, "{v}");
-    v["status"].as_str().unwrap().to_string()
+fn status(c: &Client, id: &str) -> SandboxStatus {
+    c.sandbox(id).expect("get the sandbox").status
+}
+
+/// `POST …/sleep`, which must succeed: the sandbox, asleep.
+fn sleep(c: &Client, id: &str) -> Sandbox {
+    let v = c
+        .sleep_sandbox(id)
+        .unwrap_or_else(|e| panic!("sleep {id}: {e}"));
+    assert_eq!(v.status, SandboxStatus::Sleeping, "{v:?}");
+    v
+}
+
+/// `POST …/wake`, which must succeed: the sandbox, running.
+fn wake(c: &Client, id: &str) -> Sandbox {
+    let v = c
+        .wake_sandbox(id)
+        .unwrap_or_else(|e| panic!("wake {id}: {e}"));
+    assert_eq!(v.status, SandboxStatus::Running, "{v:?}");
+    v
 }
 
 /// The host directory of a running sandbox's cgroup of controller `ctrl` (cgroup v1).
@@ -201,258 +258,195 @@ fn memory_usage(dir: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
-fn post(node: &TestNode, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-    let r = node.post_json(path, &body);
-    (r.status, r.json())
-}
-
 #[test]
 fn a_sleeping_sandbox_keeps_its_processes_memory_and_socket_across_wake_and_node_restart() {
     let mut node = TestNode::start();
-    let (s, info) = get_json(&node, "/internal/node");
-    assert_eq!(s, 200);
-    assert_eq!(info["checkpoints"]["available"], true, "{info}");
-    let id = counter_sandbox(&node, json!({}));
-    assert_eq!(ask(&node, &id), 1);
-    assert_eq!(ask(&node, &id), 2);
+    let c = node.client();
+    let info = c.node_info().expect("the node");
+    assert_eq!(info.other["checkpoints"]["available"], true, "{info:?}");
+    let id = counter_sandbox(&c, |_| {});
+    assert_eq!(ask(&c, &id), 1);
+    assert_eq!(ask(&c, &id), 2);
     let mem = cgroup_dir(&node, &id, "memory");
     let awake = memory_usage(&mem);
     assert!(awake > 40 << 20, "the counter's memory: {awake}");
 
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(v["status"], "sleeping", "{v}");
+    sleep(&c, &id);
     let asleep = memory_usage(&mem);
     assert!(
         asleep < awake / 4,
         "asleep, its memory was not freed: {awake} then {asleep}"
     );
     // The next use wakes it where it was: the count in memory, the listening socket.
-    assert_eq!(ask(&node, &id), 3);
-    assert_eq!(status(&node, &id), "running");
+    assert_eq!(ask(&c, &id), 3);
+    assert_eq!(status(&c, &id), SandboxStatus::Running);
 
     // Asleep across a restart of the node, and woken after it.
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
+    sleep(&c, &id);
     node.stop();
     node.restart();
-    assert_eq!(status(&node, &id), "sleeping");
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(v["status"], "running", "{v}");
-    assert_eq!(ask(&node, &id), 4);
+    let c = node.client();
+    assert_eq!(status(&c, &id), SandboxStatus::Sleeping);
+    wake(&c, &id);
+    assert_eq!(ask(&c, &id), 4);
     // A command started before a sleep keeps its id and output across it.
-    let v = node.exec(
-        &id,
-        &json!({ "command": "echo before; sleep 2; echo after", "wait_seconds": 0 }),
-    );
-    let exec_id = v["id"].as_str().unwrap().to_string();
+    let exec_id = c
+        .exec(&id, &exec_req("echo before; sleep 2; echo after"))
+        .expect("exec")
+        .id;
     std::thread::sleep(Duration::from_millis(300));
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    let done = node.exec_wait(&id, &exec_id, Duration::from_secs(30));
-    assert_eq!(stdout(&done), "before\nafter\n", "{done}");
-    node.delete_sandbox(&id);
+    sleep(&c, &id);
+    let done = c
+        .wait_exec_for(&id, &exec_id, Duration::from_secs(30))
+        .expect("wait");
+    assert_eq!(done.stdout, "before\nafter\n", "{done:?}");
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
 #[test]
 fn forks_go_on_from_the_same_count_then_apart_and_a_snapshot_outlives_its_sandbox() {
     let node = TestNode::start();
-    let id = counter_sandbox(&node, json!({}));
+    let c = node.client();
+    let id = counter_sandbox(&c, |_| {});
     for want in 1..=3 {
-        assert_eq!(ask(&node, &id), want);
+        assert_eq!(ask(&c, &id), want);
     }
-    node.exec(
-        &id,
-        &json!({ "command": "echo original > /tmp/who", "wait_seconds": 10 }),
-    );
-    let (s, v) = post(
-        &node,
-        &format!("/v1/sandboxes/{id}/fork"),
-        json!({ "count": 2 }),
-    );
-    assert_eq!(s, 201, "{v}");
-    let snap = v["snapshot"]["id"].as_str().unwrap().to_string();
-    assert!(snap.starts_with("snap-"), "{v}");
-    let forks: Vec<String> = v["sandboxes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["id"].as_str().unwrap().to_string())
-        .collect();
-    assert_eq!(forks.len(), 2, "{v}");
+    run_in(&c, &id, "echo original > /tmp/who");
+    let v = c.fork_sandbox(&id, 2).expect("fork");
+    let snap = v.snapshot.id.clone();
+    assert!(snap.starts_with("snap-"), "{v:?}");
+    let forks: Vec<String> = v.sandboxes.iter().map(|s| s.id.clone()).collect();
+    assert_eq!(forks.len(), 2, "{v:?}");
     for f in &forks {
         assert_ne!(f, &id);
-        assert_eq!(status(&node, f), "running");
+        assert_eq!(status(&c, f), SandboxStatus::Running);
     }
     // Each goes on from the count of the instant of the fork, on its own.
-    assert_eq!(ask(&node, &forks[0]), 4);
-    assert_eq!(ask(&node, &forks[0]), 5);
-    assert_eq!(ask(&node, &forks[1]), 4);
-    assert_eq!(ask(&node, &id), 4);
+    assert_eq!(ask(&c, &forks[0]), 4);
+    assert_eq!(ask(&c, &forks[0]), 5);
+    assert_eq!(ask(&c, &forks[1]), 4);
+    assert_eq!(ask(&c, &id), 4);
     // Its own files: a write in one is not in the other.
-    node.exec(
-        &forks[0],
-        &json!({ "command": "echo fork > /tmp/who", "wait_seconds": 10 }),
-    );
-    let v = node.exec(
-        &forks[1],
-        &json!({ "command": "cat /tmp/who", "wait_seconds": 10 }),
-    );
-    assert_eq!(stdout(&v), "original\n", "{v}");
+    run_in(&c, &forks[0], "echo fork > /tmp/who");
+    assert_eq!(run_in(&c, &forks[1], "cat /tmp/who"), "original\n");
     // Its own hostname.
-    let v = node.exec(
-        &forks[1],
-        &json!({ "command": "hostname", "wait_seconds": 10 }),
-    );
-    assert_eq!(stdout(&v).trim(), forks[1], "{v}");
+    assert_eq!(run_in(&c, &forks[1], "hostname").trim(), forks[1]);
 
     // The snapshot is listed, and outlives its sandbox.
-    let (s, v) = get_json(&node, "/v1/snapshots");
-    assert_eq!(s, 200, "{v}");
-    assert!(
-        v["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|x| x["id"] == snap),
-        "{v}"
-    );
-    node.delete_sandbox(&id);
-    let (s, v) = get_json(&node, &format!("/v1/snapshots/{snap}"));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(v["status"], "ready", "{v}");
-    assert_eq!(v["sandbox_id"], id, "{v}");
-    assert!(v["size_bytes"].as_u64().unwrap() > 0, "{v}");
-    let made = node.create_sandbox(&json!({ "snapshot": snap }));
-    let made_id = made["id"].as_str().unwrap().to_string();
-    assert_eq!(made["status"], "running", "{made}");
-    assert_eq!(ask(&node, &made_id), 4);
+    let list = c.snapshots().expect("the snapshots");
+    assert!(list.data.iter().any(|x| x.id == snap), "{list:?}");
+    c.delete_sandbox(&id).expect("delete");
+    let v = c.snapshot(&snap).expect("the snapshot");
+    assert_eq!(v.status, "ready", "{v:?}");
+    assert_eq!(v.sandbox_id, id, "{v:?}");
+    assert!(v.size_bytes > 0, "{v:?}");
+    let made = c
+        .create_sandbox(&create_with(|s| s.snapshot = Some(snap.clone())))
+        .expect("a create from the snapshot");
+    assert_eq!(made.status, SandboxStatus::Running, "{made:?}");
+    assert_eq!(ask(&c, &made.id), 4);
     // The refusals of a create from a snapshot.
-    let (s, v) = post(
-        &node,
-        "/v1/sandboxes",
-        json!({ "snapshot": snap, "start_command": "true" }),
+    let e = c
+        .create_sandbox(&create_with(|s| {
+            s.snapshot = Some(snap.clone());
+            s.start_command = Some(Command::Shell("true".into()));
+        }))
+        .expect_err("a snapshot with a start command");
+    assert_eq!(e.node().map(|n| n.status), Some(400), "{e:?}");
+    assert_refused(
+        c.create_sandbox(&create_with(|s| s.snapshot = Some("snap-nothere".into()))),
+        404,
+        "snapshot_not_found",
+        Some("snapshot"),
     );
-    assert_eq!(s, 400, "{v}");
-    let (s, v) = post(
-        &node,
-        "/v1/sandboxes",
-        json!({ "snapshot": "snap-nothere" }),
-    );
-    assert_eq!(
-        (s, v["error"]["code"].as_str()),
-        (404, Some("snapshot_not_found")),
-        "{v}"
-    );
-    let (s, v) = node_delete(&node, &format!("/v1/snapshots/{snap}"));
-    assert_eq!(s, 200, "{v}");
-    for f in forks.iter().chain([&made_id]) {
-        node.delete_sandbox(f);
+    c.delete_snapshot(&snap).expect("delete the snapshot");
+    for f in forks.iter().chain([&made.id]) {
+        c.delete_sandbox(f).expect("delete");
     }
     node.assert_clean(Duration::from_secs(10));
-}
-
-fn node_delete(node: &TestNode, path: &str) -> (u16, serde_json::Value) {
-    let r = node.delete(path, &[]);
-    (r.status, r.json())
 }
 
 #[test]
 fn an_idle_sandbox_pauses_then_sleeps_and_the_next_exec_wakes_it() {
     let node = TestNode::start();
-    let id = counter_sandbox(
-        &node,
-        json!({ "sleep_after_seconds": 1, "suspend_after_ms": 1000 }),
-    );
-    assert_eq!(ask(&node, &id), 1);
+    let c = node.client();
+    let id = counter_sandbox(&c, |s| {
+        s.sleep_after_seconds = Some(Some(1.0));
+        s.suspend_after_ms = Some(1000);
+    });
+    assert_eq!(ask(&c, &id), 1);
     let mem = cgroup_dir(&node, &id, "memory");
     let awake = memory_usage(&mem);
     let end = Instant::now() + Duration::from_secs(20);
-    while status(&node, &id) != "sleeping" {
+    while status(&c, &id) != SandboxStatus::Sleeping {
         assert!(Instant::now() < end, "an idle sandbox did not sleep");
         std::thread::sleep(Duration::from_millis(200));
     }
     let asleep = memory_usage(&mem);
     assert!(asleep < awake / 4, "memory {awake} then {asleep}");
-    assert_eq!(ask(&node, &id), 2);
-    node.delete_sandbox(&id);
+    assert_eq!(ask(&c, &id), 2);
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
 #[test]
 fn a_node_without_criu_says_so_and_refuses_sleep_with_503() {
     let node = TestNode::start_with(&["--criu", "/nonexistent/criu"]);
-    let (s, info) = get_json(&node, "/internal/node");
-    assert_eq!(s, 200);
-    assert_eq!(info["checkpoints"]["available"], false, "{info}");
-    assert!(info["checkpoints"]["reason"].is_string(), "{info}");
-    let v = node.create_sandbox(&json!({}));
-    let id = v["id"].as_str().unwrap().to_string();
-    for path in [
-        format!("/v1/sandboxes/{id}/sleep"),
-        format!("/v1/sandboxes/{id}/snapshots"),
-        format!("/v1/sandboxes/{id}/fork"),
-    ] {
-        let (s, v) = post(&node, &path, json!({}));
+    let c = node.client();
+    let info = c.node_info().expect("the node");
+    assert_eq!(info.other["checkpoints"]["available"], false, "{info:?}");
+    assert!(info.other["checkpoints"]["reason"].is_string(), "{info:?}");
+    let id = c.create_sandbox(&create_req()).expect("create").id.clone();
+    let refused = |what: &str, e: sbx_client::Error| {
         assert_eq!(
-            (s, v["error"]["code"].as_str()),
-            (503, Some("not_served_here")),
-            "{path}: {v}"
+            (e.node().map(|n| n.status), e.code().map(|c| c.as_str())),
+            (Some(503), Some("not_served_here")),
+            "{what}: {e:?}"
         );
-    }
-    let (s, v) = post(
-        &node,
-        "/v1/sandboxes",
-        json!({ "on_expiry": "sleep", "expires_at": crate::common::rfc3339_in(Duration::from_secs(60)) }),
+    };
+    refused("sleep", c.sleep_sandbox(&id).expect_err("a sleep"));
+    refused(
+        "snapshot",
+        c.snapshot_sandbox(&id, None).expect_err("a snapshot"),
     );
-    assert_eq!(
-        (s, v["error"]["code"].as_str()),
-        (503, Some("not_served_here")),
-        "{v}"
+    refused("fork", c.fork_sandbox(&id, 1).expect_err("a fork"));
+    refused(
+        "on_expiry sleep",
+        c.create_sandbox(&create_with(|s| {
+            s.on_expiry = OnExpiry::Sleep;
+            s.expires_at = Some(crate::common::rfc3339_in(Duration::from_secs(60)));
+        }))
+        .expect_err("a create that sleeps at its expiry"),
     );
     // Everything else works.
-    let v = node.exec(&id, &json!({ "command": "echo ok", "wait_seconds": 10 }));
-    assert_eq!(stdout(&v), "ok\n");
-    node.delete_sandbox(&id);
+    assert_eq!(run_in(&c, &id, "echo ok"), "ok\n");
+    c.delete_sandbox(&id).expect("delete");
 }
 
 #[test]
 fn a_sandbox_on_the_network_sleeps_and_wakes_again_and_again_and_forks() {
     let node = TestNode::start_with(&["--egress-default", "allow"]);
-    let id = counter_sandbox(&node, json!({}));
+    let c = node.client();
+    let id = counter_sandbox(&c, |_| {});
     // The sandbox's address: the source of a route out (no packet is sent).
-    let addr = |id: &str| {
-        let v2 = node.exec(
-            id,
-            &json!({ "command": ["python3", "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('203.0.113.1', 9)); print(s.getsockname()[0])"], "wait_seconds": 10 }),
-        );
-        stdout(&v2).trim().to_string()
-    };
+    let addr = |id: &str| python_in(&c, id, ADDR).trim().to_string();
     let before = addr(&id);
     assert!(before.starts_with("10."), "{before}");
     for want in 1..=3 {
-        let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-        assert_eq!(s, 200, "sleep {want}: {v}");
-        assert_eq!(ask(&node, &id), want, "wake {want}");
+        sleep(&c, &id);
+        assert_eq!(ask(&c, &id), want, "wake {want}");
         assert_eq!(addr(&id), before, "its address after wake {want}");
     }
-    let (s, v) = post(
-        &node,
-        &format!("/v1/sandboxes/{id}/fork"),
-        json!({ "count": 1 }),
-    );
-    assert_eq!(s, 201, "{v}");
-    let fork = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
-    assert_eq!(ask(&node, &fork), 4);
+    let v = c.fork_sandbox(&id, 1).expect("fork");
+    let fork = v.sandboxes[0].id.clone();
+    assert_eq!(ask(&c, &fork), 4);
     assert_ne!(addr(&fork), before, "a fork has an address of its own");
     // The fork sleeps and wakes as any sandbox.
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{fork}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(ask(&node, &fork), 5);
-    node.delete_sandbox(&fork);
-    node.delete_sandbox(&id);
+    sleep(&c, &fork);
+    assert_eq!(ask(&c, &fork), 5);
+    c.delete_sandbox(&fork).expect("delete");
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
@@ -480,26 +474,27 @@ while True:
 "#;
 
 /// Starts [`HOLDER`] in sandbox `id`, in the background, and waits until it holds.
-fn start_holder(node: &TestNode, id: &str) {
-    let v = node.exec(
-        id,
-        &json!({
-            "command": "printf '%s' \"$HOLDER\" > /tmp/holder.py && setsid python3 /tmp/holder.py >/tmp/holder.log 2>&1 </dev/null &",
-            "env": { "HOLDER": HOLDER },
-            "wait_seconds": 10,
-        }),
-    );
-    assert_eq!(v["exit_code"], 0, "{v}");
+fn start_holder(c: &Client, id: &str) {
+    let v = c
+        .exec(
+            id,
+            &ExecRequest {
+                env: crate::common::kv(&[("HOLDER", HOLDER)]),
+                wait_seconds: 10.0,
+                ..exec_req(
+                    "printf '%s' \"$HOLDER\" > /tmp/holder.py && setsid python3 /tmp/holder.py >/tmp/holder.log 2>&1 </dev/null &",
+                )
+            },
+        )
+        .expect("start the holder");
+    assert_eq!(v.exit_code, Some(0), "{v:?}");
     let end = Instant::now() + Duration::from_secs(20);
     loop {
-        let v = node.exec(
-            id,
-            &json!({ "command": "cat /tmp/held /tmp/holder.log 2>/dev/null; true", "wait_seconds": 10 }),
-        );
-        if stdout(&v).starts_with("yes") {
+        let out = run_in(c, id, "cat /tmp/held /tmp/holder.log 2>/dev/null; true");
+        if out.starts_with("yes") {
             return;
         }
-        assert!(Instant::now() < end, "the holder did not hold: {v}");
+        assert!(Instant::now() < end, "the holder did not hold: {out}");
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -507,51 +502,50 @@ fn start_holder(node: &TestNode, id: &str) {
 #[test]
 fn a_hold_on_run_sbx_awake_keeps_a_sandbox_up_and_its_programs_are_told_before_it_pauses() {
     let node = TestNode::start_with(&["--sleep-after-seconds", "1"]);
-    let held =
-        node.create_sandbox(&json!({ "sleep_notice_ms": 1500, "sleep_hold_max_ms": 600000 }));
-    assert_eq!(held["sleep_notice_ms"], 1500, "{held}");
-    assert_eq!(held["sleep_hold_max_ms"], 600000, "{held}");
-    let held = held["id"].as_str().unwrap().to_string();
-    let capped = node.create_sandbox(&json!({ "sleep_hold_max_ms": 1000 }));
-    assert!(capped["sleep_notice_ms"].is_null(), "{capped}");
-    let capped = capped["id"].as_str().unwrap().to_string();
-    let plain = node.create_sandbox(&json!({}));
-    assert_eq!(plain["sleep_hold_max_ms"], 30000, "the default: {plain}");
-    let plain = plain["id"].as_str().unwrap().to_string();
-    start_holder(&node, &held);
-    start_holder(&node, &capped);
+    let c = node.client();
+    let held = c
+        .create_sandbox(&create_with(|s| {
+            s.sleep_notice_ms = Some(1500);
+            s.sleep_hold_max_ms = Some(600000);
+        }))
+        .expect("create");
+    assert_eq!(held.sleep_notice_ms, Some(1500), "{held:?}");
+    assert_eq!(held.sleep_hold_max_ms, 600000, "{held:?}");
+    let held = held.id.clone();
+    let capped = c
+        .create_sandbox(&create_with(|s| s.sleep_hold_max_ms = Some(1000)))
+        .expect("create");
+    assert!(capped.sleep_notice_ms.is_none(), "{capped:?}");
+    let capped = capped.id.clone();
+    let plain = c.create_sandbox(&create_req()).expect("create");
+    assert_eq!(plain.sleep_hold_max_ms, 30000, "the default: {plain:?}");
+    let plain = plain.id.clone();
+    start_holder(&c, &held);
+    start_holder(&c, &capped);
 
     // Idle for three times its sleep_after_seconds, the held one runs on (reading its object
     // is not a use); past its sleep_hold_max_ms the capped one pauses whatever holds it.
     assert!(
-        wait_paused(&node, &capped, Duration::from_secs(15)),
+        wait_paused(&c, &capped, Duration::from_secs(15)),
         "a hold past sleep_hold_max_ms kept a sandbox up"
     );
     assert!(
-        wait_paused(&node, &plain, Duration::from_secs(15)),
+        wait_paused(&c, &plain, Duration::from_secs(15)),
         "a sandbox without holds did not pause"
     );
     std::thread::sleep(Duration::from_secs(3));
-    assert!(!paused(&node, &held), "a held sandbox paused");
+    assert!(!paused(&c, &held), "a held sandbox paused");
     assert_ne!(freezer_state(&node, &held), "FROZEN");
 
     // Its hold lowered, it pauses: its program told first.
-    let v = node.exec(
-        &held,
-        &json!({ "command": "touch /tmp/lower", "wait_seconds": 10 }),
-    );
-    assert_eq!(v["exit_code"], 0, "{v}");
+    run_in(&c, &held, "touch /tmp/lower");
     assert!(
-        wait_paused(&node, &held, Duration::from_secs(20)),
+        wait_paused(&c, &held, Duration::from_secs(20)),
         "a sandbox whose hold was lowered did not pause"
     );
-    let v = node.exec(
-        &held,
-        &json!({ "command": "cat /tmp/notices", "wait_seconds": 10 }),
-    );
-    assert_eq!(stdout(&v), "sleep 1500\n", "{v}");
+    assert_eq!(run_in(&c, &held, "cat /tmp/notices"), "sleep 1500\n");
     for id in [&held, &capped, &plain] {
-        node.delete_sandbox(id);
+        c.delete_sandbox(id).expect("delete");
     }
     node.assert_clean(Duration::from_secs(10));
 }
@@ -566,21 +560,22 @@ fn paused_sandboxes_sleep_at_once_when_the_host_is_short_of_memory() {
         "--sleep-memory-below-bytes",
         "18446744073709551615",
     ]);
-    let id = counter_sandbox(
-        &node,
-        json!({ "sleep_after_seconds": 1, "suspend_after_ms": 600000 }),
-    );
-    assert_eq!(ask(&node, &id), 1);
+    let c = node.client();
+    let id = counter_sandbox(&c, |s| {
+        s.sleep_after_seconds = Some(Some(1.0));
+        s.suspend_after_ms = Some(600000);
+    });
+    assert_eq!(ask(&c, &id), 1);
     let end = Instant::now() + Duration::from_secs(30);
-    while status(&node, &id) != "sleeping" {
+    while status(&c, &id) != SandboxStatus::Sleeping {
         assert!(
             Instant::now() < end,
             "a paused sandbox did not sleep for memory"
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert_eq!(ask(&node, &id), 2);
-    node.delete_sandbox(&id);
+    assert_eq!(ask(&c, &id), 2);
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
@@ -588,14 +583,21 @@ fn paused_sandboxes_sleep_at_once_when_the_host_is_short_of_memory() {
 fn a_sleep_asked_for_cuts_the_streams_still_open_and_the_command_goes_on_after() {
     use std::io::{Read, Write};
     let node = TestNode::start();
-    let v = node.create_sandbox(&json!({ "sleep_after_seconds": null }));
-    let id = v["id"].as_str().unwrap().to_string();
-    let e = node.exec(
-        &id,
-        &json!({ "command": "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done", "wait_seconds": 0 }),
-    );
-    let exe = e["id"].as_str().unwrap().to_string();
-    // An event stream of its output, open while the sleep is asked for.
+    let c = node.client();
+    let id = c
+        .create_sandbox(&create_with(|s| s.sleep_after_seconds = Some(None)))
+        .expect("create")
+        .id
+        .clone();
+    let exe = c
+        .exec(
+            &id,
+            &exec_req("i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"),
+        )
+        .expect("exec")
+        .id;
+    // An event stream of its output, open while the sleep is asked for (over a socket of its
+    // own: how the connection ends is what is looked at).
     let mut stream = std::net::TcpStream::connect(&node.addr).expect("connect");
     write!(
         stream,
@@ -613,9 +615,7 @@ fn a_sleep_asked_for_cuts_the_streams_still_open_and_the_command_goes_on_after()
         "{}",
         String::from_utf8_lossy(&first[..n])
     );
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "a sleep asked for while a stream is open: {v}");
-    assert_eq!(v["status"], "sleeping", "{v}");
+    sleep(&c, &id);
     // The stream was cut: it ends (or fails) rather than hanging.
     let mut rest = Vec::new();
     let ended = stream.read_to_end(&mut rest);
@@ -628,12 +628,13 @@ fn a_sleep_asked_for_cuts_the_streams_still_open_and_the_command_goes_on_after()
         "the stream was not cut: {ended:?}"
     );
     // The command goes on after the wake, under its id.
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
-    assert_eq!(s, 200, "{v}");
+    wake(&c, &id);
     std::thread::sleep(Duration::from_millis(500));
-    let (s, v) = get_json(&node, &format!("/v1/sandboxes/{id}/exec/{exe}"));
-    assert_eq!((s, v["status"].as_str()), (200, Some("running")), "{v}");
-    node.delete_sandbox(&id);
+    let v = c
+        .exec_object(&id, &exe, 0.0, sbx_api::Encoding::Utf8)
+        .expect("the command");
+    assert_eq!(v.status, sbx_api::ExecStatus::Running, "{v:?}");
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
@@ -654,27 +655,17 @@ while True:
 fn a_connection_from_the_host_survives_sleep_and_wake_and_what_it_sent_meanwhile_arrives() {
     use std::io::{BufRead, BufReader, Write};
     let node = TestNode::start_with(&["--egress-default", "allow"]);
-    let r = node.post_json(
-        "/v1/sandboxes",
-        &json!({
-            "start_command": ["python3", "-c", ECHO],
-            "ready": { "command": "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7100), timeout=1)\"" },
-            "sleep_after_seconds": null,
-        }),
+    let c = node.client();
+    let id = service_sandbox(
+        &c,
+        ECHO,
+        "import socket; socket.create_connection(('127.0.0.1', 7100), timeout=1)",
+        |_| {},
     );
-    let v = r.json();
-    assert_eq!(r.status, 201, "{v}");
-    let id = v["id"].as_str().unwrap().to_string();
-    let end = Instant::now() + Duration::from_secs(120);
-    while status(&node, &id) != "running" {
-        assert!(Instant::now() < end, "not running: {v}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let v2 = node.exec(
-        &id,
-        &json!({ "command": ["python3", "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('203.0.113.1', 9)); print(s.getsockname()[0])"], "wait_seconds": 10 }),
-    );
-    let addr: std::net::Ipv4Addr = stdout(&v2).trim().parse().expect("its address");
+    let addr: std::net::Ipv4Addr = python_in(&c, &id, ADDR)
+        .trim()
+        .parse()
+        .expect("its address");
     let to = std::net::SocketAddr::from((addr, 7100));
     let conn = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect");
     conn.set_read_timeout(Some(Duration::from_secs(20)))
@@ -688,18 +679,16 @@ fn a_connection_from_the_host_survives_sleep_and_wake_and_what_it_sent_meanwhile
     };
     w.write_all(b"before\n").expect("write");
     echo("before\n");
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(status(&node, &id), "sleeping");
+    sleep(&c, &id);
+    assert_eq!(status(&c, &id), SandboxStatus::Sleeping);
     // Held at the host while it sleeps: dropped (retransmitted later), not reset.
     w.write_all(b"asleep\n").expect("write while it sleeps");
     std::thread::sleep(Duration::from_millis(300));
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
-    assert_eq!(s, 200, "{v}");
+    wake(&c, &id);
     echo("asleep\n");
     w.write_all(b"after\n").expect("write");
     echo("after\n");
-    node.delete_sandbox(&id);
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
@@ -711,8 +700,8 @@ fn own_range(second: u8) -> String {
 /// Host interfaces with an address on the node's range that are not named as the node's own
 /// (a veth's host side that a restore retired, left behind).
 fn foreign_links(node: &TestNode) -> Vec<String> {
-    let (s, v) = get_json(node, "/internal/node");
-    assert_eq!(s, 200, "{v}");
+    let info = node.client().node_info().expect("the node");
+    let v = &info.other;
     let range: ipnet::Ipv4Net = v["network"]["range"]
         .as_str()
         .expect("the node's range")
@@ -743,36 +732,29 @@ fn a_sandbox_made_before_the_node_restarted_sleeps_wakes_and_forks_after_it() {
     // the node writes the bundle again.
     let range = own_range(252);
     let mut node = TestNode::start_with(&["--egress-default", "allow", "--net-range", &range]);
-    let id = counter_sandbox(&node, json!({}));
-    assert_eq!(ask(&node, &id), 1);
+    let c = node.client();
+    let id = counter_sandbox(&c, |_| {});
+    assert_eq!(ask(&c, &id), 1);
     node.stop();
     node.restart();
-    assert_eq!(ask(&node, &id), 2);
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(v["status"], "sleeping", "{v}");
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
-    assert_eq!(
-        s, 200,
-        "a sandbox made before the restart does not wake: {v}"
-    );
-    assert_eq!(ask(&node, &id), 3);
-    let (s, v) = post(
-        &node,
-        &format!("/v1/sandboxes/{id}/fork"),
-        json!({ "count": 1 }),
-    );
-    assert_eq!(s, 201, "{v}");
-    let fork = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
-    assert_eq!(ask(&node, &fork), 4);
+    let c = node.client();
+    assert_eq!(ask(&c, &id), 2);
+    sleep(&c, &id);
+    if let Err(e) = c.wake_sandbox(&id) {
+        panic!("a sandbox made before the restart does not wake: {e}");
+    }
+    assert_eq!(ask(&c, &id), 3);
+    let v = c.fork_sandbox(&id, 1).expect("fork");
+    let fork = v.sandboxes[0].id.clone();
+    assert_eq!(ask(&c, &fork), 4);
     // Again after a kill of the node: the sandbox runs on, sleeps and wakes.
     node.kill();
     node.restart();
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
-    assert_eq!(ask(&node, &id), 4);
-    node.delete_sandbox(&fork);
-    node.delete_sandbox(&id);
+    let c = node.client();
+    sleep(&c, &id);
+    assert_eq!(ask(&c, &id), 4);
+    c.delete_sandbox(&fork).expect("delete");
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }
 
@@ -780,10 +762,10 @@ fn a_sandbox_made_before_the_node_restarted_sleeps_wakes_and_forks_after_it() {
 fn a_wake_that_fails_leaves_the_sandbox_asleep_with_its_images_and_no_link_behind() {
     let range = own_range(254);
     let node = TestNode::start_with(&["--egress-default", "allow", "--net-range", &range]);
-    let id = counter_sandbox(&node, json!({}));
-    assert_eq!(ask(&node, &id), 1);
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/sleep"), json!({}));
-    assert_eq!(s, 200, "{v}");
+    let c = node.client();
+    let id = counter_sandbox(&c, |_| {});
+    assert_eq!(ask(&c, &id), 1);
+    sleep(&c, &id);
     // Its memory's pages out of the way: the restore fails once its network is made.
     let images = node.data_dir.join("sleep").join(&id);
     let pages: Vec<PathBuf> = std::fs::read_dir(&images)
@@ -800,15 +782,13 @@ fn a_wake_that_fails_leaves_the_sandbox_asleep_with_its_images_and_no_link_behin
     for p in &pages {
         std::fs::rename(p, p.with_extension("away")).expect("move the pages away");
     }
-    let (s, v) = post(&node, &format!("/v1/sandboxes/{id}/wake"), json!({}));
-    assert_eq!(s, 500, "a wake without its pages: {v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("could not be woken")),
-        "{v}"
-    );
-    assert_eq!(status(&node, &id), "sleeping");
+    let e = c.wake_sandbox(&id).expect_err("a wake without its pages");
+    let n = e
+        .node()
+        .unwrap_or_else(|| panic!("not the node's refusal: {e}"));
+    assert_eq!(n.status, 500, "a wake without its pages: {n:?}");
+    assert!(n.message.contains("could not be woken"), "{n:?}");
+    assert_eq!(status(&c, &id), SandboxStatus::Sleeping);
     // Nothing of the failed restore stays on the host: no retired host side of its veth.
     let end = Instant::now() + Duration::from_secs(10);
     loop {
@@ -826,7 +806,7 @@ fn a_wake_that_fails_leaves_the_sandbox_asleep_with_its_images_and_no_link_behin
     for p in &pages {
         std::fs::rename(p.with_extension("away"), p).expect("the pages back");
     }
-    assert_eq!(ask(&node, &id), 2);
-    node.delete_sandbox(&id);
+    assert_eq!(ask(&c, &id), 2);
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(Duration::from_secs(10));
 }

@@ -6,7 +6,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use crate::common::{assert_error, TestNode};
+use crate::common::{assert_error, run_req, TestNode};
+use sbx_client::ExecEvent;
 use serde_json::{json, Value};
 
 /// Long enough that a node that never closes fails the test instead of hanging it.
@@ -159,11 +160,16 @@ fn bodies_that_keep_coming_and_streams_that_keep_answering_are_not_cut() {
     assert_eq!(body_of(&answer)["stdout"], "slow\n");
 
     // An event stream quiet for longer than every timeout, then its end.
-    let mut sse = node.open_sse(&json!({ "command": "sleep 2; echo done", "stream": true }));
-    let events = sse.rest();
-    let last = events.last().expect("events");
-    assert_eq!(last.event, "exit", "{events:?}");
-    assert_eq!(last.data["stdout"], "done\n");
+    let events: Vec<ExecEvent> = node
+        .client()
+        .run_stream(&run_req("sleep 2; echo done"))
+        .expect("a run as events")
+        .collect::<Result<_, _>>()
+        .expect("its events to the end");
+    let Some(ExecEvent::Exit(last)) = events.last() else {
+        panic!("the last event is not exit: {events:?}");
+    };
+    assert_eq!(last.stdout, "done\n");
     node.assert_clean(Duration::from_secs(10));
 }
 
@@ -280,7 +286,10 @@ fn out_of_descriptors_a_request_is_answered_and_serving_resumes() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let v = node.run_ok(&json!({ "command": "echo still here" }));
-    assert_eq!(v["stdout"], "still here\n", "{v}");
+    let v = node
+        .client()
+        .run(&run_req("echo still here"))
+        .expect("a run");
+    assert_eq!(v.stdout, "still here\n", "{v:?}");
     node.assert_clean(Duration::from_secs(10));
 }

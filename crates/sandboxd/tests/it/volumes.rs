@@ -8,28 +8,75 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::common::{self, assert_error, get_json, stdout, TestNode};
+use crate::common::{
+    self, assert_error, assert_refused, create_with, exec_req, get_json, run_req, TestNode,
+};
+use sbx_api::{
+    ExecObject, RunRequest, SandboxStatus, SandboxVolume, VolumeCreate, VolumeMount, VolumeObject,
+};
+use sbx_client::Client;
 use serde_json::{json, Value};
 
 const CLEAN: Duration = Duration::from_secs(20);
 
-fn create_volume(node: &TestNode, body: &Value) -> Value {
-    let r = node.post_json("/v1/volumes", body);
-    let v = r.json();
-    assert_eq!(r.status, 201, "create volume {body}: {v}");
-    assert_eq!(v["object"], "volume", "{v}");
-    assert!(common::is_id("vol", v["id"].as_str().unwrap()), "{v}");
+/// A volume named `name`, shared or not, of the node's default size.
+fn volume(name: &str, shared: bool) -> VolumeCreate {
+    VolumeCreate {
+        name: Some(name.into()),
+        size_bytes: None,
+        shared,
+    }
+}
+
+fn create_volume(c: &Client, v: &VolumeCreate) -> VolumeObject {
+    let v = c
+        .create_volume(v)
+        .unwrap_or_else(|e| panic!("create volume {v:?}: {e}"));
+    assert_eq!(v.object, "volume", "{v:?}");
+    assert!(common::is_id("vol", &v.id), "{v:?}");
     v
 }
 
-fn sh(node: &TestNode, id: &str, command: &str) -> Value {
-    let r = node.post_json(
-        &format!("/v1/sandboxes/{id}/run"),
-        &json!({ "command": command }),
-    );
-    let v = r.json();
-    assert_eq!(r.status, 200, "{command}: {v}");
-    v
+/// The volume `volume` mounted at `path`.
+fn mount(path: &str, volume: &str) -> VolumeMount {
+    VolumeMount {
+        path: path.into(),
+        volume: volume.into(),
+        read_only: false,
+        copy: false,
+        version: None,
+    }
+}
+
+/// A shell line run in the sandbox to its end (`POST …/run`).
+fn sh(c: &Client, id: &str, command: &str) -> ExecObject {
+    c.exec_run(id, &exec_req(command))
+        .unwrap_or_else(|e| panic!("{command}: {e}"))
+}
+
+/// A run of `command` with the volumes `volumes`.
+fn run_with(command: &str, volumes: Vec<VolumeMount>) -> RunRequest {
+    RunRequest {
+        volumes,
+        ..run_req(command)
+    }
+}
+
+/// A kept sandbox with the volumes `volumes` (and the image `image`): its id once it is up.
+fn sandbox_with(c: &Client, image: Option<&str>, volumes: Vec<VolumeMount>) -> String {
+    let v = c
+        .create_sandbox(&create_with(|s| {
+            s.image = image.map(str::to_string);
+            s.volumes = volumes;
+        }))
+        .expect("create");
+    let v = c
+        .wait_started(&v.id, Duration::from_millis(100), |waited| {
+            assert!(waited < Duration::from_secs(60), "still starting");
+        })
+        .expect("wait for its start");
+    assert_eq!(v.status, SandboxStatus::Running, "{v:?}");
+    v.id.clone()
 }
 
 /// The volume's directory on the host.
@@ -40,11 +87,18 @@ fn volume_dir(node: &TestNode, id: &str) -> PathBuf {
 #[test]
 fn a_volume_outlives_its_sandboxes_and_the_node() {
     let mut node = TestNode::start();
-    let vol = create_volume(&node, &json!({"name": "keep", "size_bytes": 64 << 20}));
-    let vid = vol["id"].as_str().unwrap().to_string();
-    assert_eq!(vol["size_bytes"], 64 << 20);
-    assert_eq!(vol["shared"], false);
-    assert_eq!(vol["sandboxes"], json!([]));
+    let c = node.client();
+    let vol = create_volume(
+        &c,
+        &VolumeCreate {
+            size_bytes: Some(64 << 20),
+            ..volume("keep", false)
+        },
+    );
+    let vid = vol.id.clone();
+    assert_eq!(vol.size_bytes, 64 << 20);
+    assert!(!vol.shared);
+    assert!(vol.sandboxes.is_empty());
     // Owned by the sandboxes' root.
     assert_eq!(
         fs::metadata(volume_dir(&node, &vid)).unwrap().uid(),
@@ -52,132 +106,124 @@ fn a_volume_outlives_its_sandboxes_and_the_node() {
     );
 
     // A run writes, by name.
-    let v = node.run_ok(&json!({
-        "command": "id -u; stat -c %u /data; echo first > /data/a",
-        "volumes": [{"path": "/data", "volume": "keep"}],
-    }));
-    assert_eq!(v["exit_code"], 0, "{v}");
-    assert_eq!(stdout(&v), "0\n0\n", "{v}");
+    let v = c
+        .run(&run_with(
+            "id -u; stat -c %u /data; echo first > /data/a",
+            vec![mount("/data", "keep")],
+        ))
+        .expect("a run");
+    assert_eq!(v.exit_code, Some(0), "{v:?}");
+    assert_eq!(v.stdout, "0\n0\n", "{v:?}");
 
     // A kept sandbox reads it (by id), writes more, is deleted.
-    let sb = node.create_sandbox(&json!({"volumes": [{"path": "/srv/v", "volume": vid}]}));
-    let sid = sb["id"].as_str().unwrap().to_string();
+    let sb = c
+        .create_sandbox(&create_with(|s| s.volumes = vec![mount("/srv/v", &vid)]))
+        .expect("create");
+    let sid = sb.id.clone();
     assert_eq!(
-        sb["volumes"],
-        json!([{"volume": vid, "path": "/srv/v", "read_only": false}])
+        sb.volumes,
+        [SandboxVolume {
+            volume: vid.clone(),
+            path: "/srv/v".into(),
+            read_only: false
+        }]
     );
-    let (_, v) = get_json(&node, &format!("/v1/volumes/{vid}"));
-    assert_eq!(v["sandboxes"], json!([sid]), "{v}");
-    let v = sh(&node, &sid, "cat /srv/v/a; echo second > /srv/v/b");
-    assert_eq!(stdout(&v), "first\n", "{v}");
-    node.delete_sandbox(&sid);
-    let (_, v) = get_json(&node, "/v1/volumes");
-    assert_eq!(v["data"][0]["id"], vid.as_str(), "{v}");
-    assert_eq!(v["data"][0]["sandboxes"], json!([]), "{v}");
+    let v = c.volume(&vid).expect("the volume");
+    assert_eq!(v.sandboxes, std::slice::from_ref(&sid), "{v:?}");
+    let v = sh(&c, &sid, "cat /srv/v/a; echo second > /srv/v/b");
+    assert_eq!(v.stdout, "first\n", "{v:?}");
+    c.delete_sandbox(&sid).expect("delete");
+    let v = c.volumes().expect("the volumes");
+    assert_eq!(v.data[0].id, vid, "{v:?}");
+    assert!(v.data[0].sandboxes.is_empty(), "{v:?}");
 
     // The node restarts: the volume and its files are there.
     node.stop();
     node.restart();
-    let (status, v) = get_json(&node, "/v1/volumes/keep");
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(v["id"], vid.as_str());
-    let v = node.run_ok(&json!({
-        "command": "cat /data/a /data/b",
-        "volumes": [{"path": "/data", "volume": vid}],
-    }));
-    assert_eq!(stdout(&v), "first\nsecond\n", "{v}");
-    let (_, v) = get_json(&node, "/v1/volumes/keep");
-    assert!(v["used_bytes"].as_u64().is_some(), "{v}");
+    let c = node.client();
+    assert_eq!(c.volume("keep").expect("the volume").id, vid);
+    let v = c
+        .run(&run_with("cat /data/a /data/b", vec![mount("/data", &vid)]))
+        .expect("a run");
+    assert_eq!(v.stdout, "first\nsecond\n", "{v:?}");
+    // (used_bytes: a number, typed.)
+    c.volume("keep").expect("the volume");
 
-    // Deleted: 204, its files gone, then 404.
+    // Deleted: 204 (the wire's: sent as it is), its files gone, then 404.
     let r = node.delete(&format!("/v1/volumes/{vid}"), &[]);
     assert_eq!(r.status, 204, "{}", r.text());
     assert!(!volume_dir(&node, &vid).exists());
-    let (status, v) = get_json(&node, "/v1/volumes/keep");
-    assert_error(status, &v, 404, "volume_not_found", None);
+    assert_refused(c.volume("keep"), 404, "volume_not_found", None);
     node.assert_clean(CLEAN);
 }
 
 #[test]
 fn a_shared_volume_is_mounted_by_two_and_read_only_refuses_writes() {
     let node = TestNode::start();
-    create_volume(&node, &json!({"name": "common", "shared": true}));
-    create_volume(&node, &json!({"name": "mine"}));
-    let a = node.create_sandbox(&json!({"volumes": [
-        {"path": "/shared", "volume": "common"},
-        {"path": "/mine", "volume": "mine"},
-    ]}))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let b = node.create_sandbox(&json!({"volumes": [
-        {"path": "/shared", "volume": "common", "read_only": true},
-    ]}))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let c = node.client();
+    create_volume(&c, &volume("common", true));
+    create_volume(&c, &volume("mine", false));
+    let a = sandbox_with(
+        &c,
+        None,
+        vec![mount("/shared", "common"), mount("/mine", "mine")],
+    );
+    let b = sandbox_with(
+        &c,
+        None,
+        vec![VolumeMount {
+            read_only: true,
+            ..mount("/shared", "common")
+        }],
+    );
     // What one writes the other reads at once; the read-only one cannot write.
-    sh(&node, &a, "echo from-a > /shared/note");
+    sh(&c, &a, "echo from-a > /shared/note");
     let v = sh(
-        &node,
+        &c,
         &b,
         "cat /shared/note; echo x > /shared/other; echo rc=$?",
     );
-    assert_eq!(stdout(&v), "from-a\nrc=2\n", "{v}");
-    assert!(
-        v["stderr"]
-            .as_str()
-            .unwrap()
-            .contains("Read-only file system"),
-        "{v}"
-    );
+    assert_eq!(v.stdout, "from-a\nrc=2\n", "{v:?}");
+    assert!(v.stderr.contains("Read-only file system"), "{v:?}");
     // Nor by remounting it: the sandbox's root has no CAP_SYS_ADMIN.
     let v = sh(
-        &node,
+        &c,
         &b,
         "mount -o remount,rw /shared; touch /shared/x; echo rc=$?",
     );
-    assert!(stdout(&v).ends_with("rc=1\n"), "{v}");
-    let (_, v) = get_json(&node, "/v1/volumes/common");
-    let mut users: Vec<String> = v["sandboxes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s.as_str().unwrap().to_string())
-        .collect();
+    assert!(v.stdout.ends_with("rc=1\n"), "{v:?}");
+    let v = c.volume("common").expect("the volume");
+    let mut users = v.sandboxes.clone();
     users.sort();
     let mut want = vec![a.clone(), b.clone()];
     want.sort();
-    assert_eq!(users, want, "{v}");
+    assert_eq!(users, want, "{v:?}");
 
     // The exclusive one is a's: another sandbox, or a run, is refused; so is its delete.
-    let r = node.post_json(
-        "/v1/sandboxes",
-        &json!({"volumes": [{"path": "/m", "volume": "mine"}]}),
-    );
-    assert_error(
-        r.status,
-        &r.json(),
+    assert_refused(
+        c.create_sandbox(&create_with(|s| s.volumes = vec![mount("/m", "mine")])),
         409,
         "volume_in_use",
         Some("volumes[0].volume"),
     );
-    let (status, v) =
-        node.run(&json!({"command": "true", "volumes": [{"path": "/m", "volume": "mine"}]}));
-    assert_error(status, &v, 409, "volume_in_use", Some("volumes[0].volume"));
-    let r = node.delete("/v1/volumes/mine", &[]);
-    assert_error(r.status, &r.json(), 409, "volume_in_use", None);
-    let r = node.delete("/v1/volumes/common", &[]);
-    assert_error(r.status, &r.json(), 409, "volume_in_use", None);
+    assert_refused(
+        c.run(&run_with("true", vec![mount("/m", "mine")])),
+        409,
+        "volume_in_use",
+        Some("volumes[0].volume"),
+    );
+    assert_refused(c.delete_volume("mine"), 409, "volume_in_use", None);
+    assert_refused(c.delete_volume("common"), 409, "volume_in_use", None);
     // Once a is gone, mine is free again.
-    node.delete_sandbox(&a);
-    let v =
-        node.run_ok(&json!({"command": "ls /m", "volumes": [{"path": "/m", "volume": "mine"}]}));
-    assert_eq!(v["exit_code"], 0, "{v}");
-    node.delete_sandbox(&b);
+    c.delete_sandbox(&a).expect("delete");
+    let v = c
+        .run(&run_with("ls /m", vec![mount("/m", "mine")]))
+        .expect("a run");
+    assert_eq!(v.exit_code, Some(0), "{v:?}");
+    c.delete_sandbox(&b).expect("delete");
     for n in ["mine", "common"] {
-        let r = node.delete(&format!("/v1/volumes/{n}"), &[]);
-        assert_eq!(r.status, 204, "{}", r.text());
+        c.delete_volume(n)
+            .unwrap_or_else(|e| panic!("delete {n}: {e}"));
     }
     node.assert_clean(CLEAN);
 }
@@ -214,11 +260,9 @@ fn every_refusal_of_volumes_comes_from_a_real_request() {
     }
     let r = node.post("/v1/volumes", &[], b"[1]");
     assert_error(r.status, &r.json(), 400, "invalid_json", None);
-    create_volume(&node, &json!({"name": "one"}));
-    let two = create_volume(&node, &json!({"name": "two"}))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let c = node.client();
+    create_volume(&c, &volume("one", false));
+    let two = create_volume(&c, &volume("two", false)).id;
     let r = node.post_json("/v1/volumes", &json!({"name": "one"}));
     assert_error(r.status, &r.json(), 409, "name_taken", Some("name"));
     let (status, v) = get_json(&node, "/v1/volumes/nope");
@@ -275,10 +319,7 @@ fn every_refusal_of_volumes_comes_from_a_real_request() {
     // Nine that are not shared: too many.
     let mut nine = Vec::new();
     for i in 0..9 {
-        let id = create_volume(&node, &json!({}))["id"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        let id = create_volume(&c, &VolumeCreate::default()).id;
         nine.push(json!({"path": format!("/v{i}"), "volume": id}));
     }
     let r = node.post_json("/v1/sandboxes", &json!({ "volumes": nine }));
@@ -440,26 +481,15 @@ fn copy_gives_a_new_volume_what_the_image_has_there() {
     let digest = push_odd_image(&reg, "sbx/odd", &nonce);
     let node = TestNode::start_with(&["--insecure-registry", &reg.host(), "--warm-pool", "0"]);
     let image = format!("{}/sbx/odd@{digest}", reg.host());
-    let vid = create_volume(&node, &json!({"name": "db"}))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let r = node.post_json(
-        "/v1/sandboxes",
-        &json!({"image": image, "volumes": [{"path": "/srv/db", "volume": "db", "copy": true}]}),
-    );
-    let v = r.json();
-    assert_eq!(r.status, 201, "{v}");
-    let sid = v["id"].as_str().unwrap().to_string();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let v = loop {
-        let (_, v) = get_json(&node, &format!("/v1/sandboxes/{sid}"));
-        if v["status"] != "starting" || std::time::Instant::now() > deadline {
-            break v;
-        }
-        std::thread::sleep(Duration::from_millis(100));
+    let c = node.client();
+    let vid = create_volume(&c, &volume("db", false)).id;
+    let copied = || {
+        vec![VolumeMount {
+            copy: true,
+            ..mount("/srv/db", "db")
+        }]
     };
-    assert_eq!(v["status"], "running", "{v}");
+    let sid = sandbox_with(&c, Some(&image), copied());
 
     // What the image holds (the node's unpacked layer: owners shifted by the uid base) and
     // what the volume holds now are the same, entry by entry; the hard link is one file.
@@ -502,77 +532,65 @@ fn copy_gives_a_new_volume_what_the_image_has_there() {
     assert_eq!((run.1, run.3 & 0o7777), (shift, 0o4755), "{run:?}");
     assert_eq!(vol.len(), 6, "nothing else (no lost+found): {vol:?}");
     // Inside, the sandbox sees the image's owners.
-    let v = sh(&node, &sid, "cd /srv/db && echo *; read l < conf; echo $l");
-    assert_eq!(stdout(&v), format!("conf link sub\n{nonce}\n"), "{v}");
-    node.delete_sandbox(&sid);
+    let v = sh(&c, &sid, "cd /srv/db && echo *; read l < conf; echo $l");
+    assert_eq!(v.stdout, format!("conf link sub\n{nonce}\n"), "{v:?}");
+    c.delete_sandbox(&sid).expect("delete");
 
     // A volume that holds something is mounted as it is: no copy over it.
     fs::write(volume_dir(&node, &vid).join("conf"), b"changed").unwrap();
     fs::remove_file(volume_dir(&node, &vid).join("link")).unwrap();
-    let r = node.post_json(
-        "/v1/sandboxes",
-        &json!({"image": image, "volumes": [{"path": "/srv/db", "volume": "db", "copy": true}]}),
-    );
-    let sid = r.json()["id"].as_str().unwrap().to_string();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let (_, v) = get_json(&node, &format!("/v1/sandboxes/{sid}"));
-        if v["status"] != "starting" || std::time::Instant::now() > deadline {
-            assert_eq!(v["status"], "running", "{v}");
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let v = sh(&node, &sid, "cd /srv/db && echo *; read l < conf; echo $l");
-    assert_eq!(stdout(&v), "conf sub\nchanged\n", "{v}");
-    node.delete_sandbox(&sid);
+    let sid = sandbox_with(&c, Some(&image), copied());
+    let v = sh(&c, &sid, "cd /srv/db && echo *; read l < conf; echo $l");
+    assert_eq!(v.stdout, "conf sub\nchanged\n", "{v:?}");
+    c.delete_sandbox(&sid).expect("delete");
     node.assert_clean(CLEAN);
 }
 
 #[test]
 fn a_sandbox_with_volumes_sleeps_and_wakes_with_them() {
     let node = TestNode::start();
-    let (_, info) = get_json(&node, "/internal/node");
-    if info["checkpoints"]["available"] != true {
+    let c = node.client();
+    let info = c.node_info().expect("the node");
+    if info.other["checkpoints"]["available"] != true {
         eprintln!(
             "skipped: the node takes no checkpoints: {}",
-            info["checkpoints"]
+            info.other["checkpoints"]
         );
         return;
     }
-    create_volume(&node, &json!({"name": "rw"}));
-    create_volume(&node, &json!({"name": "ro", "shared": true}));
-    let id = node.create_sandbox(&json!({"volumes": [
-        {"path": "/data", "volume": "rw"},
-        {"path": "/ref", "volume": "ro", "read_only": true},
-    ]}))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    create_volume(&c, &volume("rw", false));
+    create_volume(&c, &volume("ro", true));
+    let id = sandbox_with(
+        &c,
+        None,
+        vec![
+            mount("/data", "rw"),
+            VolumeMount {
+                read_only: true,
+                ..mount("/ref", "ro")
+            },
+        ],
+    );
     // A process holds a file of the volume open across the sleep.
-    sh(&node, &id, "echo before > /data/a");
-    node.exec(&id, &json!({"command": "exec 3>>/data/a; sleep 3600"}));
-    let r = node.post_json(&format!("/v1/sandboxes/{id}/sleep"), &json!({}));
-    let v = r.json();
-    assert_eq!(r.status, 200, "{v}");
-    assert_eq!(v["status"], "sleeping", "{v}");
-    let r = node.post_json(&format!("/v1/sandboxes/{id}/wake"), &json!({}));
-    let v = r.json();
-    assert_eq!(r.status, 200, "{v}");
-    assert_eq!(v["status"], "running", "{v}");
+    sh(&c, &id, "echo before > /data/a");
+    c.exec(&id, &exec_req("exec 3>>/data/a; sleep 3600"))
+        .expect("exec");
+    let v = c.sleep_sandbox(&id).expect("sleep");
+    assert_eq!(v.status, SandboxStatus::Sleeping, "{v:?}");
+    let v = c.wake_sandbox(&id).expect("wake");
+    assert_eq!(v.status, SandboxStatus::Running, "{v:?}");
     let v = sh(
-        &node,
+        &c,
         &id,
         "cat /data/a; echo after >> /data/a; touch /ref/x 2>/dev/null || echo ro; cat /data/a",
     );
-    assert_eq!(stdout(&v), "before\nro\nbefore\nafter\n", "{v}");
+    assert_eq!(v.stdout, "before\nro\nbefore\nafter\n", "{v:?}");
     // The writes landed in the volume itself.
-    let (_, vol) = get_json(&node, "/v1/volumes/rw");
-    let vid = vol["id"].as_str().unwrap();
+    let vol = c.volume("rw").expect("the volume");
     assert_eq!(
-        fs::read_to_string(volume_dir(&node, vid).join("a")).unwrap(),
+        fs::read_to_string(volume_dir(&node, &vol.id).join("a")).unwrap(),
         "before\nafter\n"
     );
-    node.delete_sandbox(&id);
+    c.delete_sandbox(&id).expect("delete");
     node.assert_clean(CLEAN);
 }

@@ -91,3 +91,11 @@ pub fn rfc3339_in(from_now: Duration) -> String {
         d.subsec_millis()
     )
 }
+
+/// A map of names to values (`env`, `metadata`, `secret_env` of a typed request).
+pub fn kv(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}

@@ -227,14 +227,11 @@ impl TestNode {
         if self.child.is_none() {
             return Vec::new();
         }
-        let r = match &self.auth {
-            Some(a) => self.get("/internal/node", &[("Authorization", a.as_str())]),
-            None => self.get("/internal/node", &[]),
-        };
-        if r.status != 200 {
+        // Through the typed client, with the node's key if it has one.
+        let Ok(info) = self.client().node_info() else {
             return Vec::new();
-        }
-        let v = r.json();
+        };
+        let v = serde_json::Value::Object(info.other);
         let mut ids: Vec<String> = v["warm_pool"]["ready"]
             .as_array()
             .map(|a| {

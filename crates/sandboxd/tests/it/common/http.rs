@@ -1,21 +1,92 @@
-//! Requests to a node and its answers: [`Reply`], event streams ([`SseStream`]), the API's
-//! calls (runs, sandboxes, execs, output), a raw POST over a socket, and the error body check.
+//! Requests to a node and its answers: the typed client of a node ([`TestNode::client`], and
+//! requests built by type: [`sh`], [`run_req`], [`exec_req`], [`create_with`]), [`Reply`],
+//! event streams ([`SseStream`], framed by sbx-client's reader), the fixture's calls (runs,
+//! sandboxes, execs, output) through the client, raw requests for the tests of the wire (bad
+//! input, headers, exact shapes), and the error body checks.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::io::{BufReader, Read};
+use std::time::Duration;
 
+use sbx_api::{Command, Encoding, ExecRequest, RunRequest, SandboxCreate, SandboxStatus};
+use sbx_client::sse::{Frame, FrameReader};
+use sbx_client::{Client, NodeError};
 use serde_json::Value;
 
 use super::data::{b64_decode, truncate, valid_request_id};
 use super::node::TestNode;
 
-/// One server-sent event.
+/// The command line `line`, for `sh -c`.
+pub fn sh(line: &str) -> Command {
+    Command::Shell(line.to_string())
+}
+
+/// A run of `line` with every other field at its default.
+pub fn run_req(line: &str) -> RunRequest {
+    RunRequest::new(sh(line))
+}
+
+/// A command `line` of a kept sandbox, every other field at its default.
+pub fn exec_req(line: &str) -> ExecRequest {
+    ExecRequest::new(sh(line))
+}
+
+/// A create with every field at its default (the body `{}`).
+pub fn create_req() -> SandboxCreate {
+    SandboxCreate {
+        spec: RunRequest::new(Command::Argv(Vec::new())),
+        network: None,
+    }
+}
+
+/// A create with the fields `set` sets.
+pub fn create_with(set: impl FnOnce(&mut RunRequest)) -> SandboxCreate {
+    let mut c = create_req();
+    set(&mut c.spec);
+    c
+}
+
+/// The node's refusal of a call of the client, checked as [`assert_error`] checks an error
+/// answer (the status, the code, the param, the body's exact shape); a panic if the call
+/// succeeded or failed another way.
+pub fn assert_refused<T: std::fmt::Debug>(
+    r: Result<T, sbx_client::Error>,
+    want_status: u16,
+    code: &str,
+    param: Option<&str>,
+) -> NodeError {
+    match r {
+        Ok(v) => panic!("expected {want_status} {code}, the call succeeded: {v:?}"),
+        Err(sbx_client::Error::Node(e)) => {
+            assert_error(e.status, &e.body, want_status, code, param);
+            *e
+        }
+        Err(e) => panic!("expected {want_status} {code}, the call failed: {e}"),
+    }
+}
+
+/// One server-sent event: a frame of sbx-client's reader whose id is a number (every event
+/// of the API has one) and whose data is JSON.
 #[derive(Debug, Clone)]
 pub struct Event {
     pub event: String,
     pub id: u64,
     pub data: Value,
+}
+
+impl Event {
+    fn of(f: Frame) -> Event {
+        let id = f
+            .id_u64()
+            .unwrap_or_else(|| panic!("event {} has no numeric id: {:?}", f.event, f.id));
+        let data = f
+            .data_as()
+            .unwrap_or_else(|e| panic!("event {}: data is not JSON: {e}: {}", f.event, f.data));
+        Event {
+            event: f.event,
+            id,
+            data,
+        }
+    }
 }
 
 /// An answer, whatever its status.
@@ -49,68 +120,32 @@ impl Reply {
     }
 }
 
-/// An event stream being read, event by event. Dropping it hangs up.
+/// The body of a stream, as read off the connection.
+type Body = Box<dyn Read + Send + Sync + 'static>;
+
+/// An event stream of status 200 being read, event by event ([`FrameReader`]). Dropping it
+/// hangs up.
 pub struct SseStream {
-    pub status: u16,
-    // No test reads a stream's headers yet.
-    #[allow(dead_code)]
-    pub headers: Vec<(String, String)>,
-    reader: BufReader<Box<dyn Read + Send + Sync + 'static>>,
+    frames: FrameReader<BufReader<Body>>,
 }
 
 impl SseStream {
-    #[allow(dead_code)]
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+    fn new(body: Body) -> SseStream {
+        SseStream {
+            frames: FrameReader::new(BufReader::new(body)),
+        }
     }
 
-    /// The next event; `None` at the end of the stream.
+    /// The next event; `None` at the end of the stream (a stream cut inside an event fails).
     pub fn next_event(&mut self) -> Option<Event> {
-        let mut event = String::new();
-        let mut id = None;
-        let mut data: Vec<String> = Vec::new();
-        let mut seen = false;
-        loop {
-            let mut line = String::new();
-            let n = self
-                .reader
-                .read_line(&mut line)
-                .expect("read the event stream");
-            if n == 0 {
-                assert!(!seen, "the stream ended inside an event");
-                return None;
-            }
-            let line = line.trim_end_matches('\n').trim_end_matches('\r');
-            if line.is_empty() {
-                if seen {
-                    let text = data.join("\n");
-                    let data = serde_json::from_str(&text)
-                        .unwrap_or_else(|e| panic!("event {event}: data is not JSON: {e}: {text}"));
-                    let id = id.unwrap_or_else(|| panic!("event {event} has no id"));
-                    return Some(Event { event, id, data });
-                }
-                continue;
-            }
-            if line.starts_with(':') {
-                continue;
-            }
-            seen = true;
-            let (field, value) = line.split_once(':').unwrap_or((line, ""));
-            let value = value.strip_prefix(' ').unwrap_or(value);
-            match field {
-                "event" => event = value.to_string(),
-                "id" => {
-                    id = Some(
-                        value
-                            .parse()
-                            .unwrap_or_else(|_| panic!("event id {value:?} is not a number")),
-                    )
-                }
-                "data" => data.push(value.to_string()),
-                other => panic!("unexpected field {other:?} in the event stream"),
+        match self.frames.next_frame().expect("read the event stream") {
+            Some(f) => Some(Event::of(f)),
+            None => {
+                assert!(
+                    !self.frames.ended_inside_event(),
+                    "the stream ended inside an event"
+                );
+                None
             }
         }
     }
@@ -126,6 +161,21 @@ impl SseStream {
 }
 
 impl TestNode {
+    /// A typed client of the node (with its API key, when [`TestNode::auth`] is a bearer
+    /// key), its connections the fixture's (read and write time out after 120 s).
+    pub fn client(&self) -> Client {
+        let key = self
+            .auth
+            .as_deref()
+            .map(|a| a.strip_prefix("Bearer ").unwrap_or(a).to_string());
+        Client::with_agent(&self.url(""), self.http.clone()).api_key(key)
+    }
+
+    /// A call of the client that must succeed; a panic naming `what` and the node's log.
+    pub fn ok<T>(&self, what: &str, r: Result<T, sbx_client::Error>) -> T {
+        r.unwrap_or_else(|e| panic!("{what}: {e}\n{:?}\n{}", e, self.log_tail(30)))
+    }
+
     fn finish(&self, result: Result<ureq::Response, ureq::Error>) -> Reply {
         let resp = match result {
             Ok(r) => r,
@@ -174,11 +224,36 @@ impl TestNode {
         self.post("/v1/run", headers, &serde_json::to_vec(body).unwrap())
     }
 
-    /// `POST /v1/run`, answered as JSON: the status and the body.
+    /// `POST /v1/run`, answered as JSON: the status and the body. A well-formed body (one
+    /// sbx-api parses, not asking for a stream) goes through the typed client (its refusal's
+    /// body as the node wrote it); any other is sent as it is.
     pub fn run(&self, body: &Value) -> (u16, Value) {
-        let r = self.run_with(body, &[]);
-        let v = r.json();
-        (r.status, v)
+        let typed = serde_json::to_vec(body)
+            .ok()
+            .and_then(|b| sbx_api::parse_run_request(&b).ok())
+            .filter(|r| r.stream != Some(true));
+        let Some(req) = typed else {
+            let r = self.run_with(body, &[]);
+            let v = r.json();
+            return (r.status, v);
+        };
+        match self.client().run(&req) {
+            Ok(o) => (
+                200,
+                serde_json::to_value(&o).expect("an exec object as JSON"),
+            ),
+            Err(sbx_client::Error::Node(e)) => (e.status, e.body),
+            Err(sbx_client::Error::Status { status, body }) => (
+                status,
+                serde_json::from_str(&body).unwrap_or_else(|e| {
+                    panic!(
+                        "the answer ({status}) is not JSON: {e}: {}",
+                        truncate(&body, 2000)
+                    )
+                }),
+            ),
+            Err(e) => panic!("run {body}: {e}\n{}", self.log_tail(30)),
+        }
     }
 
     /// `POST /v1/run` that must end with 200: the exec object.
@@ -203,8 +278,22 @@ impl TestNode {
         self.event_stream(&format!("run {body}"), sent)
     }
 
+    /// Opens a run as an event stream, to read event by event: through the typed client
+    /// ([`Client::run_events_raw`]) when sbx-api parses the body, as it is otherwise.
     pub fn open_sse(&self, body: &Value) -> SseStream {
-        self.open_sse_with(body, &[])
+        let typed = serde_json::to_vec(body)
+            .ok()
+            .and_then(|b| sbx_api::parse_run_request(&b).ok());
+        let Some(req) = typed else {
+            return self.open_sse_with(body, &[]);
+        };
+        match self.client().run_events_raw(&req) {
+            Ok(d) => SseStream::new(Box::new(d)),
+            Err(e) => panic!(
+                "run {body} answered {e} instead of a stream\n{}",
+                self.log_tail(30)
+            ),
+        }
     }
 
     /// A run as an event stream, read to its end.
@@ -235,53 +324,52 @@ impl TestNode {
         self.post(path, &[], &serde_json::to_vec(body).unwrap())
     }
 
-    /// `POST /v1/sandboxes` that must answer 201 with a running sandbox: the sandbox object.
+    /// `POST /v1/sandboxes` through the typed client (the body parsed by sbx-api, as the node
+    /// parses it) that must make a running sandbox: the sandbox object as the node wrote it.
     pub fn create_sandbox(&self, body: &Value) -> Value {
-        let r = self.post_json("/v1/sandboxes", body);
-        let v = r.json();
-        assert_eq!(r.status, 201, "create {body} answered {}: {v}", r.status);
-        assert_eq!(v["object"], "sandbox", "not a sandbox object: {v}");
-        assert_eq!(v["status"], "running", "create {body}: {v}");
-        v
+        let req = serde_json::to_vec(body)
+            .ok()
+            .and_then(|b| sbx_api::parse_sandbox_create(&b).ok())
+            .unwrap_or_else(|| panic!("not a well-formed create: {body}"));
+        let sb = self.ok(
+            &format!("create {body}"),
+            self.client().create_sandbox(&req),
+        );
+        assert_eq!(sb.status, SandboxStatus::Running, "create {body}: {sb:?}");
+        serde_json::to_value(&sb).expect("a sandbox object as JSON")
     }
 
-    /// `DELETE /v1/sandboxes/{id}` that must answer 200 with the object, status deleted.
+    /// `DELETE /v1/sandboxes/{id}` through the typed client that must answer the object,
+    /// status deleted.
     pub fn delete_sandbox(&self, id: &str) -> Value {
-        let r = self.delete(&format!("/v1/sandboxes/{id}"), &[]);
-        let v = r.json();
-        assert_eq!(r.status, 200, "delete {id} answered {}: {v}", r.status);
-        assert_eq!(v["status"], "deleted", "delete {id}: {v}");
-        v
+        let sb = self.ok(&format!("delete {id}"), self.client().delete_sandbox(id));
+        assert_eq!(sb.status, SandboxStatus::Deleted, "delete {id}: {sb:?}");
+        serde_json::to_value(&sb).expect("a sandbox object as JSON")
     }
 
-    /// `POST /v1/sandboxes/{id}/exec` that must answer 201: the exec object.
+    /// `POST /v1/sandboxes/{id}/exec` through the typed client (the body parsed by sbx-api)
+    /// that must start the command: the exec object.
     pub fn exec(&self, sandbox: &str, body: &Value) -> Value {
-        let r = self.post_json(&format!("/v1/sandboxes/{sandbox}/exec"), body);
-        let v = r.json();
-        assert_eq!(r.status, 201, "exec {body} answered {}: {v}", r.status);
-        assert_eq!(v["object"], "exec", "not an exec object: {v}");
-        v
+        let req = serde_json::to_vec(body)
+            .ok()
+            .and_then(|b| sbx_api::parse_exec_request(&b).ok())
+            .unwrap_or_else(|| panic!("not a well-formed command: {body}"));
+        let o = self.ok(&format!("exec {body}"), self.client().exec(sandbox, &req));
+        serde_json::to_value(&o).expect("an exec object as JSON")
     }
 
-    /// `GET …/exec/{exec_id}?wait_seconds=…` until the command has ended (at most `timeout`):
-    /// its final object.
+    /// The final object of a command (`wait_exec_for` of the client), which must have ended
+    /// within `timeout`.
     pub fn exec_wait(&self, sandbox: &str, exec_id: &str, timeout: Duration) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let r = self.get(
-                &format!("/v1/sandboxes/{sandbox}/exec/{exec_id}?wait_seconds=10"),
-                &[],
-            );
-            let v = r.json();
-            assert_eq!(r.status, 200, "get {exec_id}: {v}");
-            if v["status"] != "running" {
-                return v;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{exec_id} still runs after {timeout:?}: {v}"
-            );
-        }
+        let o = self.ok(
+            &format!("wait for {exec_id}"),
+            self.client().wait_exec_for(sandbox, exec_id, timeout),
+        );
+        assert!(
+            o.status.is_done(),
+            "{exec_id} still runs after {timeout:?}: {o:?}"
+        );
+        serde_json::to_value(&o).expect("an exec object as JSON")
     }
 
     /// Opens a GET as an event stream (`Accept: text/event-stream`), to read event by event.
@@ -296,45 +384,46 @@ impl TestNode {
         self.event_stream(&format!("GET {path}"), req.call())
     }
 
-    /// A command's whole output through the JSON output endpoint, from position 0, paging with
-    /// `next` until the end it reports (the command must have ended): the chunks' bytes of
-    /// (stdout, stderr, both in position order). Panics on a gap or a chunk out of place.
+    /// A command's whole output through the JSON output endpoint (the client's
+    /// [`Client::output`], base64), from position 0, paging with `next` until the end it
+    /// reports (the command must have ended): the chunks' bytes of (stdout, stderr, both in
+    /// position order). Panics on a gap or a chunk out of place.
     pub fn output_all(&self, sandbox: &str, exec_id: &str) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let client = self.client();
         let (mut out, mut err, mut all) = (Vec::new(), Vec::new(), Vec::new());
         let mut from = 0u64;
         for _ in 0..10_000 {
-            let r = self.get(
-                &format!(
-                    "/v1/sandboxes/{sandbox}/exec/{exec_id}/output?from={from}&encoding=base64"
-                ),
-                &[],
+            let page = self.ok(
+                &format!("output of {exec_id} from {from}"),
+                client.output(sandbox, exec_id, from, None, Encoding::Base64),
             );
-            let v = r.json();
-            assert_eq!(r.status, 200, "output of {exec_id} from {from}: {v}");
-            assert_eq!(v["object"], "output", "{v}");
-            assert!(v["gap"].is_null(), "a gap in the output of {exec_id}: {v}");
+            assert_eq!(page.object, "output", "{page:?}");
+            assert!(
+                page.gap.is_none(),
+                "a gap in the output of {exec_id}: {page:?}"
+            );
             let mut cursor = from;
-            for c in v["chunks"].as_array().expect("chunks") {
-                let pos = c["position"].as_u64().expect("position");
-                assert_eq!(pos, cursor, "chunk out of place in {v}");
-                let data = b64_decode(c["data"].as_str().expect("data"));
+            for c in &page.chunks {
+                assert_eq!(c.position, cursor, "chunk out of place in {page:?}");
+                let data = b64_decode(&c.data);
                 cursor += data.len() as u64;
-                match c["stream"].as_str() {
-                    Some("stdout") => out.extend_from_slice(&data),
-                    Some("stderr") => err.extend_from_slice(&data),
-                    other => panic!("chunk of stream {other:?}: {v}"),
+                match c.stream.as_str() {
+                    "stdout" => out.extend_from_slice(&data),
+                    "stderr" => err.extend_from_slice(&data),
+                    other => panic!("chunk of stream {other:?}: {page:?}"),
                 }
                 all.extend_from_slice(&data);
             }
-            let next = v["next"].as_u64().expect("next");
-            assert_eq!(next, cursor, "next is not after the last chunk: {v}");
-            let end = v["end"].as_u64().expect("end");
-            if next >= end {
-                assert_eq!(v["exited"], true, "output of {exec_id} read while running");
+            assert_eq!(
+                page.next, cursor,
+                "next is not after the last chunk: {page:?}"
+            );
+            if page.next >= page.end {
+                assert!(page.exited, "output of {exec_id} read while running");
                 return (out, err, all);
             }
-            assert!(next > from, "no progress from {from}: {v}");
-            from = next;
+            assert!(page.next > from, "no progress from {from}: {page:?}");
+            from = page.next;
         }
         panic!("the output of {exec_id} did not end in 10000 pages")
     }
@@ -350,7 +439,8 @@ impl TestNode {
         self.event_stream(&format!("POST {path} {body}"), sent)
     }
 
-    /// The event stream `what` answered; a panic that says what came instead.
+    /// The event stream `what` answered (status 200, `text/event-stream`); a panic that says
+    /// what came instead.
     fn event_stream(&self, what: &str, sent: Result<ureq::Response, ureq::Error>) -> SseStream {
         let resp = match sent {
             Ok(r) => r,
@@ -360,12 +450,12 @@ impl TestNode {
             ),
             Err(e) => panic!("request to the node failed: {e}\n{}", self.log_tail(30)),
         };
-        let status = resp.status();
-        let headers: Vec<(String, String)> = resp
-            .headers_names()
-            .into_iter()
-            .filter_map(|n| resp.header(&n).map(|v| (n.clone(), v.to_string())))
-            .collect();
+        assert_eq!(
+            resp.status(),
+            200,
+            "{what}: a stream of status {}",
+            resp.status()
+        );
         let ct = resp.content_type().to_string();
         assert_eq!(
             ct,
@@ -373,11 +463,7 @@ impl TestNode {
             "{what}: not an event stream: {}",
             resp.into_string().unwrap_or_default()
         );
-        SseStream {
-            status,
-            headers,
-            reader: BufReader::new(resp.into_reader()),
-        }
+        SseStream::new(resp.into_reader())
     }
 }
 
@@ -392,65 +478,6 @@ pub fn stdout(v: &Value) -> &str {
     v["stdout"]
         .as_str()
         .unwrap_or_else(|| panic!("no stdout: {v}"))
-}
-
-/// A raw HTTP/1.1 POST over a plain socket, for bodies a client library will not send whole:
-/// the body is written from another thread while the answer is read.
-pub fn raw_post(addr: &str, path: &str, body_len: usize, fill: u8) -> (u16, Value) {
-    let mut sock = TcpStream::connect(addr).expect("connect to the node");
-    sock.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {body_len}\r\nConnection: close\r\n\r\n"
-    );
-    sock.write_all(head.as_bytes()).expect("write the head");
-    let mut writer = sock.try_clone().expect("clone the socket");
-    let sender = std::thread::spawn(move || {
-        let prefix = b"{\"command\":\"true\",\"stdin\":\"";
-        let mut left = body_len;
-        let first = &prefix[..prefix.len().min(left)];
-        if writer.write_all(first).is_err() {
-            return;
-        }
-        left -= first.len();
-        let chunk = vec![fill; 1 << 20];
-        while left > 0 {
-            let n = left.min(chunk.len());
-            if writer.write_all(&chunk[..n]).is_err() {
-                return;
-            }
-            left -= n;
-        }
-    });
-    let mut reader = BufReader::new(sock.try_clone().expect("clone the socket"));
-    let mut status = 0u16;
-    let mut content_length = None;
-    loop {
-        let mut line = String::new();
-        let n = reader.read_line(&mut line).expect("read the answer");
-        assert!(n > 0, "the node closed the connection without an answer");
-        let line = line.trim_end();
-        if line.is_empty() {
-            if status == 100 {
-                status = 0;
-                continue;
-            }
-            break;
-        }
-        if let Some(rest) = line.strip_prefix("HTTP/1.1 ") {
-            status = rest[..3].parse().expect("status code");
-        } else if let Some((k, v)) = line.split_once(':') {
-            if k.eq_ignore_ascii_case("content-length") {
-                content_length = v.trim().parse::<usize>().ok();
-            }
-        }
-    }
-    let mut body = vec![0u8; content_length.expect("the answer has a Content-Length")];
-    reader.read_exact(&mut body).expect("read the answer body");
-    let _ = sock.shutdown(std::net::Shutdown::Both);
-    let _ = sender.join();
-    let v = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    (status, v)
 }
 
 /// Checks an error answer: the status, and a body of exactly

@@ -297,10 +297,8 @@ impl TestNode {
                     return Err(format!("sandboxd exited with {status}"));
                 }
             }
-            if let Ok(r) = self.http.get(&self.url("/healthz")).call() {
-                if r.status() == 200 {
-                    return Ok(());
-                }
+            if self.client().health(Duration::from_secs(5)).is_ok() {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 return Err(format!("GET /healthz did not answer in {timeout:?}"));
@@ -312,16 +310,11 @@ impl TestNode {
     /// The address the node's preview listener is bound to (`GET /internal/node`, with
     /// [`TestNode::auth`]); `None` when it is off.
     pub fn preview_addr(&self) -> Option<String> {
-        let mut req = self.http.get(&self.url("/internal/node"));
-        if let Some(a) = &self.auth {
-            req = req.set("Authorization", a);
-        }
-        let v: serde_json::Value = req
-            .call()
-            .expect("GET /internal/node")
-            .into_json()
-            .expect("the node object");
-        v["preview"]["listen"].as_str().map(str::to_string)
+        let info = self.ok("GET /internal/node", self.client().node_info());
+        info.other
+            .get("preview")
+            .and_then(|p| p["listen"].as_str())
+            .map(str::to_string)
     }
 
     pub fn url(&self, path: &str) -> String {
