@@ -2,6 +2,8 @@
 
 #![forbid(unsafe_code)]
 
+mod replica;
+
 use sbx_e2b as e2b;
 use sbx_front::listen;
 use sbx_functions::{self as functions, iii};
@@ -232,14 +234,69 @@ struct Cli {
     /// The private key (PEM) of --preview-tls-cert.
     #[arg(long, value_name = "FILE", requires = "preview_tls_cert")]
     preview_tls_key: Option<PathBuf>,
+    /// The fleet's control plane to join (`http://HOST:PORT` of `sandboxd control`): the node
+    /// registers with it and renews its lease by heartbeats (docs/fleet.md). Without it the
+    /// node stands alone.
+    #[arg(long, value_name = "URL", requires = "node_name")]
+    control: Option<String>,
+    /// The node's name in the fleet (1 to 64 letters, digits, `.`, `_`, `-`): the same name
+    /// keeps the same node id across restarts. Goes with --control.
+    #[arg(long, value_name = "NAME", requires = "control")]
+    node_name: Option<String>,
+    /// Where the control plane reaches this node's API (`http://HOST:PORT`). Default:
+    /// `http://` and --listen (which must then be an address others can reach).
+    #[arg(long, value_name = "URL", requires = "control")]
+    advertise_url: Option<String>,
+    /// The fleet's object store (`file:///path`, `s3://bucket/prefix`), for the sleeps and
+    /// snapshots that moves take (kept in the node's settings; moves come later).
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
     #[command(subcommand)]
     command: Option<Cmd>,
+}
+
+/// `sandboxd control`: the fleet's control plane.
+#[derive(clap::Args, Debug)]
+struct ControlArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7701")]
+    listen: SocketAddr,
+    /// Where the control plane keeps its state.
+    #[arg(long, default_value = "/var/lib/sbx-control")]
+    data_dir: PathBuf,
+    /// The database: `sqlite:/abs/path.db`, or `postgres://USER:PASSWORD@HOST:PORT/DB`.
+    /// Default: `sqlite:DATA_DIR/control.db`.
+    #[arg(long, value_name = "URL")]
+    db: Option<String>,
+    /// The fleet's object store (`file:///path`, `s3://bucket/prefix`), for moves (which come
+    /// later). Default: `file://DATA_DIR/store`.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// A node whose last heartbeat is older than this is `lost` (its sandboxes' calls are 503
+    /// until it comes back). Nodes heartbeat every third of it.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS", value_parser = parse_lease)]
+    node_lease_seconds: f64,
+    /// A file of API keys, one a line (the nodes' file: the control plane passes a caller's key
+    /// on to the node). Without it the control plane serves loopback callers only.
+    #[arg(long, value_name = "FILE")]
+    api_keys: Option<PathBuf>,
+}
+
+/// `--node-lease-seconds`: a number of seconds over 0 (at most a day).
+fn parse_lease(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds over 0")),
+    }
 }
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Serve the API (the default).
     Serve,
+    /// Run the fleet's control plane: nodes join it (`--control`), and its /v1 API places
+    /// sandboxes on them and passes every call of a sandbox to its node (docs/fleet.md).
+    Control(ControlArgs),
     /// Build the base image now (debootstrap from the machine's apt sources) and exit.
     BuildBase,
     /// Remove what no pulled image uses from the images directory (blobs, layers, refs, temp
@@ -332,7 +389,12 @@ fn run() -> anyhow::Result<()> {
         Ok((soft, hard)) => tracing::debug!(soft, hard, "open files limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
     }
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if matches!(cli.command, Some(Cmd::Control(_))) {
+        if let Some(Cmd::Control(args)) = cli.command.take() {
+            return run_control(args);
+        }
+    }
     let images_dir = cli
         .images_dir
         .clone()
@@ -358,8 +420,16 @@ fn run() -> anyhow::Result<()> {
             println!("removed {removed}");
             return Ok(());
         }
-        Some(Cmd::Serve) | None => {}
+        Some(Cmd::Serve) | Some(Cmd::Control(_)) | None => {}
     }
+    // The fleet's settings are checked before anything of the node is made.
+    let join = match &cli.control {
+        Some(control) => Some(join_config(&cli, control)?),
+        None => None,
+    };
+    // The fleet's object store, where sleeps and snapshots go (its URL checked now).
+    let blob_store =
+        (cli.store.as_deref().map(sbx_blob::Store::open).transpose()).context("--store")?;
     // The data directory is this node's alone (the database's lock): a second node stops here,
     // before it builds, makes or touches anything.
     std::fs::create_dir_all(cli.data_dir.join("sandboxes"))
@@ -416,6 +486,13 @@ fn run() -> anyhow::Result<()> {
         None => std::env::current_exe()
             .context("where is sandboxd")?
             .with_file_name("sbx-agent"),
+    };
+    let replicas: Option<Arc<dyn node::replica::Replicas>> = match blob_store {
+        Some(s) => Some(replica::BlobReplicas::new(
+            s,
+            replica::node_build(&cli.criu, &agent)?,
+        )),
+        None => None,
     };
     // The cgroup folder is this node's alone (its lock, taken before anything is made or
     // cleaned in it): a node on a folder another one holds stops here.
@@ -615,6 +692,7 @@ fn run() -> anyhow::Result<()> {
         .volumes(volumes)
         .net(net.clone())
         .preview(preview.as_ref().map(|p| p.settings.clone()))
+        .replicas(replicas)
         .build()
         .context("the volumes table")
         .map_err(release)?;
@@ -632,6 +710,7 @@ fn run() -> anyhow::Result<()> {
         gc_images(node.images.clone());
         functions::init(fn_cfg, cli.docs_url.clone(), node.clone());
         node.start_sleeper();
+        node.start_replicas();
         let cors_origins: Vec<String> = cli
             .cors_origins
             .iter()
@@ -686,6 +765,7 @@ fn run() -> anyhow::Result<()> {
             cli.iii_url,
             cors_origins,
             limits,
+            join,
         )
         .await
     })
@@ -787,6 +867,7 @@ fn gc_images(images: image::ImageStore) {
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     listen: SocketAddr,
     node: Arc<node::Node>,
@@ -795,6 +876,7 @@ async fn serve(
     iii_url: Option<String>,
     cors_origins: Vec<String>,
     limits: listen::Limits,
+    join: Option<sbx_control::join::JoinConfig>,
 ) -> anyhow::Result<()> {
     let state = Arc::new(http::AppState {
         node: node.clone(),
@@ -819,6 +901,9 @@ async fn serve(
         }
     };
     tracing::info!(%listen, "sandboxd serves");
+    // The fleet: the node joins its control plane once it serves (the control plane may send
+    // it calls from then on).
+    let joined = join.map(|j| sbx_control::join::start(j, node_capacity(node.clone())));
     node.refill();
     // The sandboxes are ended as soon as the node is told to stop: the graceful shutdown waits
     // for every open request, and a run's request lasts as long as its command.
@@ -831,8 +916,154 @@ async fn serve(
         }
     };
     listen::serve(listener, app, limits, stopping).await;
+    if let Some(j) = joined {
+        j.abort();
+    }
     node.shutdown().await;
     Ok(())
+}
+
+/// `sandboxd control`.
+fn run_control(args: ControlArgs) -> anyhow::Result<()> {
+    let api_keys = match &args.api_keys {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
+            let keys = sbx_control::auth::parse_keys(&text)
+                .with_context(|| format!("{} holds no key", p.display()))?;
+            Some(keys)
+        }
+        None => None,
+    };
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("mkdir {}", args.data_dir.display()))?;
+    let data_dir = std::fs::canonicalize(&args.data_dir)
+        .with_context(|| format!("resolve {}", args.data_dir.display()))?;
+    let cfg = sbx_control::ControlConfig {
+        listen: args.listen,
+        db_url: args
+            .db
+            .unwrap_or_else(|| sbx_control::ControlConfig::default_db_url(&data_dir)),
+        store_url: args
+            .store
+            .unwrap_or_else(|| sbx_control::ControlConfig::default_store_url(&data_dir)),
+        data_dir,
+        node_lease: Duration::from_secs_f64(args.node_lease_seconds),
+        api_keys,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    let listen = cfg.listen;
+    rt.block_on(sbx_control::serve(cfg, stop_signal()))
+        .map_err(|e| match e {
+            e @ sbx_control::ControlError::Listen { .. } => {
+                anyhow::Error::new(e).context(Listener {
+                    flag: "--listen",
+                    can_be_off: false,
+                })
+            }
+            e => anyhow::Error::new(e),
+        })
+        .with_context(|| format!("the control plane on {listen}"))
+}
+
+/// What a node joins its control plane with: its name, where it is reached, its build, a key.
+fn join_config(cli: &Cli, control: &str) -> anyhow::Result<sbx_control::join::JoinConfig> {
+    anyhow::ensure!(
+        control.starts_with("http://") && control.len() > "http://".len(),
+        "--control {control:?}: the control plane's URL is http://HOST:PORT"
+    );
+    let name = cli.node_name.clone().unwrap_or_default();
+    anyhow::ensure!(
+        sbx_control::server::valid_node_name(&name),
+        "--node-name {name:?}: 1 to 64 letters, digits, '.', '_' and '-'"
+    );
+    let url = match &cli.advertise_url {
+        Some(u) => {
+            anyhow::ensure!(
+                u.starts_with("http://") && u.len() > "http://".len(),
+                "--advertise-url {u:?}: where the control plane reaches this node, http://HOST:PORT"
+            );
+            u.trim_end_matches('/').to_string()
+        }
+        None => {
+            anyhow::ensure!(
+                !cli.listen.ip().is_unspecified(),
+                "--listen {} is no address the control plane can reach: give --advertise-url \
+                 http://HOST:PORT",
+                cli.listen
+            );
+            format!("http://{}", cli.listen)
+        }
+    };
+    let agent = match &cli.agent {
+        Some(a) => a.clone(),
+        None => std::env::current_exe()
+            .context("where is sandboxd")?
+            .with_file_name("sbx-agent"),
+    };
+    let agent_bytes =
+        std::fs::read(&agent).with_context(|| format!("read the agent {}", agent.display()))?;
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let criu = std::process::Command::new(&cli.criu)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    let build = sbx_control::join::build_id(&kernel, criu.as_deref(), &agent_bytes);
+    // The fleet shares one key file: any of the node's keys is the control plane's too.
+    let api_key = match &cli.api_keys {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
+            sbx_control::auth::parse_keys(&text).and_then(|k| k.into_iter().min())
+        }
+        None => None,
+    };
+    tracing::info!(
+        control = %control,
+        name = %name,
+        url = %url,
+        %build,
+        store = cli.store.as_deref().unwrap_or("none"),
+        "the node joins a fleet"
+    );
+    Ok(sbx_control::join::JoinConfig {
+        control: control.trim_end_matches('/').to_string(),
+        name,
+        url,
+        build,
+        api_key,
+    })
+}
+
+/// The node's room as it tells its control plane: its most sandboxes, those it holds now, the
+/// images it has (their references, pinned ones by digest, and the images of its ready
+/// templates).
+fn node_capacity(node: Arc<node::Node>) -> sbx_control::join::CapacityFn {
+    Arc::new(move || {
+        let mut images: Vec<String> = Vec::new();
+        for i in node.images.list() {
+            images.extend(i.references);
+        }
+        for t in node.template_objects() {
+            if t.status == "ready" {
+                images.push(t.image);
+            }
+        }
+        images.sort();
+        images.dedup();
+        sbx_control::db::Capacity {
+            max_sandboxes: u64::try_from(node.cfg.max_sandboxes).unwrap_or(u64::MAX),
+            sandboxes: u64::try_from(node.held_sandboxes()).unwrap_or(u64::MAX),
+            images,
+        }
+    })
 }
 
 async fn stop_signal() {

@@ -1,6 +1,6 @@
 //! HTTP routes of a sandbox's files, `/v1/sandboxes/{id}/files…`: parse the query (and a POST's
-//! JSON body) into [`FsParams`], then call the node (`crate::node::files`), which has the
-//! sandbox's agent do the work.
+//! JSON body) into sbx-api's [`FsParams`] and the request of the call, then call the node
+//! (`crate::node::files`), which has the sandbox's agent do the work.
 //!
 //! | method, path          | what                                                     |
 //! |-----------------------|----------------------------------------------------------|
@@ -18,10 +18,10 @@
 //! | POST …/files/tar      | a tar stream unpacked into a directory                   |
 //!
 //! The path is always `?path=`; the other parameters come in the query or, for POSTs, in a
-//! JSON object body. The node never holds a file: a request body becomes data frames as it
-//! is read (at most [`crate::agent::files::FRAME`] bytes gathered), data frames become the response body as they
-//! come (a queue of [`crate::agent::files::DOWNLOAD_QUEUE`] chunks); each side waits for the other, so a slow
-//! reader slows the writer and memory does not grow with the size of a file.
+//! JSON object body. The node never holds a file: a request body becomes the agent's data
+//! frames as it is read, its data frames become the response body as they come (a short
+//! queue of chunks); each side waits for the other, so a slow reader slows the writer and
+//! memory does not grow with the size of a file.
 
 use std::sync::Arc;
 
@@ -31,12 +31,15 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use axum::Json;
+use sbx_api::files::{
+    fs_invalid, FsCall, FsObject, FsParams, UnpackRequest, WriteRequest, UNPACK_FIELDS,
+    WRITE_FIELDS,
+};
 use sbx_api::{ApiError, ErrorCode};
-use sbx_proto::FsOp;
 use serde_json::{Map, Value};
 
 use super::{read_body, AppState, HttpError, HttpResult};
-use crate::node::files::{self, fs_invalid, FsCall, FsParams, FsReply};
+use crate::node::files::{FsRead, FsReply};
 
 type St = State<Arc<AppState>>;
 type Q = Result<Query<Vec<(String, String)>>, QueryRejection>;
@@ -60,7 +63,7 @@ async fn json_body(body: Body) -> Result<Option<Map<String, Value>>, ApiError> {
 }
 
 /// An operation's answer: its object, 201 when it made something.
-fn answer(r: FsReply) -> (StatusCode, Json<Value>) {
+fn answer(r: FsReply) -> (StatusCode, Json<FsObject>) {
     let status = if r.created {
         StatusCode::CREATED
     } else {
@@ -79,27 +82,22 @@ pub(super) async fn download(
     let p = params(q, None, &["path"])?;
     let path = p.path()?;
     let range = parse_range(&headers);
-    let op = match range {
-        None => FsOp::Read {
-            path,
-            offset: 0,
-            length: None,
-            tail: None,
-        },
-        Some(Want::From(a, b)) => FsOp::Read {
+    let read = match range {
+        None => FsRead::whole(path),
+        Some(Want::From(a, b)) => FsRead {
             path,
             offset: a,
             length: b.map(|b| b - a + 1),
             tail: None,
         },
-        Some(Want::Tail(n)) => FsOp::Read {
+        Some(Want::Tail(n)) => FsRead {
             path,
             offset: 0,
             length: None,
             tail: Some(n),
         },
     };
-    let o = st.node.fs_download(&id, op).await?;
+    let o = st.node.fs_read(&id, read).await?;
     let unsatisfiable = match range {
         None => false,
         Some(Want::From(a, _)) => a >= o.size,
@@ -174,10 +172,13 @@ pub(super) async fn upload(
     Path(id): Path<String>,
     q: Q,
     body: Body,
-) -> HttpResult<(StatusCode, Json<Value>)> {
-    let op = files::write_op(&params(q, None, files::WRITE_FIELDS)?)?;
-    let r = st.node.fs_upload(&id, op, body.into_data_stream()).await?;
-    Ok(answer(files::written_reply(r)?))
+) -> HttpResult<(StatusCode, Json<FsObject>)> {
+    let w = WriteRequest::parse(&params(q, None, WRITE_FIELDS)?)?;
+    let r = st
+        .node
+        .fs_write(&id, w.into(), body.into_data_stream())
+        .await?;
+    Ok(answer(r.reply()))
 }
 
 /// A body-less operation: its parameters from the query (and a POST's JSON body), run by the
@@ -188,20 +189,20 @@ async fn call(
     call: FsCall,
     q: Q,
     body: Option<Body>,
-) -> HttpResult<(StatusCode, Json<Value>)> {
+) -> HttpResult<(StatusCode, Json<FsObject>)> {
     let body = match body {
         Some(b) => json_body(b).await?,
         None => None,
     };
-    let p = params(q, body, call.fields())?;
-    Ok(answer(st.node.fs_call(id, call, &p).await?))
+    let req = call.request(&params(q, body, call.fields())?)?;
+    Ok(answer(st.node.fs_call(id, &req).await?))
 }
 
 pub(super) async fn list(
     State(st): St,
     Path(id): Path<String>,
     q: Q,
-) -> HttpResult<(StatusCode, Json<Value>)> {
+) -> HttpResult<(StatusCode, Json<FsObject>)> {
     call(&st, &id, FsCall::List, q, None).await
 }
 
@@ -209,7 +210,7 @@ pub(super) async fn stat(
     State(st): St,
     Path(id): Path<String>,
     q: Q,
-) -> HttpResult<(StatusCode, Json<Value>)> {
+) -> HttpResult<(StatusCode, Json<FsObject>)> {
     call(&st, &id, FsCall::Stat, q, None).await
 }
 
@@ -220,7 +221,7 @@ macro_rules! post_call {
             Path(id): Path<String>,
             q: Q,
             body: Body,
-        ) -> HttpResult<(StatusCode, Json<Value>)> {
+        ) -> HttpResult<(StatusCode, Json<FsObject>)> {
             call(&st, &id, $call, q, Some(body)).await
         }
     };
@@ -236,10 +237,7 @@ post_call!(sed, FsCall::Sed);
 /// `GET …/files/tar?path=`: a directory (or a file) as a tar stream.
 pub(super) async fn tar_down(State(st): St, Path(id): Path<String>, q: Q) -> HttpResult<Response> {
     let p = params(q, None, &["path"])?;
-    let o = st
-        .node
-        .fs_download(&id, FsOp::TarCreate { path: p.path()? })
-        .await?;
+    let o = st.node.fs_tar(&id, &p.path()?).await?;
     let mut resp = Response::new(Body::from_stream(o.chunks));
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -256,7 +254,7 @@ pub(super) async fn tar_up(
     q: Q,
     headers: HeaderMap,
     body: Body,
-) -> HttpResult<(StatusCode, Json<Value>)> {
+) -> HttpResult<(StatusCode, Json<FsObject>)> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         let ct = ct.to_str().unwrap_or("");
         let base = ct.split(';').next().unwrap_or("").trim();
@@ -271,16 +269,10 @@ pub(super) async fn tar_up(
             .into());
         }
     }
-    let p = params(q, None, &["path", "parents", "owner", "preserve_owners"])?;
-    let path = p.path()?;
-    let op = FsOp::TarExtract {
-        path: path.clone(),
-        parents: p.bool("parents", true)?,
-        owner: p.owner()?,
-        preserve_owners: p.bool("preserve_owners", false)?,
-    };
-    let r = st.node.fs_upload(&id, op, body.into_data_stream()).await?;
-    Ok(answer(files::unpacked_reply(r, &path)?))
+    let u = UnpackRequest::parse(&params(q, None, UNPACK_FIELDS)?)?;
+    let path = u.path.clone();
+    let r = st.node.fs_unpack(&id, u, body.into_data_stream()).await?;
+    Ok(answer(r.reply(&path)))
 }
 
 #[cfg(test)]

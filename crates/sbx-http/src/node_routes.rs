@@ -57,9 +57,10 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Json<serde_jso
         "templates": n.template_objects(),
         "network": n.net.as_ref().map(|net| net.info()),
         "checkpoints": n.checkpoints_info(),
-        "disk_bytes": disk["disk_bytes"],
-        "disk": disk["disk"],
-        "volumes": disk["volumes"],
+        "store": n.replicas_info(),
+        "disk_bytes": disk.disk_bytes,
+        "disk": disk.disk,
+        "volumes": disk.volumes,
         "preview": n.preview().map(|p| serde_json::json!({
             "listen": p.listen.to_string(),
             "domain": p.domain,

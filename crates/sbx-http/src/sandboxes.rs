@@ -252,7 +252,7 @@ fn with_token(st: &AppState, v: &mut Value) {
 pub(super) async fn build_template(
     State(st): St,
     body: Body,
-) -> HttpResult<(StatusCode, Json<Value>)> {
+) -> HttpResult<(StatusCode, Json<sbx_api::TemplateObject>)> {
     let bytes = read_body(body).await?;
     let c = sbx_api::parse_sandbox_create(&bytes)?;
     let (built, v) = st.node.build_template(c).await?;
@@ -345,9 +345,8 @@ pub(super) async fn patch(
     body: Body,
 ) -> HttpResult<Json<SandboxObject>> {
     let bytes = read_body(body).await?;
-    let v = serde_json::from_slice::<Value>(&bytes)
-        .map_err(|_| ApiError::new(ErrorCode::InvalidJson, "the body is not a JSON object"))?;
-    Ok(Json(st.node.patch_sandbox(&id, &v)?))
+    let patch = sbx_api::parse_sandbox_patch(&bytes)?;
+    Ok(Json(st.node.patch_sandbox(&id, patch)?))
 }
 
 pub(super) async fn delete(

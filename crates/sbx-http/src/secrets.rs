@@ -15,6 +15,7 @@ use axum::body::Body;
 use axum::extract::{Path as UrlPath, State};
 use axum::http::StatusCode;
 use axum::Json;
+use sbx_api::{SecretDeleted, SecretObject};
 use serde_json::{json, Value};
 
 use crate::node::credentials::{check_name, parse_put};
@@ -27,7 +28,7 @@ pub(super) async fn put(
     State(st): St,
     UrlPath(name): UrlPath<String>,
     body: Body,
-) -> HttpResult<(StatusCode, Json<Value>)> {
+) -> HttpResult<(StatusCode, Json<SecretObject>)> {
     check_name(&name)?;
     let bytes = read_body(body).await?;
     let (value, hosts) = parse_put(&bytes)?;
@@ -50,14 +51,14 @@ pub(super) async fn list(State(st): St) -> HttpResult<Json<Value>> {
 pub(super) async fn get_one(
     State(st): St,
     UrlPath(name): UrlPath<String>,
-) -> HttpResult<Json<Value>> {
+) -> HttpResult<Json<SecretObject>> {
     Ok(Json(st.node.secret_object(&name)?))
 }
 
 pub(super) async fn delete(
     State(st): St,
     UrlPath(name): UrlPath<String>,
-) -> HttpResult<Json<Value>> {
+) -> HttpResult<Json<SecretDeleted>> {
     check_name(&name)?;
     Ok(Json(st.node.delete_secret(&name)?))
 }

@@ -151,7 +151,7 @@ pub enum Source {
 }
 
 impl Source {
-    pub fn is_base(&self) -> bool {
+    pub(crate) fn is_base(&self) -> bool {
         matches!(self, Source::Local(i) if i.meta.name == "base")
     }
 }
@@ -159,7 +159,7 @@ impl Source {
 /// Why a pull failed, as a sandbox's `failure_code`: `registry_auth_failed` (the registry
 /// refused the credentials or wants some), `invalid_image` (no such image, or not one this node
 /// runs), `image_pull_failed` (the registry could not be reached, the disk).
-pub fn pull_failure_code(e: &sbx_image::ImageError) -> &'static str {
+pub(crate) fn pull_failure_code(e: &sbx_image::ImageError) -> &'static str {
     use sbx_image::ImageError as E;
     match e {
         E::Unauthorized { .. } => "registry_auth_failed",
@@ -201,12 +201,12 @@ struct LayerView {
 }
 
 /// Names the catalog resolves to the base image.
-pub const CATALOG: &[&str] = &["python", "node", "base"];
+pub(crate) const CATALOG: &[&str] = &["python", "node", "base"];
 
 /// What the base image has beyond Debian's minbase: the languages, and what a first command
 /// on the network usually needs (`pip install`, `git clone`, `curl`, TLS roots). A base image
 /// built with another list (an older node's) is built again at the next start.
-pub const BASE_PACKAGES: &[&str] = &[
+pub(crate) const BASE_PACKAGES: &[&str] = &[
     "python3",
     "nodejs",
     "procps",
@@ -219,12 +219,12 @@ pub const BASE_PACKAGES: &[&str] = &[
 
 /// The account the base image has beside root, as E2B's templates do (E2B's SDKs run
 /// commands as `user`, in `/home/user`, by default): uid and gid 1000, a login shell of bash.
-pub const BASE_USER: (&str, u32) = ("user", 1000);
+pub(crate) const BASE_USER: (&str, u32) = ("user", 1000);
 
 /// The `source` an image.json of the base image has when it holds [`BASE_PACKAGES`] and
 /// [`BASE_USER`].
 /// (The user comes first: a node of before it, which checks the end, takes the image too.)
-pub fn base_source(suite: &str) -> String {
+pub(crate) fn base_source(suite: &str) -> String {
     format!(
         "user {}; debootstrap {suite} minbase + {}",
         BASE_USER.0,
@@ -333,7 +333,7 @@ impl ImageStore {
 
     /// [`ImageStore::lookup`] for the owner of a private image (a create that names the
     /// login it was pulled with, of a template built with it): the store's copy serves.
-    pub fn lookup_private(&self, name: &str) -> Result<Source, ImageError> {
+    pub(crate) fn lookup_private(&self, name: &str) -> Result<Source, ImageError> {
         self.lookup_as(Some(name), true)
     }
 

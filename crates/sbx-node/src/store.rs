@@ -232,8 +232,42 @@ impl Store {
                 "ALTER TABLE execs ADD COLUMN stdin_closed INTEGER NOT NULL DEFAULT 0",
             )?;
         }
+        // Added for the fleet: the epoch a sandbox is held at (1 until it moves).
+        let has_epoch = conn
+            .prepare("SELECT 1 FROM pragma_table_info('sandboxes') WHERE name='epoch'")?
+            .exists([])?;
+        if !has_epoch {
+            conn.execute_batch(
+                "ALTER TABLE sandboxes ADD COLUMN epoch INTEGER NOT NULL DEFAULT 1",
+            )?;
+        }
         Ok(Store {
             conn: Mutex::new(conn),
+        })
+    }
+
+    /// The epoch sandbox `id` is held at (1 for one that is not in the table).
+    pub fn sandbox_epoch(&self, id: &str) -> Result<u64, StoreError> {
+        self.with(|c| {
+            c.row(
+                "SELECT epoch FROM sandboxes WHERE id=?1",
+                params![id],
+                |r| r.get::<_, i64>(0),
+            )
+            .optional()
+            .map(|e| e.map_or(1, |e| e.max(0) as u64))
+        })
+    }
+
+    /// Sets the epoch sandbox `id` is held at (a takeover's).
+    pub fn set_sandbox_epoch(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
+        let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
+        self.with(|c| {
+            c.run(
+                "UPDATE sandboxes SET epoch=?2 WHERE id=?1",
+                params![id, epoch],
+            )
+            .map(|_| ())
         })
     }
 
@@ -286,7 +320,7 @@ impl Store {
     }
 
     /// Writes a sandbox's spec (a PATCH of its rules).
-    pub fn update_sandbox_spec(&self, id: &str, spec: &str) -> Result<(), StoreError> {
+    pub(crate) fn update_sandbox_spec(&self, id: &str, spec: &str) -> Result<(), StoreError> {
         self.with(|c| {
             c.run(
                 "UPDATE sandboxes SET spec=?2 WHERE id=?1",
@@ -315,7 +349,7 @@ impl Store {
         })
     }
 
-    pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
+    pub(crate) fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
         self.with(|c| {
             c.run(
                 &format!("INSERT INTO snapshots ({SNAPSHOT_COLS}) VALUES (?1,?2,?3,?4,?5,?6,?7)"),
@@ -351,7 +385,7 @@ impl Store {
     }
 
     /// Records a command (one statement: its stdin already closed or not).
-    pub fn insert_exec(&self, e: &ExecRow, stdin_closed: bool) -> Result<(), StoreError> {
+    pub(crate) fn insert_exec(&self, e: &ExecRow, stdin_closed: bool) -> Result<(), StoreError> {
         self.with(|c| {
             c.run(
                 &format!(
@@ -373,7 +407,7 @@ impl Store {
         })
     }
 
-    pub fn set_exec_final(
+    pub(crate) fn set_exec_final(
         &self,
         sandbox_id: &str,
         exec_id: &str,
@@ -389,7 +423,11 @@ impl Store {
     }
 
     /// Records that a command's stdin is closed: later input is refused, not lost.
-    pub fn close_exec_stdin(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
+    pub(crate) fn close_exec_stdin(
+        &self,
+        sandbox_id: &str,
+        exec_id: &str,
+    ) -> Result<(), StoreError> {
         self.with(|c| {
             c.run(
                 "UPDATE execs SET stdin_closed=1 WHERE sandbox_id=?1 AND exec_id=?2",
@@ -400,7 +438,11 @@ impl Store {
     }
 
     /// Whether a command's stdin is closed (false for a command the table does not have).
-    pub fn exec_stdin_closed(&self, sandbox_id: &str, exec_id: &str) -> Result<bool, StoreError> {
+    pub(crate) fn exec_stdin_closed(
+        &self,
+        sandbox_id: &str,
+        exec_id: &str,
+    ) -> Result<bool, StoreError> {
         self.with(|c| {
             c.row(
                 "SELECT stdin_closed FROM execs WHERE sandbox_id=?1 AND exec_id=?2",
@@ -413,7 +455,7 @@ impl Store {
     }
 
     /// Forgets a command (the start command of an earlier boot, which a restart starts again).
-    pub fn delete_exec(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
+    pub(crate) fn delete_exec(&self, sandbox_id: &str, exec_id: &str) -> Result<(), StoreError> {
         self.with(|c| {
             c.run(
                 "DELETE FROM execs WHERE sandbox_id=?1 AND exec_id=?2",

@@ -66,6 +66,9 @@ const SUBVOL_ROOT_INO: u64 = 256;
 
 const BTRFS_IOCTL_MAGIC: u8 = 0x94;
 const VOL_NAME_MAX: usize = 4087;
+const SUBVOL_NAME_MAX: usize = 4039;
+/// `BTRFS_SUBVOL_RDONLY`: the snapshot is made read-only.
+const SUBVOL_RDONLY: u64 = 1 << 1;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
@@ -79,6 +82,16 @@ const QGROUP_INFO_KEY: u32 = 242;
 struct VolArgs {
     fd: i64,
     name: [u8; VOL_NAME_MAX + 1],
+}
+
+/// `btrfs_ioctl_vol_args_v2`: a snapshot's source, flags and name.
+#[repr(C)]
+struct VolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; SUBVOL_NAME_MAX + 1],
 }
 
 #[repr(C)]
@@ -373,6 +386,26 @@ pub fn make_subvolume(path: &Path, limit_bytes: u64, owner: Option<u32>) -> io::
         return Err(e);
     }
     Ok(())
+}
+
+/// Makes `dst` (a new name in a directory of the same btrfs) a read-only snapshot of the
+/// subvolume at `src`: what `src` holds at this instant, which later writes to `src` do not
+/// change (its extents are shared, nothing is copied). One ioctl; the kernel commits the
+/// filesystem's transaction first, so what was written to `src` is in it. Removed with
+/// [`remove_subvolume`].
+pub fn snapshot_readonly(src: &Path, dst: &Path) -> io::Result<()> {
+    let (parent, name) = split(dst)?;
+    if name.len() > SUBVOL_NAME_MAX {
+        return Err(io::Error::from_raw_os_error(libc::ENAMETOOLONG));
+    }
+    let sfd = open_dir(src)?;
+    let pfd = open_dir(parent)?;
+    // SAFETY: VolArgsV2 is plain old data (integers and bytes): all zeroes is a valid value.
+    let mut args: VolArgsV2 = unsafe { std::mem::zeroed() };
+    args.fd = i64::from(sfd.as_raw_fd());
+    args.flags = SUBVOL_RDONLY;
+    args.name[..name.len()].copy_from_slice(name);
+    ioctl_with(&pfd, iow::<VolArgsV2>(23), &mut args).map(drop)
 }
 
 /// Sets the size of the subvolume at `path`.
@@ -743,6 +776,7 @@ mod tests {
     #[test]
     fn ioctl_structs_have_the_kernels_sizes() {
         assert_eq!(std::mem::size_of::<VolArgs>(), 4096);
+        assert_eq!(std::mem::size_of::<VolArgsV2>(), 4096);
         assert_eq!(std::mem::size_of::<InoLookupArgs>(), 4096);
         assert_eq!(std::mem::size_of::<SearchArgs>(), 4096);
         assert_eq!(std::mem::size_of::<SearchKey>(), 104);
@@ -752,6 +786,8 @@ mod tests {
         // BTRFS_IOC_SUBVOL_CREATE and BTRFS_IOC_QGROUP_LIMIT as the kernel's headers give them.
         assert_eq!(iow::<VolArgs>(14), 0x5000_940e);
         assert_eq!(ior::<QgroupLimitArgs>(43), 0x8030_942b);
+        // BTRFS_IOC_SNAP_CREATE_V2.
+        assert_eq!(iow::<VolArgsV2>(23), 0x5000_9417);
     }
 
     /// A disk of its own (root, mkfs.btrfs): a subvolume's limit holds, its bytes are counted,
@@ -772,6 +808,17 @@ mod tests {
         make_subvolume(&sub, 8 << 20, Some(100_000)).expect("subvolume");
         assert!(is_subvolume(&sub));
         assert_eq!(fs::metadata(&sub).unwrap().uid(), 100_000);
+        // A read-only snapshot keeps what the subvolume held; later writes do not reach it.
+        fs::write(sub.join("kept"), b"before").unwrap();
+        let snap = disk.root().join("snap-a");
+        snapshot_readonly(&sub, &snap).expect("snapshot");
+        assert!(is_subvolume(&snap));
+        fs::write(sub.join("kept"), b"after").unwrap();
+        assert_eq!(fs::read(snap.join("kept")).unwrap(), b"before");
+        let denied = fs::write(snap.join("new"), b"x").expect_err("read-only");
+        assert_eq!(denied.raw_os_error(), Some(libc::EROFS), "{denied}");
+        remove_subvolume(&snap).expect("snapshot removed");
+        assert!(!snap.exists());
         let mut f = fs::File::create(sub.join("big")).unwrap();
         let chunk = vec![7u8; 1 << 20];
         let mut err = None;

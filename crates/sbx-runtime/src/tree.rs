@@ -44,6 +44,43 @@ pub fn copy_into(src: &Path, dst: &Path) -> io::Result<u64> {
     Ok(bytes)
 }
 
+/// Makes `dst` (which must not exist) a tree of hard links to what the tree at `src` holds:
+/// its directories made anew with their owners, modes, times and extended attributes, every
+/// other entry (file, symlink, device node, FIFO) linked, sockets left out. Nothing is copied:
+/// a cheap hold on what `src` holds now, which a later rename or removal in `src` does not
+/// change (a write into a file of `src` does: its file is the same). `dst` must be on the
+/// same mount as `src` (else EXDEV). Returns the entries linked.
+pub fn link_tree(src: &Path, dst: &Path) -> io::Result<u64> {
+    let meta = fs::symlink_metadata(src)?;
+    if !meta.is_dir() {
+        return Err(io::Error::other(format!(
+            "{} is not a directory",
+            src.display()
+        )));
+    }
+    link_dir(src, dst, &meta)
+}
+
+fn link_dir(src: &Path, dst: &Path, meta: &fs::Metadata) -> io::Result<u64> {
+    fs::create_dir(dst)?;
+    let mut n = 0;
+    for e in fs::read_dir(src)? {
+        let e = e?;
+        let m = fs::symlink_metadata(e.path())?;
+        let ft = m.file_type();
+        let to = dst.join(e.file_name());
+        if ft.is_dir() {
+            n += link_dir(&e.path(), &to, &m)?;
+        } else if !ft.is_socket() {
+            // link(2) links a symlink itself, never what it points to.
+            fs::hard_link(e.path(), &to)?;
+            n += 1;
+        }
+    }
+    copy_attrs(src, dst, meta)?;
+    Ok(n)
+}
+
 fn copy_children(src: &Path, dst: &Path, links: &mut Links) -> io::Result<u64> {
     let mut bytes = 0;
     for e in fs::read_dir(src)? {
@@ -201,6 +238,60 @@ mod tests {
             assert_eq!(&v[..n], b"y");
         }
         assert!(disk_usage(&dst) > 0);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// `link_tree` holds what a tree has now: its files the same inodes, its directories
+    /// made anew (mode, xattrs), symlinks linked as links; a rename or removal in the source
+    /// afterwards leaves the links as they were.
+    #[test]
+    fn a_tree_of_links_outlives_the_sources_renames() {
+        let root = std::env::temp_dir().join(format!("sbx-tree-link-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let src = root.join("src");
+        fs::create_dir_all(src.join("d/e")).unwrap();
+        fs::write(src.join("d/e/f"), b"hello").unwrap();
+        fs::set_permissions(src.join("d"), fs::Permissions::from_mode(0o750)).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", src.join("link")).unwrap();
+        let _sock = std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            rustix::fs::lsetxattr(
+                src.join("d"),
+                "trusted.overlay.opaque",
+                b"y",
+                rustix::fs::XattrFlags::empty(),
+            )
+            .unwrap();
+        }
+        let dst = root.join("dst");
+        assert_eq!(
+            link_tree(&src, &dst).unwrap(),
+            2,
+            "the file and the symlink"
+        );
+        let (a, b) = (
+            fs::metadata(src.join("d/e/f")).unwrap(),
+            fs::metadata(dst.join("d/e/f")).unwrap(),
+        );
+        assert_eq!(a.ino(), b.ino());
+        assert_eq!(fs::metadata(dst.join("d")).unwrap().mode() & 0o7777, 0o750);
+        assert_eq!(
+            fs::read_link(dst.join("link")).unwrap(),
+            Path::new("/etc/passwd")
+        );
+        assert!(!dst.join("sock").exists(), "sockets are left out");
+        if nix::unistd::geteuid().is_root() {
+            let mut v = [0u8; 8];
+            let n = rustix::fs::lgetxattr(dst.join("d"), "trusted.overlay.opaque", &mut v).unwrap();
+            assert_eq!(&v[..n], b"y");
+        }
+        // The source moves on: a file replaced by a rename, another removed.
+        fs::write(src.join("new"), b"other").unwrap();
+        fs::rename(src.join("new"), src.join("d/e/f")).unwrap();
+        fs::remove_file(src.join("link")).unwrap();
+        assert_eq!(fs::read(dst.join("d/e/f")).unwrap(), b"hello");
+        assert!(fs::symlink_metadata(dst.join("link")).is_ok());
+        assert!(link_tree(&src, &dst).is_err(), "dst must be new");
         fs::remove_dir_all(&root).unwrap();
     }
 

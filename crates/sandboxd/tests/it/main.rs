@@ -5,7 +5,6 @@
 mod common;
 
 mod agent;
-mod auth;
 mod bad_input;
 mod cleanup;
 mod cli;
@@ -33,6 +32,7 @@ mod seccomp;
 mod secrets;
 mod semantics;
 mod sleep;
+mod store;
 mod terminal;
 mod timeouts;
 mod volumes;

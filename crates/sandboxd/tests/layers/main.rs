@@ -52,6 +52,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("sbx-client", &["sbx-api"]),
+    // The fleet: the object store of sleeps and snapshots, and the control plane (a client of
+    // the nodes).
+    ("sbx-blob", &[]),
+    ("sbx-control", &["sbx-api", "sbx-client", "sbx-blob"]),
     ("sbx-cli", &["sbx-api", "sbx-client"]),
     (
         "sandboxd",
@@ -64,6 +68,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "sbx-preview",
             "sbx-functions",
             "sbx-http",
+            "sbx-blob",
+            "sbx-control",
         ],
     ),
     (

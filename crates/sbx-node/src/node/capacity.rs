@@ -19,20 +19,20 @@
 /// kept sandboxes here, 1.2 MB the least: the agent, its page tables, the kernel's objects of
 /// its namespaces, the page cache it touched) plus the node's own per sandbox (its resident
 /// memory grew by 150 KB per sandbox), rounded up: 1.5 MiB.
-pub const SANDBOX_MEMORY: u64 = 3 << 19;
+pub(crate) const SANDBOX_MEMORY: u64 = 3 << 19;
 
 /// Processes of one sandbox: an idle one has its agent alone (pids.current 1); one more for
 /// the command it runs.
-pub const SANDBOX_PIDS: u64 = 2;
+pub(crate) const SANDBOX_PIDS: u64 = 2;
 
 /// Descriptors the node holds per sandbox: 3 for an idle one (counted: its agent's pidfd, the
 /// copy registered for its connections, an idle connection to its agent), one more for a
 /// running command's watcher.
-pub const SANDBOX_FDS: u64 = 4;
+pub(crate) const SANDBOX_FDS: u64 = 4;
 
 /// Descriptors the node keeps for itself: database, listeners, logs, the network's, and the
 /// idle connections to agents beyond one per sandbox (256 in all at most).
-pub const NODE_FDS: u64 = 512;
+pub(crate) const NODE_FDS: u64 = 512;
 
 /// What the host has, as the node reads it at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,12 +172,12 @@ pub struct DiskRoom {
 /// subvolumes filled to their limits, 222 MiB less than its size (its metadata chunks took
 /// 205 MiB, its system chunks 16 MiB); a tenth and 64 MiB is 269 MiB. A larger disk's chunks
 /// are larger (1 GiB of data, 256 MiB of metadata, twice), which its tenth covers.
-pub fn disk_margin(size: u64) -> u64 {
+pub(crate) fn disk_margin(size: u64) -> u64 {
     (size / 10).saturating_add(64 << 20).min(size)
 }
 
 /// What a disk of `size` bytes may promise with `overcommit`.
-pub fn disk_room(size: u64, overcommit: f64) -> DiskRoom {
+pub(crate) fn disk_room(size: u64, overcommit: f64) -> DiskRoom {
     let margin = disk_margin(size);
     let promisable = (size - margin) as f64 * overcommit.max(0.0);
     DiskRoom {

@@ -11,11 +11,11 @@ use super::Node;
 use crate::sync::LockExt;
 
 /// How long an answer of the checks is reused.
-pub const REFRESH: Duration = Duration::from_secs(1);
+pub(crate) const REFRESH: Duration = Duration::from_secs(1);
 
 /// Free inodes under which the data disk counts as full (a sandbox's upper directory and its
 /// agent's files need some).
-pub const MIN_FREE_INODES: u64 = 4096;
+pub(crate) const MIN_FREE_INODES: u64 = 4096;
 
 /// One check and its outcome.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -63,7 +63,7 @@ impl Health {
 
 /// The last answer and when it was made.
 #[derive(Default)]
-pub struct HealthCache(Mutex<Option<(Instant, Arc<Health>)>>);
+pub(crate) struct HealthCache(Mutex<Option<(Instant, Arc<Health>)>>);
 
 /// The data disk's check: room and inodes above the margins.
 fn disk(path: &std::path::Path, min_bytes: u64) -> Result<(), String> {

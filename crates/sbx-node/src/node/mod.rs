@@ -11,6 +11,7 @@ pub mod health;
 mod machine;
 pub mod net;
 pub mod output;
+pub mod replica;
 mod run;
 pub mod runtime_settings;
 pub mod sandbox;
@@ -22,7 +23,7 @@ mod warm;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -71,6 +72,9 @@ pub struct NodeConfig {
     pub sleep_memory_below: u64,
 }
 
+/// How long a stop waits for the warm pool's refiller, then for the teardowns under way.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(30);
+
 /// A sandbox in the table.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -89,7 +93,8 @@ pub struct Node {
     pub templates: crate::node::templates::Templates,
     pub managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
     warm: Mutex<Vec<Warm>>,
-    refilling: AtomicBool,
+    /// True while the refiller runs (`warm.rs`); `shutdown` waits for it to turn false.
+    refilling: tokio::sync::watch::Sender<bool>,
     /// The warm sandbox the refiller is making (its directory and cgroups exist before it is
     /// ready): the node's own, never a run's leftover.
     warm_making: Mutex<Option<String>>,
@@ -101,7 +106,8 @@ pub struct Node {
     /// place.
     admission: Mutex<()>,
     live: Mutex<HashMap<String, Arc<Sandbox>>>,
-    teardowns: AtomicUsize,
+    /// Teardowns under way (`run.rs`); `shutdown` waits for none.
+    teardowns: tokio::sync::watch::Sender<usize>,
     /// Set when the node stops: no sandbox is made from then on.
     stopping: AtomicBool,
     /// The node's network (none: every sandbox has `lo` only).
@@ -118,9 +124,11 @@ pub struct Node {
     pub capacity: Option<capacity::Capacity>,
     /// The node's disk and the runs' volumes (none: no volumes).
     pub volumes: volume::Volumes,
+    /// The fleet's object store that sleeps and snapshots go to (none: not stored).
+    replicas: Option<replica::ReplicaQueue>,
 }
 
-pub fn stopping_error() -> ApiError {
+pub(crate) fn stopping_error() -> ApiError {
     ApiError::new(
         ErrorCode::Unavailable,
         "the node is stopping: its sandboxes are ended",
@@ -128,7 +136,7 @@ pub fn stopping_error() -> ApiError {
 }
 
 /// A run's pull that failed: 409 sandbox_failed, the failure code first in the message.
-pub fn pull_refused(reference: &str, e: &PullError) -> ApiError {
+pub(crate) fn pull_refused(reference: &str, e: &PullError) -> ApiError {
     tracing::info!(image = %reference, error = %e, "pull failed");
     ApiError::new(
         ErrorCode::SandboxFailed,
@@ -161,6 +169,7 @@ pub struct NodeBuilder {
     checkpoints: Option<checkpoint::Checkpoints>,
     capacity: Option<capacity::Capacity>,
     volumes: Option<volume::VolumeSettings>,
+    replicas: Option<Arc<dyn replica::Replicas>>,
 }
 
 impl NodeBuilder {
@@ -195,6 +204,12 @@ impl NodeBuilder {
         self
     }
 
+    /// The object store that sleeps and snapshots go to (`replica.rs`).
+    pub fn replicas(mut self, r: Option<Arc<dyn replica::Replicas>>) -> Self {
+        self.replicas = r;
+        self
+    }
+
     /// The node (its volumes' table made when it has volumes).
     pub fn build(self) -> Result<Arc<Node>, crate::store::StoreError> {
         let volumes = volume::Volumes::open(&self.store, self.volumes)?;
@@ -204,14 +219,14 @@ impl NodeBuilder {
             templates: self.templates,
             managed: Mutex::new(HashMap::new()),
             warm: Mutex::new(Vec::new()),
-            refilling: AtomicBool::new(false),
+            refilling: tokio::sync::watch::Sender::new(false),
             warm_making: Mutex::new(None),
             driver: self.driver,
             images: self.images,
             table: Mutex::new(Table::default()),
             admission: Mutex::new(()),
             live: Mutex::new(HashMap::new()),
-            teardowns: AtomicUsize::new(0),
+            teardowns: tokio::sync::watch::Sender::new(0),
             stopping: AtomicBool::new(false),
             net: self.net,
             preview: self.preview,
@@ -220,6 +235,7 @@ impl NodeBuilder {
             health: health::HealthCache::default(),
             capacity: self.capacity,
             volumes,
+            replicas: self.replicas.map(replica::ReplicaQueue::new),
         }))
     }
 }
@@ -227,7 +243,7 @@ impl NodeBuilder {
 impl Node {
     /// Gives back sandbox `id`'s network namespace, if it has one (after its processes are
     /// gone).
-    pub fn release_net(&self, id: &str) {
+    pub(crate) fn release_net(&self, id: &str) {
         if let Some(n) = self.net.as_ref() {
             n.release(id, false);
         }
@@ -235,17 +251,17 @@ impl Node {
 
     /// [`Node::release_net`] of a sandbox the driver destroyed: its namespace may be used
     /// again.
-    pub fn recycle_net(&self, id: &str) {
+    pub(crate) fn recycle_net(&self, id: &str) {
         if let Some(n) = self.net.as_ref() {
             n.release(id, true);
         }
     }
 
     /// For `GET /internal/node`.
-    pub fn checkpoints_info(&self) -> serde_json::Value {
+    pub fn checkpoints_info(&self) -> checkpoint::CheckpointsInfo {
         match self.checkpoints.as_ref() {
             Some(c) => c.info(),
-            None => serde_json::json!({ "available": false, "reason": "not checked yet" }),
+            None => checkpoint::CheckpointsInfo::off("not checked yet"),
         }
     }
 
@@ -275,10 +291,11 @@ impl Node {
             checkpoints: None,
             capacity: None,
             volumes: None,
+            replicas: None,
         }
     }
 
-    pub fn sandboxes_dir(&self) -> PathBuf {
+    pub(crate) fn sandboxes_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("sandboxes")
     }
 
@@ -360,7 +377,7 @@ impl Node {
 
     /// Teardowns still under way.
     pub fn pending_teardowns(&self) -> usize {
-        self.teardowns.load(Ordering::SeqCst)
+        *self.teardowns.borrow()
     }
 
     pub fn release(&self, id: &str) {
@@ -372,16 +389,16 @@ impl Node {
         }
     }
 
-    pub fn live_insert(&self, sb: &Arc<Sandbox>) {
+    pub(crate) fn live_insert(&self, sb: &Arc<Sandbox>) {
         self.live.locked().insert(sb.id.clone(), sb.clone());
     }
 
-    pub fn live_remove(&self, id: &str) {
+    pub(crate) fn live_remove(&self, id: &str) {
         self.live.locked().remove(id);
     }
 
     /// Reserves a name for sandbox `id` (409 name_taken when another has it).
-    pub fn reserve_name(&self, name: Option<&str>, id: &str) -> Result<(), ApiError> {
+    pub(crate) fn reserve_name(&self, name: Option<&str>, id: &str) -> Result<(), ApiError> {
         let Some(n) = name else {
             return Ok(());
         };
@@ -399,7 +416,7 @@ impl Node {
         }
     }
 
-    pub fn release_name(&self, name: Option<&str>) {
+    pub(crate) fn release_name(&self, name: Option<&str>) {
         if let Some(n) = name {
             self.table.locked().names.remove(n);
         }
@@ -410,22 +427,27 @@ impl Node {
         self.stopping.store(true, Ordering::SeqCst);
         // A warm sandbox being made is not left behind: the refiller ends it once made (it
         // sees the node stopping), and stops; at most 30 s (a create's own limits are less).
-        for _ in 0..3000 {
-            if !self.refilling.load(Ordering::SeqCst) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut refilling = self.refilling.subscribe();
+        if tokio::time::timeout(SHUTDOWN_WAIT, refilling.wait_for(|busy| !*busy))
+            .await
+            .is_err()
+        {
+            tracing::warn!("the warm pool's refiller did not stop in 30 s");
         }
         self.drain_warm();
         let all: Vec<Arc<Sandbox>> = self.live.locked().drain().map(|(_, s)| s).collect();
         for sb in all {
             self.teardown(sb);
         }
-        for _ in 0..3000 {
-            if self.pending_teardowns() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut teardowns = self.teardowns.subscribe();
+        if tokio::time::timeout(SHUTDOWN_WAIT, teardowns.wait_for(|n| *n == 0))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                pending = self.pending_teardowns(),
+                "teardowns still under way after 30 s"
+            );
         }
         // Kept sandboxes run on (the next node adopts them): their groups keep the folder,
         // and the network's table keeps them fenced in. With none, nothing of the node stays.

@@ -112,7 +112,7 @@ impl Tail {
             flat: Vec::new(),
         }
     }
-    pub fn push_bytes(&mut self, data: Bytes) {
+    pub(crate) fn push_bytes(&mut self, data: Bytes) {
         if data.is_empty() {
             return;
         }

@@ -1,7 +1,6 @@
 //! `POST /v1/run`'s action: plan (refusals, limits, a name reserved, a warm sandbox taken),
 //! run (the command's events sent as they come), teardown.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -124,9 +123,11 @@ impl Node {
         };
         // A warm sandbox serves a run of the base image whose machine it can become: any
         // limits (set on its cgroup), but not another hostname or a /tmp in memory.
-        let egress = self.check_egress(req.egress.as_ref(), self.has_net())?;
-        let resolv_conf = self.resolv_for(req.runtime.as_ref(), self.has_net());
-        let runtime = super::runtime_settings::settings(req.runtime.as_ref());
+        let given = super::sandbox::egress_of(req.egress.as_ref())?;
+        let egress = self.check_egress(given.as_ref(), self.has_net())?;
+        let rt = super::runtime_settings::of_request(req.runtime.as_ref())?;
+        let resolv_conf = self.resolv_for(rt.as_ref(), self.has_net());
+        let runtime = super::runtime_settings::settings(rt.as_ref());
         let can_be_warm = resolv_conf.is_none()
             && runtime.is_empty()
             && image.is_base()
@@ -212,7 +213,7 @@ impl Node {
     }
 
     pub fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
-        self.teardowns.fetch_add(1, Ordering::SeqCst);
+        self.teardowns.send_modify(|n| *n += 1);
         // Connections kept for its next call would outlive it (a descriptor each).
         crate::agent::close_idle(&sb.socket);
         let node = self.clone();
@@ -235,11 +236,11 @@ impl Node {
             if let Err(e) = sbx_runtime::driver::remove_dir(&sb.dir) {
                 tracing::warn!(sandbox = %sb.id, error = %e, "remove sandbox directory");
             }
-            node.teardowns.fetch_sub(1, Ordering::SeqCst);
+            node.teardowns.send_modify(|n| *n = n.saturating_sub(1));
         });
     }
 
-    pub async fn run_inner(
+    pub(crate) async fn run_inner(
         self: &Arc<Self>,
         mut plan: RunPlan,
         tx: &mpsc::Sender<RunEvent>,
@@ -403,7 +404,7 @@ impl Node {
     }
 
     /// Ends a sandbox of the node's live table now (in the background).
-    pub fn end_run_sandbox(self: &Arc<Self>, id: &str) {
+    pub(crate) fn end_run_sandbox(self: &Arc<Self>, id: &str) {
         let sb = self.live.locked().remove(id);
         if let Some(sb) = sb {
             self.teardown(sb);

@@ -1,7 +1,6 @@
 //! The warm pool: sandboxes of the base image made ahead, their agents' hellos read, taken
 //! by runs and boots that fit them, refilled in the background.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,7 +38,7 @@ impl Node {
     }
 
     /// Takes a warm sandbox (out of the node's live table: the caller keeps it).
-    pub fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
+    pub(crate) fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
         let w = self.take_live_warm();
         // Refilled whether one was taken or every one was found dead.
         self.refill();
@@ -49,7 +48,7 @@ impl Node {
     }
 
     /// Whether the pool has fewer sandboxes than it keeps.
-    pub fn warm_below_target(&self) -> bool {
+    pub(crate) fn warm_below_target(&self) -> bool {
         self.warm.locked().len() < self.cfg.warm_pool
     }
 
@@ -69,7 +68,7 @@ impl Node {
 
     /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
     pub fn refill(self: &Arc<Self>) {
-        if self.cfg.warm_pool == 0 || self.refilling.swap(true, Ordering::SeqCst) {
+        if self.cfg.warm_pool == 0 || self.refilling.send_replace(true) {
             return;
         }
         let node = self.clone();
@@ -136,11 +135,11 @@ impl Node {
                     }
                 }
             }
-            node.refilling.store(false, Ordering::SeqCst);
+            node.refilling.send_replace(false);
         });
     }
 
-    pub fn drain_warm(self: &Arc<Self>) {
+    pub(crate) fn drain_warm(self: &Arc<Self>) {
         let warm: Vec<Warm> = self.warm.locked().drain(..).collect();
         for w in warm {
             let sb = self.live.locked().remove(&w.sandbox.id);

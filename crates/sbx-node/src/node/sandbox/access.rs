@@ -54,7 +54,7 @@ impl SandboxToken {
 
 /// `#[serde(with = "…::sealed_token")]` for a sandbox's token in its stored spec: sealed with
 /// the node key (`sealed:v1:` + base64), as `secret_env` is.
-pub mod sealed_token {
+pub(crate) mod sealed_token {
     use super::*;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -109,7 +109,7 @@ pub struct PreviewSettings {
 impl PreviewSettings {
     /// The preview URL of sandbox `id` with the literal `{port}` where the port goes; the
     /// listener's port left out when it is the scheme's own.
-    pub fn url_of(&self, id: &str) -> String {
+    pub(crate) fn url_of(&self, id: &str) -> String {
         let (scheme, default_port) = if self.tls {
             ("https", 443)
         } else {

@@ -19,7 +19,7 @@ impl Node {
     /// The machine of `m` and what it starts: its image resolved (its template's, pinned by
     /// digest, once the template is built; a pulled image from the node's store, pulled again
     /// when the store no longer has it). Errors carry the sandbox's failure code.
-    pub async fn machine_spec(
+    pub(crate) async fn machine_spec(
         &self,
         m: &Managed,
     ) -> Result<(SandboxSpec, Resolved), (&'static str, ApiError)> {
@@ -85,7 +85,7 @@ impl Node {
         Ok((spec, resolved))
     }
 
-    pub fn base_env(m: &Managed) -> Vec<(String, String)> {
+    pub(crate) fn base_env(m: &Managed) -> Vec<(String, String)> {
         let mut env: Vec<(String, String)> = m.spec.env.clone().into_iter().collect();
         env.extend(m.spec.secret_env.clone());
         env
@@ -200,7 +200,7 @@ impl Node {
     /// Boots `m` as its template's plan says: the base template and a built one at once; the
     /// first sandbox of new settings builds the template (and reports its end to the other
     /// first sandboxes, which wait for it, then boot from it).
-    pub async fn boot_planned(
+    pub(crate) async fn boot_planned(
         self: &Arc<Self>,
         m: &Arc<Managed>,
         warm: Option<Arc<Sandbox>>,
@@ -265,7 +265,7 @@ impl Node {
     }
 
     /// Ends a warm machine taken for a sandbox that will not use it.
-    pub fn give_back_warm(self: &Arc<Self>, warm: Option<Arc<Sandbox>>) {
+    pub(crate) fn give_back_warm(self: &Arc<Self>, warm: Option<Arc<Sandbox>>) {
         if let Some(sb) = warm {
             self.live_insert(&sb);
             self.end_run_sandbox(&sb.id);
@@ -338,7 +338,7 @@ impl Node {
 
     /// One try of a `ready.command`: `Ok(Err(what))` when it did not pass, `Err` when the
     /// agent could not run it.
-    pub async fn ready_command_once(
+    pub(crate) async fn ready_command_once(
         &self,
         m: &Managed,
         sb: &Sandbox,
@@ -385,7 +385,7 @@ impl Node {
         )))
     }
 
-    pub fn set_failed(&self, m: &Managed, code: &str, why: &str) {
+    pub(crate) fn set_failed(&self, m: &Managed, code: &str, why: &str) {
         {
             let mut row = m.row.locked();
             row.status = "failed".into();

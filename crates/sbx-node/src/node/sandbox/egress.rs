@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use sbx_api::egress::{merge, Egress};
-use sbx_api::{ApiError, ErrorCode, SandboxObject};
+use sbx_api::egress::Egress;
+use sbx_api::{ApiError, EgressRules, ErrorCode, SandboxObject, SandboxPatch};
 use serde_json::Value;
 
 use crate::node::credentials::{host_allowed, not_found};
@@ -13,26 +13,31 @@ use crate::node::sandbox::Managed;
 use crate::node::Node;
 use crate::sync::LockExt;
 
+/// The rules of a request (`egress` of a run or a create, checked for their shape when it was
+/// parsed), as given; `None`: not given, or null.
+pub(crate) fn egress_of(given: Option<&Value>) -> Result<Option<EgressRules>, ApiError> {
+    given
+        .filter(|v| !v.is_null())
+        .map(EgressRules::from_value)
+        .transpose()
+}
+
 impl Node {
-    /// The rules of a create or a run (`None`: none given, or none that say anything), with
-    /// the secrets of `inject` checked: 404 secret_not_found, 403 secret_host_not_allowed.
-    /// A sandbox without the node's network cannot have rules: 503 not_served_here.
-    pub fn check_egress(
+    /// The rules in force of rules as given (`None`: none given, or none that say anything),
+    /// with the secrets of `inject` checked: 404 secret_not_found, 403
+    /// secret_host_not_allowed. A sandbox without the node's network cannot have rules: 503
+    /// not_served_here.
+    pub(crate) fn check_egress(
         &self,
-        given: Option<&Value>,
+        given: Option<&EgressRules>,
         network: bool,
     ) -> Result<Option<Arc<Egress>>, ApiError> {
-        let mut v = match given.filter(|v| !v.is_null()) {
-            Some(v) => v.clone(),
-            None if self.cfg.egress_default_deny && network => serde_json::json!({}),
+        let deny = self.cfg.egress_default_deny;
+        let e = match given {
+            Some(rules) => rules.rules(deny)?,
+            None if deny && network => EgressRules::default().rules(true)?,
             None => return Ok(None),
         };
-        if let Some(obj) = v.as_object_mut() {
-            if self.cfg.egress_default_deny && obj.get("default").is_none_or(Value::is_null) {
-                obj.insert("default".into(), Value::from("deny"));
-            }
-        }
-        let e = Egress::parse(&v)?;
         if e == Egress::default() {
             return Ok(None);
         }
@@ -72,7 +77,7 @@ impl Node {
 
     /// Puts sandbox `id`'s rules in force (its namespace leased already); a failure is a 500
     /// (the sandbox must not run without its rules).
-    pub fn apply_egress(&self, id: &str, e: Option<Arc<Egress>>) -> Result<(), ApiError> {
+    pub(crate) fn apply_egress(&self, id: &str, e: Option<Arc<Egress>>) -> Result<(), ApiError> {
         let Some(net) = self.net.as_ref() else {
             return Ok(());
         };
@@ -82,90 +87,42 @@ impl Node {
         })
     }
 
-    /// `PATCH /v1/sandboxes/{id}`: `{"egress": {...}}` merged key by key into the sandbox's
-    /// rules (a null key removes it), in force for its next connection or question.
+    /// `PATCH /v1/sandboxes/{id}` (sbx-api's [`sbx_api::parse_sandbox_patch`]): `egress` merged
+    /// key by key into the sandbox's rules (a null key removes it), in force for its next
+    /// connection or question; `expires_at`; `held_asleep`. The rules as merged are checked
+    /// before anything changes.
     pub fn patch_sandbox(
         self: &Arc<Self>,
         id: &str,
-        body: &Value,
+        patch: SandboxPatch,
     ) -> Result<SandboxObject, ApiError> {
-        let Some(obj) = body.as_object() else {
-            return Err(ApiError::new(
-                ErrorCode::InvalidJson,
-                "the body is not a JSON object",
-            ));
-        };
-        if let Some(k) = obj
-            .keys()
-            .find(|k| !matches!(k.as_str(), "egress" | "expires_at" | "held_asleep"))
-        {
-            return Err(ApiError::new(
-                ErrorCode::UnknownField,
-                format!(
-                    "{k} is not a field this call takes (egress, expires_at and held_asleep are)"
-                ),
-            )
-            .with_param(k.clone()));
-        }
         let m = self.managed(id)?;
-        let held = match obj.get("held_asleep") {
-            None => None,
-            Some(Value::Null) => Some(false),
-            Some(Value::Bool(b)) => Some(*b),
-            Some(_) => {
-                return Err(ApiError::invalid_field(
-                    "held_asleep",
-                    "held_asleep must be true, false or null",
-                ))
-            }
-        };
-        let expires_at = match obj.get("expires_at") {
-            None => None,
-            Some(Value::Null) => Some(None),
-            Some(Value::String(s)) => Some(Some(s.clone())),
-            Some(_) => {
-                return Err(ApiError::invalid_field(
-                    "expires_at",
-                    "expires_at must be an RFC 3339 time or null",
-                ))
-            }
-        };
-        if let Some(h) = held {
-            // The rules are checked before anything changes.
-            if let Some(e) = obj.get("egress").filter(|e| e.is_object()) {
-                let merged = merge(m.egress.locked().as_ref(), e);
+        let SandboxPatch {
+            egress,
+            expires_at,
+            held_asleep,
+        } = patch;
+        if held_asleep.is_some() || expires_at.is_some() {
+            if let Some(Some(keys)) = &egress {
+                let merged = EgressRules::merge(m.egress.locked().as_ref(), keys)?;
                 self.check_egress(merged.as_ref(), m.spec.network)?;
             }
+        }
+        if let Some(h) = held_asleep {
             self.set_held(&m, h)?;
         }
         if let Some(at) = expires_at {
-            if let Some(e) = obj.get("egress") {
-                // Both or neither: the rules are checked before the expiry changes.
-                let merged = merge(m.egress.locked().as_ref(), e);
-                if !e.is_null() {
-                    self.check_egress(merged.as_ref(), m.spec.network)?;
-                }
-            }
             self.set_expiry(&m, at)?;
         }
-        let Some(patch) = obj.get("egress") else {
+        let Some(egress) = egress else {
             return Ok(self.sandbox_object(&m));
         };
         // Under the sandbox's rules' lock, as a boot puts them in force (`apply_egress_of`):
         // whichever comes second puts in force the latest.
         let mut kept = m.egress.locked();
-        let current = kept.clone();
-        let merged = if patch.is_null() {
-            None
-        } else {
-            if !patch.is_object() {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidEgress,
-                    "egress must be an object or null",
-                )
-                .with_param("egress"));
-            }
-            merge(current.as_ref(), patch)
+        let merged = match &egress {
+            None => None,
+            Some(keys) => EgressRules::merge(kept.as_ref(), keys)?,
         };
         let rules = self.check_egress(merged.as_ref(), m.spec.network)?;
         let mut spec = m.spec.clone();
@@ -186,7 +143,7 @@ impl Node {
     }
 
     /// Puts a kept sandbox's current rules in force (at each boot, before its start command).
-    pub fn apply_egress_of(&self, m: &Managed) -> Result<(), ApiError> {
+    pub(crate) fn apply_egress_of(&self, m: &Managed) -> Result<(), ApiError> {
         let kept = m.egress.locked();
         let rules = self.check_egress(kept.as_ref(), m.spec.network)?;
         self.apply_egress(&m.id, rules)

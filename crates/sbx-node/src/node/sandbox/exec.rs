@@ -21,7 +21,7 @@ pub(super) const ROW_AFTER: Duration = Duration::from_millis(5);
 /// A command's place among its sandbox's running commands (`Managed::running`, the cap of
 /// `max_execs_per_sandbox`): held from before the command starts until its end is recorded,
 /// given back when dropped, on every path (it did not start, it ended, its watcher is done).
-pub struct ExecSlot {
+pub(crate) struct ExecSlot {
     m: Arc<Managed>,
     exec_id: String,
     /// False when the id was in the set already (not this slot's to give back).
@@ -70,7 +70,7 @@ pub(super) fn stdin_open_of(req: &ExecRequest) -> bool {
 impl Node {
     /// Starts a command in `sb` and records it. `stdin` is sent before the answer; with
     /// `close` stdin is closed after it.
-    pub async fn start_exec(
+    pub(crate) async fn start_exec(
         self: &Arc<Self>,
         m: &Arc<Managed>,
         sb: &Arc<Sandbox>,
@@ -164,7 +164,7 @@ impl Node {
     }
 
     /// Waits for a command to end, then records its final object and gives back its slot.
-    pub fn watch_exec(
+    pub(crate) fn watch_exec(
         self: &Arc<Self>,
         m: Arc<Managed>,
         sb: Arc<Sandbox>,

@@ -43,7 +43,10 @@ impl Node {
             expires_in_ms,
             volumes,
         } = self.check_machine(&req, true)?;
-        self.check_egress(req.egress.as_ref(), network)?;
+        self.check_egress(
+            super::egress::egress_of(req.egress.as_ref())?.as_ref(),
+            network,
+        )?;
         let mut spec = self.stored_spec(&req, &limits)?;
         spec.network = network;
         spec.volumes = volumes;
@@ -147,7 +150,7 @@ impl Node {
     pub async fn build_template(
         self: &Arc<Self>,
         c: SandboxCreate,
-    ) -> Result<(bool, serde_json::Value), ApiError> {
+    ) -> Result<(bool, sbx_api::TemplateObject), ApiError> {
         let req = &c.spec;
         let not_for_a_template = [
             ("name", req.name.is_some()),
@@ -201,7 +204,7 @@ impl Node {
 
     /// What the node keeps of a create (after `check_machine`): its settings, those of the
     /// template it names, and its template's key.
-    pub fn stored_spec(
+    pub(crate) fn stored_spec(
         &self,
         req: &sbx_api::RunRequest,
         limits: &Limits,
@@ -241,8 +244,8 @@ impl Node {
             image_pull_secret: req.image_pull_secret.clone(),
             template: None,
             network: false,
-            egress: req.egress.clone().filter(|v| !v.is_null()),
-            runtime: req.runtime.clone().filter(|v| !v.is_null()),
+            egress: super::egress::egress_of(req.egress.as_ref())?,
+            runtime: crate::node::runtime_settings::of_request(req.runtime.as_ref())?,
             public_ports: req.public_ports.clone(),
             public_ports_except: req.public_ports_except.clone(),
             token: None,
@@ -270,7 +273,7 @@ impl Node {
     /// A create that names a template (`template: "img-…"`): its image and the settings that
     /// made it; the create's own env is added to the template's. Its shape is the template's:
     /// another is 400 invalid_field (param limits).
-    pub fn apply_template(
+    pub(crate) fn apply_template(
         &self,
         spec: &mut StoredSpec,
         key: &str,
@@ -316,7 +319,7 @@ impl Node {
         Ok(())
     }
 
-    pub fn expire_at(self: &Arc<Self>, m: &Arc<Managed>, ms: u64) {
+    pub(crate) fn expire_at(self: &Arc<Self>, m: &Arc<Managed>, ms: u64) {
         let node = self.clone();
         let id = m.id.clone();
         let armed = m.expiry.locked().1;
@@ -353,7 +356,7 @@ impl Node {
 
     /// Sets when a kept sandbox expires (`None`: never), kept across restarts; the timer
     /// armed before is void.
-    pub fn set_expiry(
+    pub(crate) fn set_expiry(
         self: &Arc<Self>,
         m: &Arc<Managed>,
         at: Option<String>,
@@ -385,7 +388,7 @@ impl Node {
     }
 
     /// Stops the start command (its stop signal, then grace), then ends the machine.
-    pub async fn end_machine(self: &Arc<Self>, m: &Arc<Managed>) {
+    pub(crate) async fn end_machine(self: &Arc<Self>, m: &Arc<Managed>) {
         // The machine stays visible until its commands' final objects are recorded: a command
         // asked about meanwhile is answered by the agent, then by its record.
         let Some(sb) = m.machine() else {
@@ -445,7 +448,7 @@ impl Node {
         }
     }
 
-    pub async fn record_finals(&self, m: &Arc<Managed>, sb: &Sandbox) {
+    pub(crate) async fn record_finals(&self, m: &Arc<Managed>, sb: &Sandbox) {
         let states = match one_shot(&sb.socket, &HostMsg::List).await {
             Ok(AgentMsg::Execs { execs }) => execs,
             _ => Vec::new(),
@@ -522,7 +525,7 @@ impl Node {
     /// Watches the agent of `m`'s machine `sb` through a pidfd: when it ends while `sb` is
     /// still the machine (not ended by a delete or a restart), the sandbox is failed at once
     /// with `agent_lost`, as a node that starts and finds an agent gone marks it (`recover`).
-    pub fn watch_agent(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+    pub(crate) fn watch_agent(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
         // A second descriptor of the node's pidfd of the agent: readable once it has ended.
         let fd = match sb.netns_handle().and_then(sbx_runtime::process::async_fd) {
             Ok(fd) => fd,
@@ -546,7 +549,7 @@ impl Node {
     /// a restart: they hold the sandbox's op lock while they do), the sandbox is `failed`
     /// (`agent_lost`), its unfinished commands recorded as killed, its cgroups and directory
     /// removed.
-    pub async fn agent_ended(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+    pub(crate) async fn agent_ended(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
         let _op = m.op.lock().await;
         let current = m.machine().is_some_and(|now| Arc::ptr_eq(&now, sb));
         if !current {

@@ -12,6 +12,7 @@ pub mod sleep;
 mod snapshot;
 
 pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
+pub(crate) use egress::egress_of;
 pub use exec::Attached;
 use exec::*;
 use output::*;
@@ -19,7 +20,9 @@ use output::*;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use sbx_api::{ApiError, Command, ErrorCode, SandboxLimits, SandboxObject, SandboxStatus};
+use sbx_api::{
+    ApiError, Command, EgressRules, ErrorCode, SandboxLimits, SandboxObject, SandboxStatus,
+};
 use sbx_runtime::Sandbox;
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +35,7 @@ use crate::store::SandboxRow;
 use crate::sync::LockExt;
 
 /// The id of the start command's exec.
-pub const START_EXEC: &str = "exe-start";
+pub(crate) const START_EXEC: &str = "exe-start";
 
 /// What the node keeps of a create, to make the machine again.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -77,10 +80,10 @@ pub struct StoredSpec {
     /// Its egress rules as the calls gave them (a PATCH merges into them); the current ones
     /// are `Managed::egress`.
     #[serde(default)]
-    pub egress: Option<serde_json::Value>,
-    /// `runtime` as given (only `dns` is served: its resolv.conf, written at each boot).
-    #[serde(default)]
-    pub runtime: Option<serde_json::Value>,
+    pub egress: Option<EgressRules>,
+    /// `runtime` as given, in its canonical form (one that no longer parses reads as none).
+    #[serde(default, deserialize_with = "crate::node::runtime_settings::read_kept")]
+    pub runtime: Option<sbx_api::run::Runtime>,
     /// Ports anybody may open at the sandbox's preview URL (`public_ports`, as given).
     #[serde(default)]
     pub public_ports: Vec<u16>,
@@ -140,7 +143,7 @@ impl SandboxRow {
 
 impl StoredSpec {
     /// Whether start, start_command or ready was given: then the image's labels are not read.
-    pub fn start_given(&self) -> bool {
+    pub(crate) fn start_given(&self) -> bool {
         self.start.is_some()
             || self.start_command.is_some()
             || self.ready_command.is_some()
@@ -148,7 +151,7 @@ impl StoredSpec {
     }
 
     /// The settings that make its template.
-    pub fn template_settings(&self) -> Settings {
+    pub(crate) fn template_settings(&self) -> Settings {
         let nothing_started =
             self.start == Some(false) || (self.image == "base" && !self.start_given());
         Settings {
@@ -283,7 +286,7 @@ impl Cancel {
         self.0.send_replace(true);
     }
 
-    pub fn is_set(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         *self.0.borrow()
     }
 
@@ -313,7 +316,7 @@ pub struct Managed {
     resolved: Mutex<Resolved>,
     cancel: Cancel,
     /// Its egress rules as kept (a PATCH changes them).
-    pub egress: Mutex<Option<serde_json::Value>>,
+    pub egress: Mutex<Option<EgressRules>>,
     /// When it expires (a PATCH changes it), and the number of the timer in force: a timer
     /// armed before the last change does nothing when it fires.
     pub expiry: Mutex<(Option<String>, u64)>,
@@ -381,7 +384,7 @@ fn not_found(id: &str) -> ApiError {
     ApiError::new(ErrorCode::SandboxNotFound, format!("no sandbox {id}"))
 }
 
-pub fn wrong_state(status: SandboxStatus, what: &str) -> ApiError {
+pub(crate) fn wrong_state(status: SandboxStatus, what: &str) -> ApiError {
     ApiError::new(
         ErrorCode::SandboxNotRunning,
         format!("the sandbox is {}: it cannot {what}", status.as_str()),
@@ -411,7 +414,7 @@ pub struct ListQuery {
 }
 
 impl Node {
-    pub fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
+    pub(crate) fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
         let m = self.managed.locked();
         if let Some(s) = m.get(id_or_name) {
             return Ok(s.clone());
@@ -432,7 +435,7 @@ impl Node {
         self.managed(id_or_name).map(|m| self.sandbox_object(&m))
     }
 
-    pub fn sandbox_object(&self, m: &Managed) -> SandboxObject {
+    pub(crate) fn sandbox_object(&self, m: &Managed) -> SandboxObject {
         let row = m.row.locked().clone();
         SandboxObject {
             id: m.id.clone(),
@@ -457,7 +460,7 @@ impl Node {
             failure: row.failure,
             restarts: row.restarts,
             template: m.spec.template.clone(),
-            egress: m.egress.locked().clone(),
+            egress: m.egress.locked().as_ref().map(EgressRules::to_value),
             public_ports: m.spec.public_ports.clone(),
             public_ports_except: m.spec.public_ports_except.clone(),
             preview_url: self.preview_url(&m.id),
@@ -472,7 +475,7 @@ impl Node {
 
     /// The image of `spec`'s template pinned by digest, once the template is built of a
     /// pulled image.
-    pub fn pinned_image(&self, spec: &StoredSpec) -> Option<String> {
+    pub(crate) fn pinned_image(&self, spec: &StoredSpec) -> Option<String> {
         spec.template
             .as_deref()
             .filter(|k| *k != BASE)
@@ -484,7 +487,7 @@ impl Node {
 
     /// What an adopted sandbox's boot started, resolved again from the node's store (no
     /// pull): its start command's stop signal, for its delete.
-    pub fn resolve_adopted(&self, spec: &StoredSpec) -> Resolved {
+    pub(crate) fn resolve_adopted(&self, spec: &StoredSpec) -> Resolved {
         let pinned = self.pinned_image(spec);
         let name = pinned.as_deref().unwrap_or(&spec.image);
         let meta = match self.images.lookup_private(name) {
@@ -548,7 +551,7 @@ impl Node {
             .unwrap_or(0)
     }
 
-    pub fn running_machine(&self, m: &Managed) -> Result<Arc<Sandbox>, ApiError> {
+    pub(crate) fn running_machine(&self, m: &Managed) -> Result<Arc<Sandbox>, ApiError> {
         let status = m.status();
         if !status.can_exec() {
             return Err(wrong_state(status, "run commands"));
@@ -558,7 +561,7 @@ impl Node {
     }
 
     /// Ids of the sandboxes the node keeps whose machine runs.
-    pub fn kept_ids(&self) -> HashSet<String> {
+    pub(crate) fn kept_ids(&self) -> HashSet<String> {
         self.managed
             .locked()
             .values()

@@ -20,7 +20,11 @@ impl Node {
     /// The final object of a command whose machine is gone. It was recorded before the machine
     /// went, maybe after the caller read the row (a delete or a restart ending it meanwhile):
     /// read again.
-    pub fn recorded_final(&self, m: &Managed, exec_id: &str) -> Result<ExecObject, ApiError> {
+    pub(crate) fn recorded_final(
+        &self,
+        m: &Managed,
+        exec_id: &str,
+    ) -> Result<ExecObject, ApiError> {
         let row = self.exec_row(m, exec_id)?;
         final_from_row(&row).ok_or_else(|| {
             ApiError::new(
@@ -30,7 +34,7 @@ impl Node {
         })
     }
 
-    pub fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
+    pub(crate) fn exec_row(&self, m: &Managed, exec_id: &str) -> Result<ExecRow, ApiError> {
         self.store
             .exec(&m.id, exec_id)
             .map_err(store_err)?

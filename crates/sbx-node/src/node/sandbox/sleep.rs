@@ -45,7 +45,7 @@ const HOLD_MAX_DEFAULT: Duration = Duration::from_secs(30);
 const MEMORY_EVERY: u32 = 4;
 
 /// How long the holds raised in sandbox `spec` keep it up past its idle time.
-pub fn hold_max(spec: &super::StoredSpec) -> Duration {
+pub(crate) fn hold_max(spec: &super::StoredSpec) -> Duration {
     spec.sleep_hold_max_ms
         .map(|ms| Duration::from_millis(u64::from(ms)))
         .unwrap_or(HOLD_MAX_DEFAULT)
@@ -89,7 +89,7 @@ pub enum SleepAfter {
 }
 
 impl SleepAfter {
-    pub fn from_request(v: Option<Option<f64>>) -> SleepAfter {
+    pub(crate) fn from_request(v: Option<Option<f64>>) -> SleepAfter {
         match v {
             None => SleepAfter::NodeDefault,
             Some(None) => SleepAfter::Never,
@@ -193,7 +193,7 @@ impl Node {
         Some(self.use_managed(&m).await)
     }
 
-    pub async fn use_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<InUse, ApiError> {
+    pub(crate) async fn use_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<InUse, ApiError> {
         loop {
             if m.status() == SandboxStatus::Sleeping {
                 self.wake_managed(m).await?;
@@ -412,7 +412,7 @@ impl Node {
     /// Puts `m` to sleep: its processes saved to its directory, its memory freed. `asked`: a
     /// caller asked (it waits a moment for uses going on to end; commands running are saved
     /// with the rest); else the node's own timer (nothing may be in use or running).
-    pub async fn sleep_managed(
+    pub(crate) async fn sleep_managed(
         self: &Arc<Self>,
         m: &Arc<Managed>,
         asked: bool,
@@ -483,11 +483,21 @@ impl Node {
             self.store.update_sandbox(&row).map_err(store_err)?;
         }
         tracing::info!(sandbox = %m.id, ms = started.elapsed().as_millis() as u64, "asleep");
+        // To the fleet's store, in the background (staged now, out of a wake's way).
+        self.replicate_sleep(&m.id, replica_image(m)).await;
         Ok(())
     }
 
+    /// Stages `m`'s sleep for the store again, if it still sleeps (the node's start).
+    pub(crate) async fn restage_sleep(self: &Arc<Self>, m: &Arc<Managed>) {
+        let _op = m.op.lock().await;
+        if m.status() == SandboxStatus::Sleeping {
+            self.replicate_sleep(&m.id, replica_image(m)).await;
+        }
+    }
+
     /// Wakes `m` where it was (nothing if it does not sleep).
-    pub async fn wake_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<(), ApiError> {
+    pub(crate) async fn wake_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<(), ApiError> {
         let _op = m.op.lock().await;
         if m.status() != SandboxStatus::Sleeping {
             return Ok(());
@@ -505,6 +515,8 @@ impl Node {
         ck: Arc<dyn Checkpointer>,
     ) -> Result<(), ApiError> {
         let started = Instant::now();
+        // An upload reading its disk where it lives ends that read first (`replica.rs`).
+        let _disk_read = self.replica_wake_gate(&m.id).await;
         let (mut spec, _) = self.machine_spec(m).await.map_err(|(_, e)| e)?;
         // Its network as it was: the namespace the node kept (its veth, address, rules), or
         // after the node's restart a new one.
@@ -634,7 +646,7 @@ impl Node {
     }
 
     /// Sets `held_asleep` of `m`, kept across restarts.
-    pub fn set_held(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
+    pub(crate) fn set_held(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
         let egress = m.egress.locked();
         let expiry = m.expiry.locked();
         m.held.store(held, std::sync::atomic::Ordering::SeqCst);
@@ -660,7 +672,7 @@ impl Node {
 
     /// Forgets that `m` was paused: its machine is ending or was replaced (a delete, a
     /// restart, an agent lost), and a new one runs thawed.
-    pub fn forget_pause(&self, m: &Managed) {
+    pub(crate) fn forget_pause(&self, m: &Managed) {
         m.idle.locked().paused_since = None;
     }
 
@@ -714,6 +726,14 @@ impl Node {
                 }
             }
         });
+    }
+}
+
+/// The image `m`'s disk is over, as the store's manifest names it.
+pub(crate) fn replica_image(m: &Managed) -> String {
+    match m.resolved().digest {
+        Some(d) => format!("{}@{d}", m.spec.image),
+        None => m.spec.image.clone(),
     }
 }
 

@@ -24,7 +24,7 @@ const QUIET_WAIT: Duration = Duration::from_secs(5);
 /// How long a sleep asked for waits for the uses of the sandbox to end before it cuts them.
 const CUT_AFTER: Duration = Duration::from_secs(1);
 /// The most sandboxes one fork makes.
-pub const MAX_FORKS: u32 = 16;
+pub(crate) const MAX_FORKS: u32 = 16;
 /// The commands of the sandbox at the snapshot's instant, kept with it.
 const EXECS_FILE: &str = "execs.json";
 /// In a snapshot's directory, `copying-<id>` while sandbox `<id>` is being made from it.
@@ -42,7 +42,7 @@ struct KeptExec {
 }
 
 impl Node {
-    pub fn snapshots_dir(&self) -> PathBuf {
+    pub(crate) fn snapshots_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("snapshots")
     }
 
@@ -215,6 +215,8 @@ impl Node {
             return Err(store_err(e));
         }
         tracing::info!(sandbox = %m.id, snapshot = %row.id, ms = started.elapsed().as_millis() as u64, bytes = size, "snapshot");
+        self.replicate_snapshot(&row.id, &m.id, super::sleep::replica_image(&m), &dir)
+            .await;
         Ok(self.snapshot_object(&row))
     }
 
@@ -269,7 +271,7 @@ impl Node {
     }
 
     /// `POST /v1/sandboxes {"snapshot": …}`: a sandbox that goes on from the snapshot.
-    pub async fn create_from_snapshot(
+    pub(crate) async fn create_from_snapshot(
         self: &Arc<Self>,
         c: SandboxCreate,
     ) -> Result<SandboxObject, ApiError> {
@@ -308,7 +310,7 @@ impl Node {
         if !req.metadata.is_empty() {
             spec.metadata = req.metadata.clone();
         }
-        if let Some(e) = req.egress.clone().filter(|v| !v.is_null()) {
+        if let Some(e) = super::egress::egress_of(req.egress.as_ref())? {
             spec.egress = Some(e);
         }
         spec.expires_at = req.expires_at.clone();
@@ -431,7 +433,7 @@ impl Node {
 
     /// At start: the sandboxes a node killed midway was making from snapshots (a fork, a
     /// create from a snapshot): their marks are in the snapshots' directories.
-    pub fn half_made_copies(&self) -> std::collections::HashSet<String> {
+    pub(crate) fn half_made_copies(&self) -> std::collections::HashSet<String> {
         let mut out = std::collections::HashSet::new();
         for snap in std::fs::read_dir(self.snapshots_dir())
             .into_iter()
@@ -455,7 +457,7 @@ impl Node {
     /// (each half-made copy was removed), and so is every snapshot directory without a row:
     /// a snapshot a node killed midway was taking (its sandbox runs on; no snapshot of it
     /// is listed).
-    pub fn tidy_snapshots(&self) {
+    pub(crate) fn tidy_snapshots(&self) {
         let listed: std::collections::HashSet<String> = match self.store.snapshots() {
             Ok(rows) => rows.into_iter().map(|r| r.id).collect(),
             Err(e) => {
@@ -492,7 +494,12 @@ impl Node {
     /// Before a checkpoint of a running sandbox: no use of it but `own` goes on (waits a
     /// moment), none starts until [`Node::unquiesce`], and the node's connections to its
     /// agent are closed (an open one cannot be checkpointed).
-    pub async fn quiesce(&self, m: &Arc<Managed>, own: u32, cut: bool) -> Result<(), ApiError> {
+    pub(crate) async fn quiesce(
+        &self,
+        m: &Arc<Managed>,
+        own: u32,
+        cut: bool,
+    ) -> Result<(), ApiError> {
         let start = Instant::now();
         let end = start + QUIET_WAIT;
         let mut cut_sent = false;
@@ -546,7 +553,7 @@ impl Node {
     }
 
     /// After a checkpoint that `sb` runs on from: its agent is told, uses go on.
-    pub async fn unquiesce(&self, m: &Arc<Managed>, sb: &Sandbox) {
+    pub(crate) async fn unquiesce(&self, m: &Arc<Managed>, sb: &Sandbox) {
         crate::node::checkpoint::after(sb).await.ok();
         m.asleep.send_replace(false);
         m.idle.locked().changing = false;

@@ -16,7 +16,6 @@ mod runs;
 mod templates;
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -97,7 +96,7 @@ pub(super) fn assert_exec(o: &ExecObject, status: ExecStatus, code: Option<i32>)
 pub(super) async fn stop(node: &Arc<Node>) {
     node.shutdown().await;
     until("the node is idle", || {
-        !node.refilling.load(Ordering::SeqCst) && node.pending_teardowns() == 0
+        !*node.refilling.borrow() && node.pending_teardowns() == 0
     })
     .await;
 }

@@ -180,8 +180,10 @@ async fn a_template_built_ahead_keeps_no_sandbox_and_serves_creates_that_name_it
     let node = node_in(dir.path(), &world, |_| {});
     let c = sbx_api::parse_sandbox_create(GATED.as_bytes()).expect("create");
     let (done, obj) = node.build_template(c).await.expect("build");
-    assert!(!done, "building: {obj}");
-    let key = obj["key"].as_str().expect("its key").to_string();
+    assert!(!done, "building: {obj:?}");
+    assert_eq!(obj.status, "building");
+    assert_eq!(obj.built_by.get().map(String::is_empty), Some(false));
+    let key = obj.key.clone();
     let builder = node.list_sandboxes(&super::kept::list_all()).0;
     assert_eq!(
         builder.len(),
