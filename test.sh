@@ -19,6 +19,16 @@ fi
 scripts/criu.sh
 # E2B's own SDKs (PyPI and npm, pinned) for the E2B compatibility tests (tests/it/e2b.rs).
 scripts/e2b-sdks.sh
+# The fleet's services on loopback: PostgreSQL (the control plane's second store,
+# crates/sbx-control) and SeaweedFS (an S3 server for the object store, crates/sbx-blob), both
+# started here; PostgreSQL is stopped again at the end if this started it.
+if [ -z "${SBX_TEST_PG_URL:-}" ]; then
+  pg_was_up="$(pg_lsclusters -h 2>/dev/null | awk '$2 == "main" && $4 ~ /online/' || true)"
+  SBX_TEST_PG_URL="$(scripts/postgres.sh)"
+  export SBX_TEST_PG_URL
+  [ -n "$pg_was_up" ] || trap 'scripts/postgres.sh stop || true' EXIT
+fi
+export SBX_WEED="${SBX_WEED:-$(scripts/seaweedfs.sh)}"
 cargo build --workspace --all-targets
 target/debug/sandboxd --images-dir "$SBX_TEST_IMAGES" build-base
 # Every test binary at once, each test in a process of its own (.config/nextest.toml); then
