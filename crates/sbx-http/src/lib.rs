@@ -8,7 +8,7 @@
 
 use sbx_front::guard;
 use sbx_functions as functions;
-use sbx_node::{agent, image, node, store};
+use sbx_node::{image, node, store};
 
 mod checkpoints;
 mod edge;

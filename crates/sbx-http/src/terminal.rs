@@ -6,15 +6,13 @@
 //! any command's), then a text message `{"type":"exit", ...the exec object's status, exit_code,
 //! signal}` and a close.
 //!
-//! The agent's frames are read by a task of their own that feeds the session a channel: a read
-//! is never cut midway by a message from the client, so output bytes are never taken for a
-//! frame's header. A client message (fragments included) is at most [`MAX_MESSAGE`] bytes; a
-//! longer one ends the session with a close frame 1009 (message too big).
+//! The session is the node's terminal (`crate::node::terminal`), whose output is read ahead by
+//! a task of its own: a read is never cut midway by a message from the client. A client
+//! message (fragments included) is at most [`MAX_MESSAGE`] bytes; a longer one ends the
+//! session with a close frame 1009 (message too big).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -22,16 +20,13 @@ use axum::extract::{Path, Query, State};
 use axum::response::Response;
 use futures_util::{SinkExt, StreamExt};
 use sbx_api::{ApiError, ErrorCode};
-use sbx_proto::{AgentMsg, Frame, HostMsg};
 use serde_json::{json, Value};
 
-use crate::agent::AgentConn;
+use crate::node::terminal::{TerminalError, TerminalEvent, TerminalTarget};
 use crate::{AppState, HttpResult};
 
 /// The most bytes of one message from the client, all its fragments together.
 pub const MAX_MESSAGE: usize = 4 << 20;
-/// Frames of the agent read ahead of the client.
-const OUTPUT_QUEUE: usize = 8;
 
 pub(super) async fn terminal(
     State(st): State<Arc<AppState>>,
@@ -46,7 +41,7 @@ pub(super) async fn terminal(
             return Err(ApiError::invalid_field("from", "from must be a position").into())
         }
     };
-    let socket = st.node.terminal_socket(&id, &exec_id)?;
+    let target = st.node.terminal(&id, &exec_id)?;
     let ws = ws.map_err(|e| {
         ApiError::new(
             ErrorCode::InvalidField,
@@ -70,7 +65,7 @@ pub(super) async fn terminal(
                 }
             };
             tokio::select! {
-                r = session(ws, socket, exec_id, from) => {
+                r = session(ws, target, from) => {
                     if let Err(e) = r {
                         tracing::info!(error = %e, "terminal session ended");
                     }
@@ -80,52 +75,12 @@ pub(super) async fn terminal(
         }))
 }
 
-/// Aborts the task it holds when dropped: the reader of the agent's frames ends with its
-/// session.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Reads the agent's frames on `output` whole and hands them to the session, until the agent
-/// ends the connection (its error goes last) or the session is gone.
-fn read_output(
-    mut output: AgentConn,
-) -> (
-    AbortOnDrop,
-    tokio::sync::mpsc::Receiver<Result<Frame<AgentMsg>, crate::agent::AgentError>>,
-) {
-    let (tx, rx) = tokio::sync::mpsc::channel(OUTPUT_QUEUE);
-    let task = tokio::spawn(async move {
-        loop {
-            let frame = output.recv().await;
-            let end = frame.is_err();
-            if tx.send(frame).await.is_err() || end {
-                return;
-            }
-        }
-    });
-    (AbortOnDrop(task), rx)
-}
-
 pub(super) async fn session(
     ws: WebSocket,
-    socket: PathBuf,
-    exec_id: String,
+    target: TerminalTarget,
     from: u64,
-) -> Result<(), crate::agent::AgentError> {
-    let mut output = AgentConn::connect(&socket, Duration::from_secs(5)).await?;
-    let mut input = AgentConn::connect(&socket, Duration::from_secs(5)).await?;
-    output
-        .send(&HostMsg::Attach {
-            exec_id: exec_id.clone(),
-            from,
-        })
-        .await?;
-    let (_reader, mut frames) = read_output(output);
+) -> Result<(), TerminalError> {
+    let mut term = target.open(from).await?;
     let (mut tx, mut rx) = ws.split();
     loop {
         tokio::select! {
@@ -157,9 +112,7 @@ pub(super) async fn session(
                 };
                 match msg {
                     Message::Binary(b) => {
-                        for chunk in b.chunks(sbx_proto::MAX_DATA) {
-                            input.send_stdin(&exec_id, chunk).await?;
-                        }
+                        term.input(&b).await?;
                     }
                     Message::Text(t) => {
                         let v: Value = serde_json::from_str(t.as_str()).unwrap_or(Value::Null);
@@ -167,11 +120,11 @@ pub(super) async fn session(
                             Some("resize") => {
                                 let rows = v["rows"].as_u64().unwrap_or(24).clamp(1, 1000) as u16;
                                 let cols = v["cols"].as_u64().unwrap_or(80).clamp(1, 1000) as u16;
-                                input.send(&HostMsg::Resize { exec_id: exec_id.clone(), rows, cols }).await?;
+                                term.resize(rows, cols).await?;
                             }
                             Some("input") => {
                                 let data = v["data"].as_str().unwrap_or("");
-                                input.send_stdin(&exec_id, data.as_bytes()).await?;
+                                term.input(data.as_bytes()).await?;
                             }
                             _ => {}
                         }
@@ -180,26 +133,24 @@ pub(super) async fn session(
                     _ => {}
                 }
             }
-            frame = frames.recv() => {
-                let Some(frame) = frame else { return Err(crate::agent::AgentError::Closed) };
-                match frame? {
-                    Frame::Data { bytes, .. } => {
+            event = term.next_event() => {
+                match event? {
+                    TerminalEvent::Output(bytes) => {
                         if tx.send(Message::Binary(bytes.into())).await.is_err() {
                             return Ok(());
                         }
                     }
-                    Frame::Msg(AgentMsg::Exited { exit, .. }) => {
+                    TerminalEvent::Exit { status, exit_code, signal } => {
                         let end = json!({
                             "type": "exit",
-                            "status": exit.status,
-                            "exit_code": exit.exit_code,
-                            "signal": exit.signal.map(sbx_api::signal_name),
+                            "status": status.as_str(),
+                            "exit_code": exit_code,
+                            "signal": signal.map(sbx_api::signal_name),
                         });
                         let _ = tx.send(Message::Text(end.to_string().into())).await;
                         let _ = tx.send(Message::Close(None)).await;
                         return Ok(());
                     }
-                    Frame::Msg(_) => {}
                 }
             }
         }

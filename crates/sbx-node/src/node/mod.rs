@@ -16,6 +16,7 @@ mod run;
 pub mod runtime_settings;
 pub mod sandbox;
 pub mod templates;
+pub mod terminal;
 #[cfg(test)]
 mod tests;
 pub mod volume;

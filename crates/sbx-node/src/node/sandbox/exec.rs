@@ -402,7 +402,11 @@ impl Node {
     }
 
     /// The agent socket of a command on a terminal that a session can attach to.
-    pub fn terminal_socket(&self, id: &str, exec_id: &str) -> Result<std::path::PathBuf, ApiError> {
+    pub(crate) fn terminal_socket(
+        &self,
+        id: &str,
+        exec_id: &str,
+    ) -> Result<std::path::PathBuf, ApiError> {
         let m = self.managed(id)?;
         let row = self.exec_row(&m, exec_id)?;
         if !row.tty {
