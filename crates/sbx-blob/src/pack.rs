@@ -73,6 +73,13 @@ pub(crate) fn pack_tree(dir: &Path, out: &mut dyn Write) -> Result<Packed> {
     Ok(packed)
 }
 
+/// The PAX key prefix of an extended attribute whose value is hex (it holds a newline).
+pub(crate) const HEX_XATTR: &str = "SBX.xattr.hex.";
+
+fn hex(v: &[u8]) -> String {
+    v.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn is_socket(meta: &fs::Metadata) -> bool {
     meta.file_type().is_socket()
 }
@@ -87,11 +94,20 @@ fn append<W: Write>(
     let io_err = |e: io::Error| BlobError::io(path, e);
     let xattrs = read_xattrs(path, meta).map_err(io_err)?;
     if !xattrs.is_empty() {
-        let keys: Vec<(String, &[u8])> = xattrs
+        // The tar crate reads PAX records by splitting at newlines: a value with one (binary
+        // xattrs do: overlay's `trusted.overlay.origin` is a file handle) goes hex-encoded
+        // under a key of ours, read back by `unpack::pax_xattrs`.
+        let keys: Vec<(String, Vec<u8>)> = xattrs
             .iter()
-            .map(|(k, v)| (format!("SCHILY.xattr.{k}"), v.as_slice()))
+            .map(|(k, v)| {
+                if v.contains(&b'\n') {
+                    (format!("{HEX_XATTR}{k}"), hex(v).into_bytes())
+                } else {
+                    (format!("SCHILY.xattr.{k}"), v.clone())
+                }
+            })
             .collect();
-        b.append_pax_extensions(keys.iter().map(|(k, v)| (k.as_str(), *v)))
+        b.append_pax_extensions(keys.iter().map(|(k, v)| (k.as_str(), v.as_slice())))
             .map_err(io_err)?;
     }
     if meta.is_file() && meta.nlink() > 1 {

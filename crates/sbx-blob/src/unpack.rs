@@ -250,12 +250,30 @@ fn pax_xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Vec<(Vec<u8>
     if let Some(exts) = entry.pax_extensions()? {
         for ext in exts {
             let ext = ext?;
-            if let Some(name) = ext.key_bytes().strip_prefix(b"SCHILY.xattr.") {
+            let key = ext.key_bytes();
+            if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
                 out.push((name.to_vec(), ext.value_bytes().to_vec()));
+            } else if let Some(name) = key.strip_prefix(crate::pack::HEX_XATTR.as_bytes()) {
+                let value = unhex(ext.value_bytes()).ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "an xattr's hex value is not hex",
+                    )
+                })?;
+                out.push((name.to_vec(), value));
             }
         }
     }
     Ok(out)
+}
+
+fn unhex(s: &[u8]) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    s.chunks(2)
+        .map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok())
+        .collect()
 }
 
 fn set_xattrs(path: &Path, xattrs: &[(Vec<u8>, Vec<u8>)]) -> io::Result<()> {
@@ -362,6 +380,41 @@ mod tests {
         }
         assert_eq!(listing(&outside), Vec::<String>::new(), "written outside");
         assert!(!top.path().join("evil").exists(), "written next to dest");
+    }
+
+    /// Binary extended attributes (a newline among their bytes, as overlay's file handles in
+    /// `trusted.overlay.origin` have) go through a pack and an unpack whole, beside plain ones.
+    #[test]
+    fn binary_xattrs_with_newlines_come_back() {
+        let top = tempfile::tempdir().unwrap();
+        let src = top.path().join("src");
+        fs::create_dir(&src).unwrap();
+        let file = src.join("f");
+        fs::write(&file, b"data").unwrap();
+        let binary: Vec<u8> = vec![0x00, 0xfb, b'\n', 0x0a, b'=', 0x20, 0xff, b'\n'];
+        rustix::fs::lsetxattr(&file, "user.bin", &binary, rustix::fs::XattrFlags::empty())
+            .expect("user xattrs on the test's temp directory");
+        rustix::fs::lsetxattr(
+            &file,
+            "user.text",
+            b"plain",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .unwrap();
+        let mut tar = Vec::new();
+        crate::pack::pack_tree(&src, &mut tar).unwrap();
+        let dest = top.path().join("dest");
+        fs::create_dir(&dest).unwrap();
+        unpack_tree("t", &mut tar.as_slice(), &dest).unwrap();
+        let get = |name: &str| {
+            let mut buf = vec![0u8; 64];
+            let n = rustix::fs::lgetxattr(dest.join("f"), name, &mut buf).unwrap();
+            buf.truncate(n);
+            buf
+        };
+        assert_eq!(get("user.bin"), binary);
+        assert_eq!(get("user.text"), b"plain");
+        assert_eq!(fs::read(dest.join("f")).unwrap(), b"data");
     }
 
     #[test]
