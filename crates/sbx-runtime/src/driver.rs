@@ -44,6 +44,11 @@ pub struct SandboxSpec {
 
 /// The most a freeze or a thaw may take before it counts as failed.
 const PAUSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// The most the freeze before a checkpoint (sleep, snapshot, fork) may take: a process in an
+/// uninterruptible wait (a write under the host's writeback pressure) freezes only once that
+/// wait ends, which can take seconds on a loaded machine; a checkpoint that fails for it costs
+/// the caller more than the wait.
+const CHECKPOINT_FREEZE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A running sandbox.
 #[derive(Debug)]
@@ -138,7 +143,10 @@ impl Sandbox {
         if self.group.freezer_dir().is_none() {
             return Ok(None);
         }
-        Ok(Some(self.group.freeze_all_but(self.pid, PAUSE_WAIT)?))
+        Ok(Some(
+            self.group
+                .freeze_all_but(self.pid, CHECKPOINT_FREEZE_WAIT)?,
+        ))
     }
 
     /// For a sandbox left frozen (or being frozen) by a checkpoint: its agent moved out of the

@@ -203,11 +203,12 @@ fn wake_during_upload(extra: &[&str]) {
     let mut node = TestNode::start_with(&args);
     node.owns(dir);
     let id = counting_sandbox(&node);
-    // Enough for the upload to take a while.
+    // Enough for the upload to take a while; written out (sync) before the sleep, so that no
+    // process of it waits on the host's writeback when it is frozen.
     sh(
         &node,
         &id,
-        "head -c 48000000 /dev/urandom > /root/big && echo v1 > /root/mark",
+        "head -c 48000000 /dev/urandom > /root/big && echo v1 > /root/mark && sync",
     );
     post(&node, &format!("/v1/sandboxes/{id}/sleep"));
     // Woken while the upload runs (a wake before it starts drops that sleep, by design).
@@ -256,7 +257,7 @@ fn a_node_killed_during_an_upload_leaves_no_manifest_and_sends_it_whole_after() 
     sh(
         &node,
         &id,
-        "head -c 120000000 /dev/urandom > /root/big && md5sum /root/big > /root/big.md5",
+        "head -c 120000000 /dev/urandom > /root/big && md5sum /root/big > /root/big.md5 && sync",
     );
     let want = sh(&node, &id, "cat /root/big.md5");
     post(&node, &format!("/v1/sandboxes/{id}/sleep"));
