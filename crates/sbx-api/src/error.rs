@@ -151,6 +151,32 @@ pub enum ErrorCode {
     /// it would have to fetch, ...).
     NotServedHere,
 
+    // Moves of sandboxes between nodes (the fleet).
+    /// The sandbox was moved to another node: `to` and `epoch` beside the error name where and at which epoch it was released.
+    Moved,
+    /// An event stream, terminal or waiting run ended because its sandbox was moved: `offset` (and `exec_id` of a run) say where to read on through the control plane.
+    SandboxMoved,
+    /// A release or takeover named an epoch this node does not hold the sandbox at: `epoch` beside the error is the one it holds or released it at.
+    WrongEpoch,
+    /// The sandbox has a move under way: `move_id` beside the error names it.
+    AlreadyMoving,
+    /// The sandbox cannot be moved (it has volumes, or it is not kept).
+    NotMovable,
+    /// The move has ended (done or failed): there is nothing to cancel.
+    MoveOver,
+    /// The move is already going back to the old node.
+    MoveGoingBack,
+    /// The new node has taken the sandbox over: the move cannot be cancelled.
+    MoveTakenOver,
+    /// The sandbox's memory was written by a build (kernel, CRIU, agent) this node does not have: `build` beside the error.
+    BuildMissing,
+    /// The image the sandbox's disk is over is neither on this node nor to be had: `image` beside the error.
+    ImageMissing,
+    /// The release waited for the store to hold the sandbox's last sleep and it did not yet: `disk_ms` and `memory_ms` say how long it waited.
+    CopyBehind,
+    /// The takeover could not bring the sandbox (the store or the old node's copy could not be read).
+    TakeoverFailed,
+
     // 504 timeout
     /// The caller hung up.
     CallerGone,
@@ -204,7 +230,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 74] = [
+    pub const ALL: [ErrorCode; 86] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -279,6 +305,18 @@ impl ErrorCode {
         ErrorCode::PortNotOpen,
         ErrorCode::UpstreamFailed,
         ErrorCode::SandboxPaused,
+        ErrorCode::Moved,
+        ErrorCode::SandboxMoved,
+        ErrorCode::WrongEpoch,
+        ErrorCode::AlreadyMoving,
+        ErrorCode::NotMovable,
+        ErrorCode::MoveOver,
+        ErrorCode::MoveGoingBack,
+        ErrorCode::MoveTakenOver,
+        ErrorCode::BuildMissing,
+        ErrorCode::ImageMissing,
+        ErrorCode::CopyBehind,
+        ErrorCode::TakeoverFailed,
     ];
 
     /// The code as it is written on the wire.
@@ -346,6 +384,18 @@ impl ErrorCode {
             ErrorCode::MemoryFull => "memory_full",
             ErrorCode::DriveFull => "drive_full",
             ErrorCode::NotServedHere => "not_served_here",
+            ErrorCode::Moved => "moved",
+            ErrorCode::SandboxMoved => "sandbox_moved",
+            ErrorCode::WrongEpoch => "wrong_epoch",
+            ErrorCode::AlreadyMoving => "already_moving",
+            ErrorCode::NotMovable => "not_movable",
+            ErrorCode::MoveOver => "move_over",
+            ErrorCode::MoveGoingBack => "move_going_back",
+            ErrorCode::MoveTakenOver => "move_taken_over",
+            ErrorCode::BuildMissing => "build_missing",
+            ErrorCode::ImageMissing => "image_missing",
+            ErrorCode::CopyBehind => "copy_behind",
+            ErrorCode::TakeoverFailed => "takeover_failed",
             ErrorCode::CallerGone => "caller_gone",
             ErrorCode::FsInvalid => "fs_invalid",
             ErrorCode::PathNotFound => "path_not_found",
@@ -446,10 +496,23 @@ impl ErrorCode {
             | SandboxNotRunning
             | TooManyCommands
             | StdinClosed
-            | ExecEnded => 409,
+            | ExecEnded
+            | Moved
+            | SandboxMoved
+            | WrongEpoch
+            | AlreadyMoving
+            | NotMovable
+            | MoveOver
+            | MoveGoingBack
+            | MoveTakenOver
+            | BuildMissing
+            | ImageMissing
+            => 409,
             BodyTooLarge => 413,
             Internal => 500,
             Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,
+            CopyBehind => 503,
+            TakeoverFailed => 502,
             CallerGone => 504,
             FsInvalid | BadPattern => 400,
             PathNotFound => 404,
@@ -471,7 +534,9 @@ impl ErrorCode {
     ///   volume conflicts are false: something has to change first, and for `command_lost`
     ///   sending a run again would run the command again, which no client should do blindly.
     /// - 500 `internal`: false (the node failed; nothing says it will not again).
-    /// - 503: `unavailable`, `no_capacity`, `memory_full` and `drive_full` are true;
+    /// - 503: `unavailable`, `no_capacity`, `memory_full`, `drive_full` and `copy_behind`
+    ///   (the store catches up) are true; 502 `takeover_failed` too (the store or the old
+    ///   node answers again);
     ///   `not_served_here` is false (this node does not do it, now or later).
     /// - 504 `caller_gone`: false (nobody is there to retry; only logs see it).
     /// - File codes: only `stream_aborted` (503; S218 is transient: the same transfer again
@@ -486,6 +551,8 @@ impl ErrorCode {
                 | ErrorCode::MemoryFull
                 | ErrorCode::DriveFull
                 | ErrorCode::StreamAborted
+                | ErrorCode::CopyBehind
+                | ErrorCode::TakeoverFailed
         )
     }
 }
@@ -841,6 +908,8 @@ mod tests {
                 ErrorCode::MemoryFull,
                 ErrorCode::DriveFull,
                 ErrorCode::StreamAborted,
+                ErrorCode::CopyBehind,
+                ErrorCode::TakeoverFailed,
             ]
         );
         assert!(!ErrorCode::Internal.retryable());

@@ -293,6 +293,13 @@ impl Workers {
         for w in ready {
             w.end();
         }
+        // A worker being made ahead holds a copy of the node's mounts until it ends: the
+        // thread making it ends it on seeing `stopped`; wait for that, so that nothing of the
+        // node's disk is held once this returns (bounded: a worker starts in milliseconds).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while self.filling.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
     }
 }
 
