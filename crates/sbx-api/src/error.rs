@@ -506,8 +506,7 @@ impl ErrorCode {
             | MoveGoingBack
             | MoveTakenOver
             | BuildMissing
-            | ImageMissing
-            => 409,
+            | ImageMissing => 409,
             BodyTooLarge => 413,
             Internal => 500,
             Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,
