@@ -9,6 +9,7 @@
 //! - [`sandbox`], [`volume`], [`secret`], [`egress`], [`template`]: the other calls' bodies
 //!   and objects.
 //! - [`files`]: the parameters of a sandbox's file calls and the objects they answer with.
+//! - [`moves`]: the bodies of a move between nodes (release, takeover, forget).
 //! - [`Field`]: a key of an object absent, null or a value, kept as it came.
 //!
 //! Each request type the node parses is written back by its `to_json` (`RunRequest`,
@@ -25,6 +26,7 @@ mod field;
 pub mod files;
 pub mod functions;
 pub mod ids;
+pub mod moves;
 pub mod run;
 pub mod sandbox;
 pub mod secret;
