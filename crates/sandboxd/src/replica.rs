@@ -5,6 +5,7 @@
 //! - `disk-<g>.tar.zst`: the sandbox's files (its overlay's upper directory), read first;
 //! - `memory-<g>.tar.zst`: CRIU's images;
 //! - `execs-<g>.zst`: a snapshot's commands (`execs.json`);
+//! - `record-<g>.zst`: a sleep's record of the sandbox (its rows: what a takeover makes it of);
 //! - `manifest.json` last (`build`, image, kind, the parts with their sizes and sha256).
 //!
 //! `<g>` is the sleep's generation (when CRIU wrote it). A sandbox sleeps many times at one
@@ -18,16 +19,16 @@ use std::sync::Arc;
 
 use sbx_blob::{BlobError, Format, Kind, Manifest, Part, Store};
 use sbx_node::node::replica::{
-    now_rfc3339, BoxFuture, DiskRead, ReplicaError, Replicas, Stored, Upload, UploadKind,
+    now_rfc3339, BoxFuture, DiskRead, Fetched, ReplicaError, Replicas, SleepPart, Stored,
+    StoredSleepRef, Upload, UploadKind, RECORD_PART,
 };
 
 /// The parts of an upload.
 pub const DISK: &str = "disk";
 pub const MEMORY: &str = "memory";
 
-/// The part of `kind` (`disk`, `memory`, `execs`) a manifest names (for a reader of the store:
-/// a takeover).
-#[cfg_attr(not(test), allow(dead_code))]
+/// The part of `kind` (`disk`, `memory`, `execs`, `record`) a manifest names (for a reader of
+/// the store: a takeover).
 pub fn part<'a>(m: &'a Manifest, kind: &str) -> Option<&'a Part> {
     m.parts.iter().find(|p| {
         p.name == kind
@@ -82,9 +83,134 @@ impl Replicas for BlobReplicas {
         self.store.describe().to_string()
     }
 
+    fn build(&self) -> String {
+        self.build.clone()
+    }
+
     fn put(&self, up: Upload, disk_read: DiskRead) -> BoxFuture<Result<Stored, ReplicaError>> {
         let (store, build) = (self.store.clone(), self.build.clone());
         Box::pin(async move { put(&store, &build, up, disk_read).await })
+    }
+
+    fn latest_sleep(
+        &self,
+        sandbox_id: &str,
+        below: u64,
+    ) -> BoxFuture<Result<Option<StoredSleepRef>, ReplicaError>> {
+        let (store, id) = (self.store.clone(), sandbox_id.to_string());
+        Box::pin(async move { latest_sleep(&store, &id, below).await })
+    }
+
+    fn fetch_record(&self, sleep: &StoredSleepRef) -> BoxFuture<Result<Vec<u8>, ReplicaError>> {
+        let (store, sleep) = (self.store.clone(), sleep.clone());
+        Box::pin(async move {
+            let m = manifest_of(&store, &sleep).await?;
+            let name = part(&m, RECORD_PART)
+                .ok_or_else(|| {
+                    ReplicaError::Store(format!(
+                        "the sleep of {} at epoch {} carries no record (an older node's)",
+                        sleep.sandbox_id, sleep.epoch
+                    ))
+                })?
+                .name
+                .clone();
+            let (bytes, _) = store
+                .get_part_writer(&m, &name, Vec::new())
+                .await
+                .map_err(store_err)?;
+            Ok(bytes)
+        })
+    }
+
+    fn fetch_part(
+        &self,
+        sleep: &StoredSleepRef,
+        which: SleepPart,
+        dest: std::path::PathBuf,
+    ) -> BoxFuture<Result<Fetched, ReplicaError>> {
+        let (store, sleep) = (self.store.clone(), sleep.clone());
+        Box::pin(async move {
+            let m = manifest_of(&store, &sleep).await?;
+            let kind = match which {
+                SleepPart::Disk => DISK,
+                SleepPart::Memory => MEMORY,
+            };
+            let name = part(&m, kind)
+                .ok_or_else(|| {
+                    ReplicaError::Store(format!(
+                        "the sleep of {} at epoch {} has no {kind} part",
+                        sleep.sandbox_id, sleep.epoch
+                    ))
+                })?
+                .name
+                .clone();
+            let stats = store
+                .get_part_tree(&m, &name, &dest)
+                .await
+                .map_err(store_err)?;
+            Ok(Fetched {
+                bytes: stats.bytes,
+                ms: stats.ms,
+            })
+        })
+    }
+}
+
+/// The generation a sleep's part is named with (`memory-<g>`).
+fn generation(p: &Part) -> Option<u64> {
+    p.name.rsplit_once('-').and_then(|(_, g)| g.parse().ok())
+}
+
+/// The latest sleep of `id` whole in the store at an epoch below `below`.
+async fn latest_sleep(
+    store: &Store,
+    id: &str,
+    below: u64,
+) -> Result<Option<StoredSleepRef>, ReplicaError> {
+    let epochs = store.epochs(id).await.map_err(store_err)?;
+    for epoch in epochs.into_iter().rev().filter(|e| *e < below) {
+        let m = match store.manifest(id, epoch).await {
+            Ok(m) => m,
+            // An epoch cut short (no manifest): the one before it counts.
+            Err(e) if e.is_not_found() => continue,
+            Err(e) => return Err(store_err(e)),
+        };
+        if m.kind != Kind::Sleep {
+            continue;
+        }
+        let (Some(memory), Some(_)) = (part(&m, MEMORY), part(&m, DISK)) else {
+            continue;
+        };
+        let Some(generation) = generation(memory) else {
+            continue;
+        };
+        return Ok(Some(StoredSleepRef {
+            sandbox_id: id.to_string(),
+            epoch,
+            generation,
+            build: m.build.clone(),
+            image: m.image.clone(),
+            bytes: m.bytes(),
+            stored_bytes: m.stored_bytes(),
+            has_record: part(&m, RECORD_PART).is_some(),
+        }));
+    }
+    Ok(None)
+}
+
+/// The manifest of `sleep`, read again: still that sleep (a newer one at its epoch replaced
+/// its parts, else).
+async fn manifest_of(store: &Store, sleep: &StoredSleepRef) -> Result<Manifest, ReplicaError> {
+    let m = store
+        .manifest(&sleep.sandbox_id, sleep.epoch)
+        .await
+        .map_err(store_err)?;
+    match part(&m, MEMORY).and_then(generation) {
+        Some(g) if g == sleep.generation => Ok(m),
+        _ => Err(ReplicaError::Store(format!(
+            "the sleep of {} at epoch {} was replaced by a newer one meanwhile",
+            sleep.sandbox_id, sleep.epoch
+        ))),
     }
 }
 
@@ -258,6 +384,71 @@ mod tests {
             !r.store.exists(&old).await.expect("exists"),
             "the first sleep's parts go"
         );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A takeover's reads: the latest sleep below an epoch (an epoch without a manifest, or
+    /// at or above it, does not count), its record and its trees.
+    #[tokio::test]
+    async fn a_takeover_reads_the_latest_sleep_below_its_epoch() {
+        let root = std::env::temp_dir().join(format!("sbx-replicas-t-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let url = format!("file://{}", root.join("store").display());
+        let r = BlobReplicas::new(Store::open(&url).expect("store"), "build-1".into());
+        assert_eq!(r.build(), "build-1");
+        assert_eq!(r.latest_sleep("sbx-a", 9).await.expect("none"), None);
+        let record = root.join("record.json");
+        std::fs::write(&record, br#"{"id":"sbx-a"}"#).expect("record");
+        let up = |epoch: u64, g: u64, body: &[u8]| Upload {
+            id: "sbx-a".into(),
+            sandbox_id: "sbx-a".into(),
+            epoch,
+            kind: UploadKind::Sleep,
+            generation: g,
+            image: "base".into(),
+            memory: tree(&root.join(format!("m{g}")), "inventory.img", b"inv"),
+            disk: tree(&root.join(format!("d{g}")), "file", body),
+            files: vec![(RECORD_PART.to_string(), record.clone())],
+        };
+        r.put(up(1, 5, b"one"), DiskRead::noop()).await.expect("e1");
+        r.put(up(3, 7, b"three"), DiskRead::noop())
+            .await
+            .expect("e3");
+        // Parts of epoch 2 without a manifest (an upload cut short).
+        let key = sbx_blob::part_key("sbx-a", 2, "disk-6", Format::Tar).expect("key");
+        r.store
+            .put_tree(&key, &root.join("d5"))
+            .await
+            .expect("a part");
+        let s = r.latest_sleep("sbx-a", 3).await.expect("read").expect("e1");
+        assert_eq!((s.epoch, s.generation, s.build.as_str()), (1, 5, "build-1"));
+        assert!(s.has_record && s.image == "base");
+        let s = r.latest_sleep("sbx-a", 4).await.expect("read").expect("e3");
+        assert_eq!((s.epoch, s.generation), (3, 7));
+        assert_eq!(
+            r.fetch_record(&s).await.expect("record"),
+            br#"{"id":"sbx-a"}"#.to_vec()
+        );
+        let disk = root.join("out-disk");
+        let got = r
+            .fetch_part(&s, SleepPart::Disk, disk.clone())
+            .await
+            .expect("disk");
+        assert!(got.bytes > 0);
+        assert_eq!(std::fs::read(disk.join("file")).expect("file"), b"three");
+        let memory = root.join("out-memory");
+        r.fetch_part(&s, SleepPart::Memory, memory.clone())
+            .await
+            .expect("memory");
+        assert!(memory.join("inventory.img").is_file());
+        // A sleep replaced since it was read is not read.
+        r.put(up(3, 8, b"newer"), DiskRead::noop())
+            .await
+            .expect("e3 again");
+        assert!(r
+            .fetch_part(&s, SleepPart::Disk, root.join("out-2"))
+            .await
+            .is_err());
         let _ = std::fs::remove_dir_all(&root);
     }
 }

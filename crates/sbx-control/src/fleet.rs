@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -22,8 +23,9 @@ use http_body::{Frame, SizeHint};
 use sbx_api::{ApiError, ErrorCode};
 use serde_json::{json, Value};
 
-use crate::db::{DbError, NodeRow, NodeState, SandboxRow};
+use crate::db::{DbError, MoveRow, NodeRow, NodeState, SandboxRow};
 use crate::list::{merge, FleetCursor, Pos};
+use crate::machine;
 use crate::place;
 use crate::proxy;
 use crate::server::{db_failed, fail, locked, read_limited, rfc3339, Ctl, ReadError, Rid};
@@ -129,7 +131,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 }
 
 /// A path's segment, percent-escapes decoded (ids and names need none; a client may send them).
-fn decode_segment(s: &str) -> String {
+pub(crate) fn decode_segment(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -240,7 +242,7 @@ impl Ctl {
     }
 
     /// The sandbox a path names, by id or by name, as the table has it.
-    async fn lookup(&self, key: &str) -> Result<Option<SandboxRow>, DbError> {
+    pub(crate) async fn lookup(&self, key: &str) -> Result<Option<SandboxRow>, DbError> {
         let row = match self.db.sandbox(key).await? {
             Some(r) => Some(r),
             None => self.db.sandbox_by_name(key).await?,
@@ -634,58 +636,219 @@ impl Drop for RunBody {
     }
 }
 
+/// The most bytes of a request's body kept to send it again (a call that met a release).
+const MAX_REPLAY: u64 = 1 << 20;
+/// How long a call that met a release (`moved`) waits for the table to change.
+const MOVED_WAIT: Duration = Duration::from_secs(3);
+
+/// A request that can be sent twice: its head and its whole body.
+struct Replay {
+    method: Method,
+    uri: axum::http::Uri,
+    version: axum::http::Version,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Replay {
+    fn request(&self) -> Request {
+        let mut r = Request::new(Body::from(self.body.clone()));
+        *r.method_mut() = self.method.clone();
+        *r.uri_mut() = self.uri.clone();
+        *r.version_mut() = self.version;
+        *r.headers_mut() = self.headers.clone();
+        r
+    }
+}
+
+/// The request as one that can be sent again, where its body is small (or it has none) and it
+/// does not ask to switch protocols; else as it came.
+async fn replayable(req: Request) -> Result<Replay, Request> {
+    if proxy::upgrade_of(req.headers()).is_some() {
+        return Err(req);
+    }
+    let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
+    let length = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let small = match length {
+        Some(n) => n <= MAX_REPLAY,
+        None => !chunked,
+    };
+    if !small {
+        return Err(req);
+    }
+    let (parts, body) = req.into_parts();
+    let limit = usize::try_from(length.unwrap_or(0).min(MAX_REPLAY)).unwrap_or(0);
+    match read_limited(body, limit.max(1)).await {
+        Ok(body) => Ok(Replay {
+            method: parts.method,
+            uri: parts.uri,
+            version: parts.version,
+            headers: parts.headers,
+            body,
+        }),
+        // A body that broke off or lied about its length: sent as it is (empty) for the node
+        // to judge.
+        Err(_) => Err(Request::from_parts(parts, Body::empty())),
+    }
+}
+
+fn being_moved(row: &SandboxRow, m: &MoveRow) -> ApiError {
+    ApiError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "sandbox {} is being moved ({}, step {}): ask again in a moment",
+            row.id, m.id, m.step
+        ),
+    )
+}
+
+/// After a node answered `moved`: waits (briefly) until the sandbox's move is over (the
+/// call then goes where the table has it), or the wait is up (a move still under way then
+/// answers 503 and the caller asks again).
+async fn wait_moved(ctl: &Ctl, row: &SandboxRow) {
+    let deadline = tokio::time::Instant::now() + MOVED_WAIT;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Ok(None) = ctl.db.unfinished_move_of(&row.id).await {
+            return;
+        }
+    }
+}
+
 /// Every route of a sandbox (`/v1/sandboxes/{id}` and below): passed to the node the table
-/// names, streamed both ways.
+/// names, streamed both ways. While the sandbox is being moved: at `releasing` to the old node
+/// (which may answer 409 `moved` once it released it: the call then waits briefly and is
+/// routed by the table again, once, where its body is small enough to send twice); past it
+/// (taking over, going back) 503 `unavailable` with `Retry-After: 1`.
 pub async fn sandbox_call(State(ctl): St, Extension(Rid(rid)): RidExt, req: Request) -> Response {
     let path = req.uri().path().to_string();
     let rest = path.strip_prefix("/v1/sandboxes/").unwrap_or("");
     let (seg, tail) = rest.split_once('/').unwrap_or((rest, ""));
     let key = decode_segment(seg);
     let tail = tail.to_string();
-    let row = match ctl.lookup(&key).await {
-        Ok(Some(r)) => r,
-        Ok(None) => return fail(&rid, sandbox_not_found(&key)),
-        Err(e) => return db_failed(&rid, &e),
-    };
-    let node = match ctl.db.node(&row.node_id).await {
-        Ok(Some(n)) => n,
-        Ok(None) => {
-            return fail(
-                &rid,
-                ApiError::new(
-                    ErrorCode::Unavailable,
-                    format!(
+    let method = req.method().clone();
+    let mut pending = Some(req);
+    let mut replay: Option<Replay> = None;
+    for round in 0..2 {
+        let row = match ctl.lookup(&key).await {
+            Ok(Some(r)) => r,
+            Ok(None) => return fail(&rid, sandbox_not_found(&key)),
+            Err(e) => return db_failed(&rid, &e),
+        };
+        match ctl.db.unfinished_move_of(&row.id).await {
+            Ok(Some(m)) if m.step != machine::RELEASING => {
+                return fail(&rid, being_moved(&row, &m))
+            }
+            Ok(_) => {}
+            Err(e) => return db_failed(&rid, &e),
+        }
+        let node = match ctl.db.node(&row.node_id).await {
+            Ok(Some(n)) => n,
+            Ok(None) => {
+                return fail(
+                    &rid,
+                    ApiError::new(
+                        ErrorCode::Unavailable,
+                        format!(
                         "sandbox {} is on node {}, which the control plane's table no longer has",
                         row.id, row.node_id
                     ),
-                ),
-            )
+                    ),
+                )
+            }
+            Err(e) => return db_failed(&rid, &e),
+        };
+        if node.state == NodeState::Lost {
+            return fail(&rid, node_lost(&node, &row.id));
         }
-        Err(e) => return db_failed(&rid, &e),
-    };
-    if node.state == NodeState::Lost {
-        return fail(&rid, node_lost(&node, &row.id));
+        let req = match (pending.take(), &replay) {
+            (Some(req), _) if round == 0 => match replayable(req).await {
+                Ok(r) => {
+                    let req = r.request();
+                    replay = Some(r);
+                    req
+                }
+                Err(req) => req,
+            },
+            (_, Some(r)) => r.request(),
+            (Some(req), None) => req,
+            (None, None) => return fail(&rid, ApiError::internal()),
+        };
+        let resp = match proxy::forward(&ctl.client, &node.url, req).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(request_id = %rid, node = %node.name, error = %e, "a node did not answer");
+                return fail(&rid, node_away(&node, &e));
+            }
+        };
+        if round == 0 && replay.is_some() && resp.status() == StatusCode::CONFLICT {
+            let (parts, body) = resp.into_parts();
+            let bytes = match read_limited(body, MAX_ANSWER).await {
+                Ok(b) => b,
+                Err(_) => {
+                    return fail(
+                        &rid,
+                        ApiError::new(
+                            ErrorCode::Unavailable,
+                            format!("the node {}'s answer broke off", node.name),
+                        ),
+                    )
+                }
+            };
+            let moved = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| {
+                    v.pointer("/error/code")
+                        .and_then(Value::as_str)
+                        .map(String::from)
+                })
+                .is_some_and(|c| c == "moved");
+            if moved {
+                tracing::info!(request_id = %rid, sandbox = %row.id, node = %node.name, "the node released the sandbox: routed again");
+                wait_moved(&ctl, &row).await;
+                continue;
+            }
+            return HttpResponse::from_parts(parts, Body::from(bytes));
+        }
+        return answered(&ctl, &rid, &row, &node, &method, &tail, resp).await;
     }
-    let method = req.method().clone();
-    let resp = match proxy::forward(&ctl.client, &node.url, req).await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(request_id = %rid, node = %node.name, error = %e, "a node did not answer");
-            return fail(&rid, node_away(&node, &e));
-        }
-    };
+    fail(&rid, ApiError::internal())
+}
+
+/// A node's answer to a call of a sandbox: its row deleted with it, its status followed, and
+/// `node` and `epoch` added to the sandbox objects in it.
+async fn answered(
+    ctl: &Ctl,
+    rid: &str,
+    row: &SandboxRow,
+    node: &NodeRow,
+    method: &Method,
+    tail: &str,
+    resp: Response,
+) -> Response {
     let status = resp.status();
     let deleted = status.is_success() || status == StatusCode::NOT_FOUND;
-    if tail.is_empty() && method == Method::DELETE && deleted {
+    if tail.is_empty() && *method == Method::DELETE && deleted {
         if let Err(e) = ctl.db.delete_sandbox(&row.id).await {
             tracing::error!(request_id = %rid, sandbox = %row.id, error = %e, "a deleted sandbox's row stays");
+        }
+        if let Some(store) = &ctl.store {
+            // Its sleeps in the object store go with it (a failure is logged: the objects stay,
+            // the delete is done).
+            if let Err(e) = store.delete_sandbox(&row.id).await {
+                tracing::warn!(request_id = %rid, sandbox = %row.id, error = %e, "a deleted sandbox's objects stay in the store");
+            }
         }
     }
     if !status.is_success() || !is_json(resp.headers()) {
         return resp;
     }
-    let sandbox_answer = matches!(tail.as_str(), "" | "restart" | "sleep" | "wake");
-    let fork = tail == "fork" && method == Method::POST;
+    let sandbox_answer = matches!(tail, "" | "restart" | "sleep" | "wake");
+    let fork = tail == "fork" && *method == Method::POST;
     if !(sandbox_answer || fork) {
         return resp;
     }
@@ -695,7 +858,7 @@ pub async fn sandbox_call(State(ctl): St, Extension(Rid(rid)): RidExt, req: Requ
         Err(e) => {
             tracing::warn!(request_id = %rid, node = %node.name, ?e, "an answer could not be read");
             return fail(
-                &rid,
+                rid,
                 ApiError::new(
                     ErrorCode::Unavailable,
                     format!("the node {}'s answer broke off", node.name),
@@ -727,7 +890,7 @@ pub async fn sandbox_call(State(ctl): St, Extension(Rid(rid)): RidExt, req: Requ
                     created_at_ms: 0,
                     updated_at_ms: 0,
                 });
-                augment(s, &node, Some(1));
+                augment(s, node, Some(1));
             }
         }
         for r in made {
@@ -742,13 +905,13 @@ pub async fn sandbox_call(State(ctl): St, Extension(Rid(rid)): RidExt, req: Requ
     }
     if v.get("object").and_then(Value::as_str) == Some("sandbox") {
         if let Some(s) = v.get("status").and_then(Value::as_str) {
-            if s != row.status && !(tail.is_empty() && method == Method::DELETE) {
+            if s != row.status && !(tail.is_empty() && *method == Method::DELETE) {
                 if let Err(e) = ctl.db.update_sandbox(&row.id, Some(s), None).await {
                     tracing::warn!(request_id = %rid, error = %e, "a sandbox's status could not be written");
                 }
             }
         }
-        augment(&mut v, &node, Some(row.epoch));
+        augment(&mut v, node, Some(row.epoch));
     }
     json_answer(parts, &v)
 }

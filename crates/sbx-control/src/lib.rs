@@ -1,11 +1,14 @@
 //! The fleet's control plane (`sandboxd control`): its table of nodes, sandboxes and moves
 //! (`db`, SQLite or PostgreSQL), the nodes joining it (`join`, the node's side), placement
-//! (`place`), and the fleet's `/v1` API, every call of a sandbox passed to the node that has it
-//! (`fleet`, over `proxy`). It is a client of nodes over HTTP: it links no part of a node.
+//! (`place`), the fleet's `/v1` API, every call of a sandbox passed to the node that has it
+//! (`fleet`, over `proxy`), and moves of sandboxes between nodes (`moves`: the API; `machine`:
+//! the durable move machine; `nodecall`: its calls to nodes). It is a client of nodes over
+//! HTTP: it links no part of a node.
 //!
 //! Routes (`server::router`): `GET /healthz`; `GET|POST /internal/nodes`, `GET
 //! /internal/nodes/{id}`, `POST /internal/nodes/{id}/heartbeat`, `POST
-//! /internal/nodes/{id}/drain`; `POST /v1/run`, `POST|GET /v1/sandboxes`, every method of
+//! /internal/nodes/{id}/drain`; `POST|GET /internal/moves`, `GET /internal/moves/{id}`, `POST
+//! /internal/moves/{id}/cancel`; `POST /v1/run`, `POST|GET /v1/sandboxes`, every method of
 //! `/v1/sandboxes/{id}` and below. docs/fleet.md tells how to run a fleet.
 
 #![forbid(unsafe_code)]
@@ -15,6 +18,11 @@ pub mod db;
 pub mod fleet;
 pub mod join;
 pub mod list;
+pub mod machine;
+pub mod moves;
+#[cfg(test)]
+mod moves_tests;
+pub mod nodecall;
 pub mod place;
 pub mod proxy;
 pub mod server;
@@ -36,7 +44,8 @@ pub struct ControlConfig {
     pub data_dir: PathBuf,
     /// `sqlite:/abs/path.db`, `postgres://…` or `postgresql://…`.
     pub db_url: String,
-    /// The object store of the nodes' sleeps and snapshots (kept for moves, which come later).
+    /// The object store of the nodes' sleeps and snapshots (a deleted sandbox's objects are
+    /// removed from it).
     pub store_url: String,
     /// A node is `lost` this long after its last heartbeat.
     pub node_lease: Duration,
@@ -70,6 +79,12 @@ pub enum ControlError {
         url: String,
         #[source]
         source: db::DbError,
+    },
+    #[error("the object store ({url})")]
+    Store {
+        url: String,
+        #[source]
+        source: sbx_blob::BlobError,
     },
     #[error("listen on {addr}")]
     Listen {
@@ -124,6 +139,10 @@ pub async fn serve(
             tracing::warn!(error = %e, id = %r.id, "a stale name reservation stays");
         }
     }
+    let store = sbx_blob::Store::open(&cfg.store_url).map_err(|source| ControlError::Store {
+        url: cfg.store_url.clone(),
+        source,
+    })?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|source| ControlError::Listen {
@@ -139,18 +158,22 @@ pub async fn serve(
         keys = cfg.api_keys.is_some(),
         "the control plane serves"
     );
-    let ctl = Arc::new(server::Ctl::new(db, cfg.node_lease, cfg.api_keys));
+    let ctl = Arc::new(server::Ctl::new(db, cfg.node_lease, cfg.api_keys).with_store(store));
+    // Every unfinished move of the table is taken up (a control plane stopped mid-move).
+    let moves = machine::start(ctl.clone());
     let app = server::router(ctl).into_make_service_with_connect_info::<SocketAddr>();
     // A stop ends the control plane at once: its streams (a command's output, a terminal)
     // are the nodes', and a caller goes on with them through another control plane or the
     // same one started again.
-    tokio::select! {
+    let served = tokio::select! {
         r = axum::serve(listener, app).into_future() => r.map_err(ControlError::Serve),
         () = stop => {
             tracing::info!("the control plane stops");
             Ok(())
         }
-    }
+    };
+    moves.abort();
+    served
 }
 
 #[cfg(test)]

@@ -45,6 +45,13 @@ pub struct Ctl {
     pub pending: Mutex<HashMap<String, Pending>>,
     /// The node each Idempotency-Key's first create or run went to (a retry goes there too).
     pub idem: Mutex<HashMap<String, (String, Instant)>>,
+    /// The key the control plane's own calls to nodes carry (a move's release, takeover,
+    /// forget): one of its keys (the fleet shares one file); none without keys.
+    pub node_key: Option<String>,
+    /// The object store of the nodes' sleeps (a deleted sandbox's objects are removed).
+    pub store: Option<sbx_blob::Store>,
+    /// The move machine's handle (`machine::start` runs it).
+    pub machine: crate::machine::Machine,
 }
 
 /// Locks `m`, whatever a panicking holder left (the maps stay usable).
@@ -57,7 +64,11 @@ const IDEM_KEEP: Duration = Duration::from_secs(24 * 3600);
 
 impl Ctl {
     pub fn new(db: Db, lease: Duration, keys: Option<HashSet<String>>) -> Ctl {
+        let node_key = keys.as_ref().and_then(|k| k.iter().min().cloned());
         Ctl {
+            node_key,
+            store: None,
+            machine: crate::machine::Machine::default(),
             db,
             client: crate::proxy::client(),
             lease,
@@ -67,6 +78,13 @@ impl Ctl {
             pending: Mutex::new(HashMap::new()),
             idem: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The same, deleting a sandbox's objects from `store` when it is deleted.
+    #[must_use]
+    pub fn with_store(mut self, store: sbx_blob::Store) -> Ctl {
+        self.store = Some(store);
+        self
     }
 
     pub fn lease_ms(&self) -> i64 {
@@ -140,6 +158,12 @@ pub fn router(ctl: Arc<Ctl>) -> Router {
         .route("/internal/nodes/{id}", get(get_node))
         .route("/internal/nodes/{id}/heartbeat", post(heartbeat))
         .route("/internal/nodes/{id}/drain", post(drain))
+        .route(
+            "/internal/moves",
+            post(crate::moves::create).get(crate::moves::list),
+        )
+        .route("/internal/moves/{id}", get(crate::moves::get))
+        .route("/internal/moves/{id}/cancel", post(crate::moves::cancel))
         .route("/v1/run", post(fleet::run))
         .route("/v1/sandboxes", post(fleet::create).get(fleet::list))
         .route("/v1/sandboxes/{id}", any(fleet::sandbox_call))

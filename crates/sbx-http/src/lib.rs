@@ -15,6 +15,7 @@ mod edge;
 pub mod files;
 pub mod function_routes;
 mod images;
+mod moves;
 mod node_routes;
 #[cfg(test)]
 mod node_tests;
@@ -24,6 +25,7 @@ mod run;
 mod sandboxes;
 mod secrets;
 mod sse;
+mod takeover;
 mod terminal;
 mod volumes;
 #[cfg(test)]

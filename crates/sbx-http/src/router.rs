@@ -14,7 +14,7 @@ use axum::routing::{on, MethodFilter};
 use axum::Router;
 
 use super::{
-    checkpoints, edge, files, function_routes, images, node_routes, openapi, run, sandboxes,
+    checkpoints, edge, files, function_routes, images, moves, node_routes, openapi, run, sandboxes,
     secrets, terminal, volumes, AppState,
 };
 
@@ -42,6 +42,12 @@ fn routes() -> Routes {
         .get("/internal/node", node_routes::node_info)
         .post("/internal/templates", sandboxes::build_template)
         .get("/internal/templates", sandboxes::list_templates)
+        .post(
+            "/internal/sandboxes/{id}/takeover",
+            crate::takeover::takeover,
+        )
+        .post("/internal/sandboxes/{id}/release", moves::release)
+        .post("/internal/sandboxes/{id}/forget", moves::forget)
         // One-shot runs.
         .post("/v1/run", run::run)
         // Kept sandboxes.

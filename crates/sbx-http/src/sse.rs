@@ -289,8 +289,14 @@ pub(super) async fn next_sse(s: &mut SseState) -> Bytes {
                 tail.push_str(&sbx_api::sse(EventKind::Exit, output.end, &data));
                 return tail.into();
             }
-            RunEvent::Failed(e) => {
+            RunEvent::Failed(mut e) => {
                 s.done = true;
+                if e.code == sbx_api::ErrorCode::SandboxMoved {
+                    // Where to read on from, where the sandbox went.
+                    e = e
+                        .with_beside("offset", serde_json::json!(s.cursor))
+                        .with_beside("exec_id", serde_json::json!(s.meta.exec_id));
+                }
                 let body = sbx_api::error_body(&e, &s.rid, s.docs.as_deref());
                 return sbx_api::sse(EventKind::Error, s.cursor, &body).into();
             }

@@ -4,7 +4,9 @@
 //! `{"type":"input","data":"..."}`. Node to client: binary messages are output (from `from`,
 //! default 0, so the screen so far is replayed; the output is kept in the command's ring like
 //! any command's), then a text message `{"type":"exit", ...the exec object's status, exit_code,
-//! signal}` and a close.
+//! signal}` and a close. A release of the sandbox (a move to another node) ends it with a text
+//! message `{"type":"error","error":{..."code":"sandbox_moved"...},"to","epoch","offset"}`
+//! (`offset`: the output position sent up to) and a close.
 //!
 //! The session is the node's terminal (`crate::node::terminal`), whose output is read ahead by
 //! a task of its own: a read is never cut midway by a message from the client. A client
@@ -16,20 +18,21 @@ use std::sync::Arc;
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::response::Response;
 use futures_util::{SinkExt, StreamExt};
 use sbx_api::{ApiError, ErrorCode};
 use serde_json::{json, Value};
 
 use crate::node::terminal::{TerminalError, TerminalEvent, TerminalTarget};
-use crate::{AppState, HttpResult};
+use crate::{AppState, HttpResult, RequestId};
 
 /// The most bytes of one message from the client, all its fragments together.
 pub const MAX_MESSAGE: usize = 4 << 20;
 
 pub(super) async fn terminal(
     State(st): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
     Path((id, exec_id)): Path<(String, String)>,
     Query(q): Query<HashMap<String, String>>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
@@ -50,6 +53,9 @@ pub(super) async fn terminal(
         .with_param("Upgrade")
     })?;
     let held = st.node.use_sandbox(&id).await.transpose()?;
+    // A release of the sandbox ends the session with `sandbox_moved`.
+    let moved = st.node.moved_signal(&id);
+    let docs = st.docs_url.clone();
     Ok(ws
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
@@ -65,7 +71,7 @@ pub(super) async fn terminal(
                 }
             };
             tokio::select! {
-                r = session(ws, target, from) => {
+                r = session(ws, target, from, moved, (rid.0, docs)) => {
                     if let Err(e) = r {
                         tracing::info!(error = %e, "terminal session ended");
                     }
@@ -79,11 +85,27 @@ pub(super) async fn session(
     ws: WebSocket,
     target: TerminalTarget,
     from: u64,
+    moved: impl std::future::Future<Output = ApiError>,
+    (rid, docs): (String, Option<String>),
 ) -> Result<(), TerminalError> {
     let mut term = target.open(from).await?;
     let (mut tx, mut rx) = ws.split();
+    // The position of the command's output the session has sent up to.
+    let mut offset = from;
+    tokio::pin!(moved);
     loop {
         tokio::select! {
+            e = &mut moved => {
+                // `{"type":"error", "error": {...}, "to", "epoch", "offset"}`, then a close.
+                let e = e.with_beside("offset", json!(offset));
+                let mut end = sbx_api::error_body(&e, &rid, docs.as_deref());
+                if let Some(o) = end.as_object_mut() {
+                    o.insert("type".into(), json!("error"));
+                }
+                let _ = tx.send(Message::Text(end.to_string().into())).await;
+                let _ = tx.send(Message::Close(None)).await;
+                return Ok(());
+            }
             msg = rx.next() => {
                 let msg = match msg {
                     Some(Ok(msg)) => msg,
@@ -136,6 +158,7 @@ pub(super) async fn session(
             event = term.next_event() => {
                 match event? {
                     TerminalEvent::Output(bytes) => {
+                        offset += bytes.len() as u64;
                         if tx.send(Message::Binary(bytes.into())).await.is_err() {
                             return Ok(());
                         }

@@ -1,6 +1,7 @@
 //! The node's state that outlives it: the sandbox table, commands, idempotency records. SQLite
 //! in the data directory (WAL), one connection behind a mutex; every call is short.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -112,8 +113,28 @@ impl Cached for Connection {
     }
 }
 
+/// A sandbox this node no longer holds: released to another node (its copy kept here,
+/// asleep and fenced, until a forget or a take-back) or forgotten (a tombstone). Every call
+/// for it answers 409 `moved` with `to` and `epoch`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MovedRow {
+    pub id: String,
+    /// The epoch it was released at (a tombstone: the forget's).
+    pub epoch: u64,
+    /// The node it went to, as the control plane names it.
+    pub to: Option<String>,
+    /// The move that released it (none for a tombstone).
+    pub move_id: Option<String>,
+    /// The release's answer (JSON), given again to the same move.
+    pub answer: Option<String>,
+    /// True while its released copy is kept here; false for a tombstone.
+    pub kept: bool,
+}
+
 pub struct Store {
     conn: Mutex<Connection>,
+    /// The table `moved` in memory: every call for a sandbox looks there.
+    moved: Mutex<HashMap<String, MovedRow>>,
 }
 
 const SCHEMA: &str = "
@@ -150,6 +171,15 @@ CREATE TABLE IF NOT EXISTS snapshots (
   created_at_ns INTEGER NOT NULL,
   spec TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS moved (
+  id TEXT PRIMARY KEY,
+  epoch INTEGER NOT NULL,
+  to_node TEXT,
+  move_id TEXT,
+  answer TEXT,
+  kept INTEGER NOT NULL,
+  at_ns INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS idempotency (
   scope TEXT NOT NULL,
   key TEXT NOT NULL,
@@ -178,6 +208,37 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRow> {
 }
 
 const SANDBOX_COLS: &str = "id, name, status, spec, pid, start_time, created_at_ns, started_at_ns, failure_code, failure, restarts";
+
+fn put_moved(c: &Connection, row: &MovedRow) -> rusqlite::Result<()> {
+    c.run(
+        "INSERT OR REPLACE INTO moved (id, epoch, to_node, move_id, answer, kept, at_ns) VALUES (?1,?2,?3,?4,?5,?6,?7)",
+        params![
+            row.id,
+            i64::try_from(row.epoch).unwrap_or(i64::MAX),
+            row.to,
+            row.move_id,
+            row.answer,
+            row.kept,
+            crate::image::now_ns() as i64
+        ],
+    )
+    .map(|_| ())
+}
+
+fn read_moved(c: &Connection) -> rusqlite::Result<HashMap<String, MovedRow>> {
+    let mut st = c.prepare("SELECT id, epoch, to_node, move_id, answer, kept FROM moved")?;
+    let rows = st.query_map([], |r| {
+        Ok(MovedRow {
+            id: r.get(0)?,
+            epoch: r.get::<_, i64>(1)?.max(0) as u64,
+            to: r.get(2)?,
+            move_id: r.get(3)?,
+            answer: r.get(4)?,
+            kept: r.get(5)?,
+        })
+    })?;
+    rows.map(|r| r.map(|m| (m.id.clone(), m))).collect()
+}
 
 fn exec_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ExecRow> {
     Ok(ExecRow {
@@ -241,9 +302,61 @@ impl Store {
                 "ALTER TABLE sandboxes ADD COLUMN epoch INTEGER NOT NULL DEFAULT 1",
             )?;
         }
+        let moved = read_moved(&conn)?;
         Ok(Store {
             conn: Mutex::new(conn),
+            moved: Mutex::new(moved),
         })
+    }
+
+    /// What the node keeps of sandbox `id` that it released or forgot (none: it holds it, or
+    /// never had it).
+    pub fn moved(&self, id: &str) -> Option<MovedRow> {
+        self.moved.locked().get(id).cloned()
+    }
+
+    /// Whether sandbox `id` is released or forgotten here.
+    pub fn is_moved(&self, id: &str) -> bool {
+        self.moved.locked().contains_key(id)
+    }
+
+    /// Records sandbox `id` released (its copy kept, fenced): from now on it is not this
+    /// node's.
+    pub fn set_released(&self, row: &MovedRow) -> Result<(), StoreError> {
+        self.with(|c| put_moved(c, row))?;
+        self.moved.locked().insert(row.id.clone(), row.clone());
+        Ok(())
+    }
+
+    /// Removes sandbox `id`'s rows (and its commands') and records its tombstone `row`, at
+    /// once.
+    pub fn forget_sandbox(&self, row: &MovedRow) -> Result<(), StoreError> {
+        self.with(|c| {
+            let tx = c.unchecked_transaction()?;
+            tx.run("DELETE FROM execs WHERE sandbox_id=?1", params![row.id])?;
+            tx.run("DELETE FROM sandboxes WHERE id=?1", params![row.id])?;
+            put_moved(&tx, row)?;
+            tx.commit()
+        })?;
+        self.moved.locked().insert(row.id.clone(), row.clone());
+        Ok(())
+    }
+
+    /// Takes released sandbox `id` back (a reclaim): held again at `epoch`, no longer fenced,
+    /// at once.
+    pub fn unfence(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
+        let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
+        self.with(|c| {
+            let tx = c.unchecked_transaction()?;
+            tx.run(
+                "UPDATE sandboxes SET epoch=?2 WHERE id=?1",
+                params![id, epoch],
+            )?;
+            tx.run("DELETE FROM moved WHERE id=?1", params![id])?;
+            tx.commit()
+        })?;
+        self.moved.locked().remove(id);
+        Ok(())
     }
 
     /// The epoch sandbox `id` is held at (1 for one that is not in the table).
@@ -602,6 +715,81 @@ mod tests {
             1,
             "the first one's rows are there"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn released_and_forgotten_sandboxes_outlive_the_node() {
+        let dir = std::env::temp_dir().join(format!("sbx-store-moved-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("state.db");
+        let s = Store::open(&path).unwrap();
+        let row = |id: &str| SandboxRow {
+            id: id.into(),
+            name: None,
+            status: "sleeping".into(),
+            spec: "{}".into(),
+            pid: None,
+            start_time: None,
+            created_at_ns: 1,
+            started_at_ns: None,
+            failure_code: None,
+            failure: None,
+            restarts: 0,
+        };
+        s.insert_sandbox(&row("sbx-a")).unwrap();
+        s.insert_sandbox(&row("sbx-b")).unwrap();
+        s.insert_exec(
+            &ExecRow {
+                sandbox_id: "sbx-b".into(),
+                exec_id: "exe-1".into(),
+                command: "ls".into(),
+                tty: false,
+                encoding: "utf8".into(),
+                created_at_ns: 3,
+                boot: 0,
+                final_json: None,
+            },
+            false,
+        )
+        .unwrap();
+        let released = MovedRow {
+            id: "sbx-a".into(),
+            epoch: 3,
+            to: Some("b".into()),
+            move_id: Some("mov-1".into()),
+            answer: Some("{}".into()),
+            kept: true,
+        };
+        s.set_released(&released).unwrap();
+        let tomb = MovedRow {
+            id: "sbx-b".into(),
+            epoch: 2,
+            to: None,
+            move_id: None,
+            answer: None,
+            kept: false,
+        };
+        s.forget_sandbox(&tomb).unwrap();
+        assert!(
+            s.exec("sbx-b", "exe-1").unwrap().is_none(),
+            "its commands go"
+        );
+        assert!(!s.is_moved("sbx-c"));
+        drop(s);
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.moved("sbx-a"), Some(released));
+        assert_eq!(s.moved("sbx-b"), Some(tomb));
+        let ids: Vec<String> = s.sandboxes().unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, vec!["sbx-a".to_string()], "a forgotten row goes");
+        // Taken back: held again at the new epoch, no longer moved, also after a restart.
+        s.unfence("sbx-a", 5).unwrap();
+        assert!(!s.is_moved("sbx-a"));
+        drop(s);
+        let s = Store::open(&path).unwrap();
+        assert!(!s.is_moved("sbx-a"));
+        assert_eq!(s.sandbox_epoch("sbx-a").unwrap(), 5);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

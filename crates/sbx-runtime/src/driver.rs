@@ -447,6 +447,19 @@ impl NamespaceDriver {
         // removed them): CRIU puts the tasks back into them and leaves their settings.
         let group = self.cgroups.create_group(&spec.id, &spec.limits)?;
         agent_not_dumpable(images);
+        // Images another node dumped (a move, [`MOVED`]): its tasks go into this node's
+        // cgroups of it, not the other node's, and its established connections are dropped
+        // (its address here is another).
+        let moved = images.join(MOVED).is_file();
+        let cgroup_roots = if moved {
+            group
+                .cgroup_paths()?
+                .into_iter()
+                .map(|(ctrl, path)| (ctrl.map(str::to_string), path))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let restored = crate::criu::restore(
             criu,
             &crate::criu::RestoreSpec {
@@ -456,7 +469,10 @@ impl NamespaceDriver {
                 agent: &self.agent,
                 ca_bundle: spec.ca_bundle.as_deref(),
                 network,
-                copy: None,
+                copy: moved.then_some(crate::criu::CopyOf {
+                    work: images,
+                    cgroup_roots,
+                }),
             },
         );
         restored_sandbox(spec, group, restored, false)
@@ -519,6 +535,10 @@ fn restored_sandbox(
         pidfd: Some(pidfd),
     })
 }
+
+/// In a sleeping sandbox's images, the mark of images another node dumped (a move): its
+/// first wake here restores it into this node's cgroups ([`NamespaceDriver::wake_at`]).
+pub const MOVED: &str = "sbx-moved";
 
 /// Where a snapshot keeps the sandbox's processes (CRIU's images) and its files.
 pub const SNAPSHOT_IMAGES: &str = "images";

@@ -69,7 +69,7 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(args: &[String], log: &Path) -> Proc {
+    fn spawn(args: &[String], env: &[(String, String)], log: &Path) -> Proc {
         let out = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -77,6 +77,7 @@ impl Proc {
             .expect("open a log");
         let child = Command::new(sandboxd_bin())
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(out.try_clone().expect("log"))
@@ -154,20 +155,85 @@ fn wait_healthy(proc: &mut Proc, url: &str, timeout: Duration) -> Result<(), Str
     }
 }
 
+/// The fleet's object store, shared by its nodes and its control plane: a directory
+/// (`file:///…`) or a SeaweedFS server on loopback (`s3://…`, its `AWS_*` settings in each
+/// process's environment). Removed (the server stopped) when dropped: drop it after the
+/// processes that use it.
+pub struct FleetStore {
+    pub url: String,
+    pub env: Vec<(String, String)>,
+    dir: Option<PathBuf>,
+    _weed: Option<sbx_blob::testing::Weed>,
+}
+
+impl FleetStore {
+    /// A directory of the test's own.
+    pub fn dir() -> FleetStore {
+        let dir = std::env::temp_dir().join(unique("sbx-fleet-store"));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("make the store's directory");
+        FleetStore {
+            url: format!("file://{}", dir.display()),
+            env: Vec::new(),
+            dir: Some(dir),
+            _weed: None,
+        }
+    }
+
+    /// A SeaweedFS server of the test's own and a bucket on it; None (the reason printed)
+    /// where `weed` is not found ($SBX_WEED, PATH, scripts/seaweedfs.sh's).
+    pub fn weed() -> Option<FleetStore> {
+        let Some(bin) = sbx_blob::testing::find_weed() else {
+            eprintln!("skipped: no weed ($SBX_WEED, PATH or scripts/seaweedfs.sh's)");
+            return None;
+        };
+        let weed = sbx_blob::testing::Weed::start(&bin);
+        weed.make_bucket("sbx-fleet");
+        Some(FleetStore {
+            url: "s3://sbx-fleet/moves".to_string(),
+            env: weed.env(),
+            dir: None,
+            _weed: Some(weed),
+        })
+    }
+
+    /// The store as the tests read it.
+    pub fn open(&self) -> sbx_blob::Store {
+        sbx_blob::Store::open_with_env(&self.url, self.env.clone())
+            .unwrap_or_else(|e| panic!("open the store {}: {e}", self.url))
+    }
+}
+
+impl Drop for FleetStore {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let _ = fs::remove_dir_all(dir);
+        }
+    }
+}
+
 /// A control plane on a loopback port.
 pub struct ControlPlane {
     proc: Proc,
     pub addr: String,
     root: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl ControlPlane {
     /// `sandboxd control` with a data directory of its own, a node lease of 2 s, and `db` (a
     /// database URL) or its SQLite default.
     pub fn start(db: Option<&str>) -> ControlPlane {
+        ControlPlane::start_with(db, None)
+    }
+
+    /// The same, with the fleet's object store `store` (else its own default).
+    pub fn start_with(db: Option<&str>, store: Option<&FleetStore>) -> ControlPlane {
         let root = std::env::temp_dir().join(unique("sbx-fleet-ctl"));
         let _ = fs::remove_dir_all(&root);
         fs::create_dir_all(&root).expect("make the control plane's folder");
+        let env = store.map(|s| s.env.clone()).unwrap_or_default();
         for attempt in 0..3 {
             let addr = format!("127.0.0.1:{}", free_port());
             let mut args: Vec<String> = [
@@ -185,13 +251,24 @@ impl ControlPlane {
             if let Some(db) = db {
                 args.extend(["--db".to_string(), db.to_string()]);
             }
-            let mut proc = Proc::spawn(&args, &root.join("control.log"));
+            if let Some(store) = store {
+                args.extend(["--store".to_string(), store.url.clone()]);
+            }
+            let mut proc = Proc::spawn(&args, &env, &root.join("control.log"));
             match wait_healthy(
                 &mut proc,
                 &format!("http://{addr}/healthz"),
                 Duration::from_secs(20),
             ) {
-                Ok(()) => return ControlPlane { proc, addr, root },
+                Ok(()) => {
+                    return ControlPlane {
+                        proc,
+                        addr,
+                        root,
+                        args,
+                        env,
+                    }
+                }
                 Err(e) => {
                     let tail = proc.tail(30);
                     proc.kill();
@@ -212,6 +289,33 @@ impl ControlPlane {
     pub fn log_tail(&self, lines: usize) -> String {
         self.proc.tail(lines)
     }
+
+    /// SIGKILL: nothing of it is left to end what it was doing.
+    pub fn kill(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Starts it again, killed, on the same port, data directory, database and store.
+    pub fn restart(&mut self) {
+        assert!(self.proc.child.is_none(), "the control plane still runs");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            self.proc = Proc::spawn(&self.args, &self.env, &self.root.join("control.log"));
+            let health = self.url("/healthz");
+            match wait_healthy(&mut self.proc, &health, Duration::from_secs(20)) {
+                Ok(()) => return,
+                Err(e) => {
+                    let tail = self.proc.tail(30);
+                    self.proc.kill();
+                    // Its port may be held a moment longer by what the killed one left.
+                    if Instant::now() > deadline || !tail.contains("listen on") {
+                        panic!("the control plane did not start again: {e}\n{tail}");
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+        }
+    }
 }
 
 impl Drop for ControlPlane {
@@ -222,6 +326,16 @@ impl Drop for ControlPlane {
         self.proc.stop();
         let _ = fs::remove_dir_all(&self.root);
     }
+}
+
+/// How a node of a test is started besides its defaults.
+#[derive(Default)]
+pub struct NodeOpts<'a> {
+    /// The fleet's object store (else a directory of the node's own).
+    pub store: Option<&'a FleetStore>,
+    /// Another build than its peers': the agent binary copied with one byte appended (the
+    /// build is a hash over the kernel, CRIU and the agent's bytes; the copy runs the same).
+    pub other_build: bool,
 }
 
 /// A node that joins a control plane: small (no warm pool, a 2 GiB disk, no network), on
@@ -235,15 +349,41 @@ pub struct Node {
     root: PathBuf,
     data_dir: PathBuf,
     cgroup_name: String,
+    store_url: String,
+    env: Vec<(String, String)>,
+    agent: PathBuf,
 }
 
 impl Node {
     pub fn start(name: &str, control: &ControlPlane) -> Node {
+        Node::start_with(name, control, NodeOpts::default())
+    }
+
+    pub fn start_with(name: &str, control: &ControlPlane, opts: NodeOpts) -> Node {
         let root = std::env::temp_dir().join(unique("sbx-fleet-node"));
         let _ = fs::remove_dir_all(&root);
         let data_dir = root.join("data");
         fs::create_dir_all(&data_dir).expect("make the node's data directory");
         let cgroup_name = unique("sbx-fleet");
+        let agent = if opts.other_build {
+            let copy = root.join("sbx-agent");
+            let mut bytes = fs::read(agent_bin()).expect("read the agent");
+            bytes.push(b'\n');
+            fs::write(&copy, bytes).expect("write the agent's copy");
+            let mut perm = fs::metadata(&copy).expect("the copy").permissions();
+            std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+            fs::set_permissions(&copy, perm).expect("make the copy executable");
+            copy
+        } else {
+            agent_bin()
+        };
+        let (store_url, env) = match opts.store {
+            Some(s) => (s.url.clone(), s.env.clone()),
+            None => (
+                format!("file://{}", root.join("store").display()),
+                Vec::new(),
+            ),
+        };
         let mut node = Node {
             proc: Proc {
                 child: None,
@@ -256,6 +396,9 @@ impl Node {
             root,
             data_dir,
             cgroup_name,
+            store_url,
+            env,
+            agent,
         };
         for attempt in 0..3 {
             node.addr = format!("127.0.0.1:{}", free_port());
@@ -283,7 +426,7 @@ impl Node {
             "--images-dir",
             &images_dir().to_string_lossy(),
             "--agent",
-            &agent_bin().to_string_lossy(),
+            &self.agent.to_string_lossy(),
             "--cgroup-name",
             &self.cgroup_name,
             "--pids-max",
@@ -307,12 +450,12 @@ impl Node {
             "--node-name",
             &self.name,
             "--store",
-            &format!("file://{}", self.root.join("store").display()),
+            &self.store_url,
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
-        self.proc = Proc::spawn(&args, &self.root.join("node.log"));
+        self.proc = Proc::spawn(&args, &self.env, &self.root.join("node.log"));
         let health = self.url("/healthz");
         wait_healthy(&mut self.proc, &health, Duration::from_secs(30))
     }
@@ -324,6 +467,51 @@ impl Node {
     /// SIGKILL: its sandboxes are left as they are (the next start adopts them).
     pub fn kill(&mut self) {
         self.proc.kill();
+    }
+
+    /// SIGSTOP: it answers nothing (connections are accepted by the kernel and wait) until
+    /// [`Node::resume`].
+    pub fn pause(&self) {
+        if let Some(c) = &self.proc.child {
+            send_signal(c.id(), libc::SIGSTOP);
+        }
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        if let Some(c) = &self.proc.child {
+            send_signal(c.id(), libc::SIGCONT);
+        }
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.proc.tail(lines)
+    }
+
+    /// The processes in the cgroup of sandbox `id` of this node.
+    pub fn sandbox_processes(&self, id: &str) -> Vec<u32> {
+        processes_in(&format!("{}/{id}", self.cgroup_name))
+    }
+
+    /// The paths under the node's data directory whose name has `id` in it (what the node
+    /// keeps of a sandbox: its folders, images, disk), up to five levels down.
+    pub fn files_of(&self, id: &str) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let mut walk = vec![(self.data_dir.clone(), 0)];
+        while let Some((dir, depth)) = walk.pop() {
+            let Ok(rd) = fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in rd.flatten() {
+                let path = e.path();
+                if e.file_name().to_string_lossy().contains(id) {
+                    out.push(path);
+                } else if depth < 4 && e.file_type().is_ok_and(|t| t.is_dir()) {
+                    walk.push((path, depth + 1));
+                }
+            }
+        }
+        out
     }
 
     /// Starts it again with the same name, data directory, cgroup folder and ports.
@@ -394,6 +582,8 @@ impl Drop for Node {
         if std::thread::panicking() {
             eprintln!("{}", self.proc.tail(40));
         }
+        // A paused node takes its SIGTERM once it goes on.
+        self.resume();
         self.proc.stop();
         self.force_clean();
         let _ = fs::remove_dir_all(&self.root);

@@ -10,6 +10,7 @@
 
 mod harness;
 mod http;
+mod moves;
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};

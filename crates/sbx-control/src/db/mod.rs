@@ -19,7 +19,7 @@
 mod postgres;
 mod sqlite;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::sync::Arc;
 
@@ -192,8 +192,17 @@ pub struct MoveRow {
     pub error: Option<String>,
     pub attempts: i64,
     pub next_attempt_at_ms: Option<i64>,
+    /// An operator asked to cancel it (it never goes back to false: [`Db::update_move`] keeps
+    /// it once set).
+    pub cancel: bool,
+    /// The new node's refusal (a JSON error object) of a move going back to the old node:
+    /// the `error` it ends with once the old node has the sandbox again (`error` meanwhile is
+    /// what the step at hand was last told).
+    pub refusal: Option<String>,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+    /// When it reached `done` or `failed` (the database's now then); `None` while under way.
+    pub ended_at_ms: Option<i64>,
 }
 
 /// A new node id: `nod-` and 16 random characters of `[0-9a-hjkmnp-tv-z]`.
@@ -320,7 +329,8 @@ macro_rules! sandbox_cols {
 macro_rules! move_cols {
     () => {
         "id, sandbox_id, from_node, to_node, epoch, step, why, wake, from_store, release, \
-         takeover, error, attempts, next_attempt_at, created_at, updated_at"
+         takeover, error, attempts, next_attempt_at, cancel, refusal, created_at, updated_at, \
+         ended_at"
     };
 }
 
@@ -367,10 +377,19 @@ const SQL_MOVE_OWNER: &str = "UPDATE sandboxes SET node_id = ?, epoch = ?, updat
 
 const SQL_INSERT_MOVE: &str = "INSERT INTO moves (id, sandbox_id, from_node, to_node, epoch, \
      step, why, wake, from_store, release, takeover, error, attempts, next_attempt_at, \
-     created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, @now, @now)";
+     cancel, refusal, created_at, updated_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, \
+     ?, ?, ?, ?, ?, ?, @now, @now, CASE WHEN ? IN ('done', 'failed') THEN @now ELSE NULL END)";
 const SQL_UPDATE_MOVE: &str = "UPDATE moves SET step = ?, wake = ?, from_store = ?, \
      release = ?, takeover = ?, error = ?, attempts = ?, next_attempt_at = ?, \
+     cancel = (cancel OR ?), refusal = ?, \
+     ended_at = CASE WHEN ? IN ('done', 'failed') THEN COALESCE(ended_at, @now) ELSE NULL END, \
      updated_at = @now WHERE id = ? AND step = ?";
+const SQL_CANCEL_RELEASING: &str = "UPDATE moves SET cancel = TRUE, updated_at = @now \
+     WHERE id = ? AND step = 'releasing'";
+const SQL_CANCEL_TAKING_OVER: &str = "UPDATE moves SET step = 'reclaiming', cancel = TRUE, \
+     refusal = ?, error = NULL, attempts = 0, next_attempt_at = NULL, updated_at = @now \
+     WHERE id = ? AND step = 'taking_over' AND takeover IS NULL";
+const SQL_MOVES: &str = concat!("SELECT ", move_cols!(), " FROM moves ORDER BY seq");
 const SQL_MOVE: &str = concat!("SELECT ", move_cols!(), " FROM moves WHERE id = ?");
 const SQL_MOVES_OF: &str = concat!(
     "SELECT ",
@@ -382,8 +401,11 @@ const SQL_UNFINISHED_MOVES: &str = concat!(
     move_cols!(),
     " FROM moves WHERE step NOT IN ('done', 'failed') ORDER BY seq"
 );
-const SQL_UNFINISHED_MOVE_OF: &str =
-    "SELECT id FROM moves WHERE sandbox_id = ? AND step NOT IN ('done', 'failed')";
+const SQL_UNFINISHED_MOVE_OF: &str = concat!(
+    "SELECT ",
+    move_cols!(),
+    " FROM moves WHERE sandbox_id = ? AND step NOT IN ('done', 'failed')"
+);
 
 impl Db {
     /// Opens the store at `url` and brings its schema up to date: `sqlite:/abs/path.db` (the
@@ -635,6 +657,9 @@ impl Db {
             Val::opt_text(m.error.as_deref()),
             Val::I64(m.attempts),
             Val::opt_i64(m.next_attempt_at_ms),
+            Val::Bool(m.cancel),
+            Val::opt_text(m.refusal.as_deref()),
+            Val::text(&m.step),
         ];
         // The unfinished move the index found may end between the insert and the look-up: then
         // the insert is tried again.
@@ -645,8 +670,8 @@ impl Db {
                     return Err(DbError::IdTaken { id: m.id.clone() })
                 }
                 Err(Failure::Unique(UniqueOn::MoveUnfinished)) => {
-                    if let Some(move_id) = self.unfinished_move_of(&m.sandbox_id).await? {
-                        return Err(DbError::AlreadyMoving { move_id });
+                    if let Some(other) = self.unfinished_move_of(&m.sandbox_id).await? {
+                        return Err(DbError::AlreadyMoving { move_id: other.id });
                     }
                 }
                 Err(f) => return Err(f.into()),
@@ -658,9 +683,11 @@ impl Db {
     }
 
     /// Writes the move's step, wake, from_store, release, takeover, error, attempts and
-    /// next_attempt_at as `m` has them, if and only if its step is still `expect_step`
+    /// next_attempt_at, refusal as `m` has them, if and only if its step is still `expect_step`
     /// (compare-and-set): false for a writer that lost a race, or a move that is not there.
-    /// Its id, sandbox, nodes, epoch and why never change.
+    /// Its id, sandbox, nodes, epoch and why never change; `cancel` is only ever set (a
+    /// writer that read the row before a cancel does not clear it); `ended_at` is the
+    /// database's now when the step first becomes `done` or `failed`.
     pub async fn update_move(&self, m: &MoveRow, expect_step: &str) -> Result<bool, DbError> {
         check_step(&m.step)?;
         check_step(expect_step)?;
@@ -673,6 +700,9 @@ impl Db {
             Val::opt_text(m.error.as_deref()),
             Val::I64(m.attempts),
             Val::opt_i64(m.next_attempt_at_ms),
+            Val::Bool(m.cancel),
+            Val::opt_text(m.refusal.as_deref()),
+            Val::text(&m.step),
             Val::text(&m.id),
             Val::text(expect_step),
         ];
@@ -681,7 +711,7 @@ impl Db {
             // A finished move set going again while the sandbox has another one under way.
             Err(Failure::Unique(UniqueOn::MoveUnfinished)) => {
                 match self.unfinished_move_of(&m.sandbox_id).await? {
-                    Some(move_id) => Err(DbError::AlreadyMoving { move_id }),
+                    Some(other) => Err(DbError::AlreadyMoving { move_id: other.id }),
                     None => Ok(false),
                 }
             }
@@ -710,12 +740,45 @@ impl Db {
         rows.into_iter().map(move_row).collect()
     }
 
-    async fn unfinished_move_of(&self, sandbox_id: &str) -> Result<Option<String>, DbError> {
+    /// Every move, oldest first.
+    pub async fn all_moves(&self) -> Result<Vec<MoveRow>, DbError> {
+        let rows = self.backend.query(SQL_MOVES, vec![]).await?;
+        rows.into_iter().map(move_row).collect()
+    }
+
+    /// The sandbox's move that is under way, if any.
+    pub async fn unfinished_move_of(&self, sandbox_id: &str) -> Result<Option<MoveRow>, DbError> {
         let rows = self
             .backend
             .query(SQL_UNFINISHED_MOVE_OF, vec![Val::text(sandbox_id)])
             .await?;
-        one(rows, |row| Cols::new(row).text())
+        one(rows, move_row)
+    }
+
+    /// An operator's cancel, by compare-and-set on the step the caller read: a move at
+    /// `releasing` is marked (the machine ends it); one at `taking_over` whose takeover has not
+    /// answered goes `reclaiming` at once, `error` the one it is to end with (its `refusal`;
+    /// attempts cleared). False where the
+    /// move is no longer as read (the caller reads it again); [`DbError::Invalid`] for another
+    /// step.
+    pub async fn cancel_move(&self, id: &str, step: &str, error: &str) -> Result<bool, DbError> {
+        let n = match step {
+            "releasing" => {
+                self.backend
+                    .execute(SQL_CANCEL_RELEASING, vec![Val::text(id)])
+                    .await?
+            }
+            "taking_over" => {
+                self.backend
+                    .execute(
+                        SQL_CANCEL_TAKING_OVER,
+                        vec![Val::text(error), Val::text(id)],
+                    )
+                    .await?
+            }
+            other => return Err(DbError::Invalid(format!("a cancel at step {other:?}"))),
+        };
+        Ok(n > 0)
     }
 }
 
@@ -847,7 +910,10 @@ fn move_row(row: Row) -> Result<MoveRow, DbError> {
         error: c.opt_text()?,
         attempts: c.i64()?,
         next_attempt_at_ms: c.opt_i64()?,
+        cancel: c.bool()?,
+        refusal: c.opt_text()?,
         created_at_ms: c.i64()?,
         updated_at_ms: c.i64()?,
+        ended_at_ms: c.opt_i64()?,
     })
 }

@@ -25,9 +25,10 @@ const MIGRATION_LOCK: i64 = 0x5b78_c0de_0028;
 /// The schema: numbered steps, applied in order, each once (the `schema_version` table).
 /// Times are ms since the epoch; `seq` is the order rows were made in (lists are in it: many
 /// rows share a millisecond); constraints are named so that a failure says which.
-pub(super) const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    "CREATE TABLE nodes (
+pub(super) const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        "CREATE TABLE nodes (
         id TEXT NOT NULL,
         name TEXT NOT NULL,
         url TEXT NOT NULL,
@@ -86,7 +87,13 @@ pub(super) const MIGRATIONS: &[(i64, &str)] = &[(
     CREATE UNIQUE INDEX moves_unfinished ON moves(sandbox_id)
         WHERE step NOT IN ('done', 'failed');
     CREATE INDEX moves_sandbox ON moves(sandbox_id, seq);",
-)];
+    ),
+    (
+        2,
+        "ALTER TABLE moves ADD COLUMN cancel BOOLEAN NOT NULL DEFAULT FALSE,
+        ADD COLUMN refusal TEXT, ADD COLUMN ended_at BIGINT;",
+    ),
+];
 
 pub(super) struct Postgres {
     config: Config,

@@ -24,9 +24,10 @@ const POOL_IDLE: usize = 4;
 /// The schema: numbered steps, applied in order, each once (the `schema_version` table).
 /// Booleans are 0 and 1 (`BOOLEAN` has numeric affinity); times are ms since the epoch; `seq`
 /// is the order rows were made in (lists are in it: many rows share a millisecond).
-pub(super) const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    "CREATE TABLE nodes (
+pub(super) const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        "CREATE TABLE nodes (
         id TEXT NOT NULL PRIMARY KEY,
         name TEXT NOT NULL UNIQUE,
         url TEXT NOT NULL,
@@ -73,7 +74,14 @@ pub(super) const MIGRATIONS: &[(i64, &str)] = &[(
     CREATE UNIQUE INDEX moves_unfinished ON moves(sandbox_id)
         WHERE step NOT IN ('done', 'failed');
     CREATE INDEX moves_sandbox ON moves(sandbox_id, seq);",
-)];
+    ),
+    (
+        2,
+        "ALTER TABLE moves ADD COLUMN cancel BOOLEAN NOT NULL DEFAULT FALSE;
+    ALTER TABLE moves ADD COLUMN refusal TEXT;
+    ALTER TABLE moves ADD COLUMN ended_at INTEGER;",
+    ),
+];
 
 pub(super) struct Sqlite {
     path: PathBuf,

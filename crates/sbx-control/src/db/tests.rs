@@ -10,11 +10,11 @@ use anyhow::{bail, ensure, Context};
 
 use super::*;
 
-type Case = fn(String) -> Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
+pub(crate) type Case = fn(String) -> Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 
 /// Runs `case` with the URL of a fresh SQLite file, then with that of a fresh PostgreSQL
 /// database (if `SBX_TEST_PG_URL` is set); each is removed after, whatever the case did.
-async fn run_both(name: &str, case: Case) {
+pub(crate) async fn run_both(name: &str, case: Case) {
     let dir = std::env::temp_dir().join(format!("sbx-control-{}", sbx_api::ids::new_id("t")));
     let made = std::fs::create_dir_all(&dir);
     let result = match made {
@@ -130,8 +130,11 @@ fn a_move(sandbox_id: &str, from: &str, to: &str) -> MoveRow {
         error: None,
         attempts: 0,
         next_attempt_at_ms: None,
+        cancel: false,
+        refusal: None,
         created_at_ms: 0,
         updated_at_ms: 0,
+        ended_at_ms: None,
     }
 }
 
@@ -540,6 +543,11 @@ async fn case_moves(url: String) -> anyhow::Result<()> {
     }
     ensure!(wins == 1, "{wins} winners");
     ensure!(db.unfinished_moves().await?.is_empty());
+    let done = db.get_move(&m1.id).await?.context("m1 is gone")?;
+    ensure!(
+        done.ended_at_ms.is_some_and(|t| t >= before) && !done.cancel,
+        "{done:?}"
+    );
 
     // The sandbox may move again; the finished move may not start again beside it.
     db.insert_move(&m2).await?;
@@ -583,6 +591,50 @@ async fn case_moves(url: String) -> anyhow::Result<()> {
         .iter()
         .map(|m| &m.id)
         .eq([&m2.id]));
+    ensure!(db.unfinished_move_of(&s.id).await?.map(|m| m.id) == Some(m2.id.clone()));
+    ensure!(db.all_moves().await?.len() == 3);
+
+    // A cancel marks a releasing move; a writer that read it before does not clear the mark.
+    ensure!(db.cancel_move(&m2.id, "releasing", "{}").await?);
+    let stale = MoveRow {
+        attempts: 1,
+        ..m2.clone()
+    };
+    ensure!(db.update_move(&stale, "releasing").await?);
+    let got = db.get_move(&m2.id).await?.context("m2")?;
+    ensure!(
+        got.cancel && got.attempts == 1 && got.ended_at_ms.is_none(),
+        "{got:?}"
+    );
+    // At taking_over it goes reclaiming, unless the takeover answered.
+    ensure!(!db.cancel_move(&m2.id, "taking_over", "{}").await?);
+    let taking = MoveRow {
+        step: "taking_over".into(),
+        takeover: Some("{}".into()),
+        ..got.clone()
+    };
+    ensure!(db.update_move(&taking, "releasing").await?);
+    ensure!(!db.cancel_move(&m2.id, "taking_over", "{}").await?);
+    let not_answered = MoveRow {
+        takeover: None,
+        ..taking.clone()
+    };
+    ensure!(db.update_move(&not_answered, "taking_over").await?);
+    ensure!(
+        db.cancel_move(&m2.id, "taking_over", r#"{"code":"cancelled"}"#)
+            .await?
+    );
+    let got = db.get_move(&m2.id).await?.context("m2")?;
+    ensure!(
+        got.step == "reclaiming"
+            && got.refusal.as_deref() == Some(r#"{"code":"cancelled"}"#)
+            && got.error.is_none(),
+        "{got:?}"
+    );
+    ensure!(matches!(
+        db.cancel_move(&m2.id, "reclaiming", "{}").await,
+        Err(DbError::Invalid(_))
+    ));
 
     // 8 racing new moves of another sandbox: one is recorded, the others name it.
     let t = sandbox(None, &a.id);

@@ -337,7 +337,7 @@ impl Node {
     /// drive_full when its disk cannot promise one more; the caller holds the admission lock
     /// until its sandbox is counted.
     pub(crate) fn check_capacity(&self) -> Result<(), ApiError> {
-        let held = self.sandbox_count() + self.managed.locked().len();
+        let held = self.sandbox_count() + self.kept_count();
         if held >= self.cfg.max_sandboxes {
             return Err(ApiError::new(
                 ErrorCode::NoCapacity,

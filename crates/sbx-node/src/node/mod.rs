@@ -373,7 +373,7 @@ impl Node {
     /// Sandboxes the node holds against `max_sandboxes`: runs' and kept ones (of every status),
     /// not the warm pool's.
     pub fn held_sandboxes(&self) -> usize {
-        self.sandbox_count() + self.managed.locked().len()
+        self.sandbox_count() + self.kept_count()
     }
 
     /// Teardowns still under way.

@@ -14,6 +14,11 @@
 //!   the sandbox woken (or slept again) before it read the disk drops that sleep. A snapshot's
 //!   directory (its `images`, `upper`, `execs.json`) is hard-linked the same way, so its
 //!   delete does not cut an upload short. Staging goes once its upload ends.
+//! - **Record.** Each sleep carries the sandbox's record ([`SandboxRecord`]: its row, its
+//!   spec with its token and secret variables in clear (another node's key seals them again),
+//!   its commands' rows, its epoch), taken with the staging (the state of that sleep) into
+//!   `record.json` (mode 0600) and stored as the part `record-<g>`: what a node that takes
+//!   the sandbox over (`sandbox/move_in.rs`) makes it of.
 //! - **Background.** The sleep's answer does not wait. One upload per sandbox at a time; a
 //!   newer sleep supersedes one queued and not started; at most [`CONCURRENT`] uploads run at
 //!   once. A failed upload is logged and tried again with a backoff (1 s doubling to 60 s) until
@@ -48,6 +53,9 @@ const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
 /// The staging folder in the data directory, and on the node's disk.
 const STAGING: &str = "replica";
+/// The part a sleep's record is stored as (`record-<g>`), and its file in the staging.
+pub const RECORD_PART: &str = "record";
+const RECORD_FILE: &str = "record.json";
 
 /// A boxed future, as a trait object's method returns one.
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
@@ -143,13 +151,104 @@ impl Drop for DiskRead {
     }
 }
 
+/// A sandbox's record as each of its sleeps carries it (the part `record-<g>`): what a node
+/// that takes the sandbox over makes its rows of.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub name: Option<String>,
+    /// Its status as the row kept it (`sleeping`: the record is a sleep's).
+    pub status: String,
+    /// Its spec as the node keeps it (the create), but its token and its secret variables
+    /// in clear: the node that takes it over seals them with its own key.
+    pub spec: serde_json::Value,
+    pub created_at_ns: i64,
+    pub started_at_ns: Option<i64>,
+    pub restarts: u32,
+    pub failure_code: Option<String>,
+    pub failure: Option<String>,
+    /// The epoch it was held at.
+    pub epoch: u64,
+    /// Its commands' rows.
+    pub execs: Vec<RecordExec>,
+}
+
+/// A command's row in a [`SandboxRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RecordExec {
+    pub exec_id: String,
+    pub command: String,
+    pub tty: bool,
+    pub encoding: String,
+    pub created_at_ns: i64,
+    pub boot: u32,
+    pub final_json: Option<String>,
+    #[serde(default)]
+    pub stdin_closed: bool,
+}
+
+/// A sleep the store holds whole (its manifest names its parts), as a takeover reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredSleepRef {
+    pub sandbox_id: String,
+    /// The epoch folder it is in.
+    pub epoch: u64,
+    /// The sleep's generation (its parts are named with it).
+    pub generation: u64,
+    /// The build that wrote its memory.
+    pub build: String,
+    /// The image its disk is over (`<reference>@<digest>` for a pulled one).
+    pub image: String,
+    /// Plain and stored bytes of its parts.
+    pub bytes: u64,
+    pub stored_bytes: u64,
+    /// Whether it carries the sandbox's record (a sleep of an older node does not).
+    pub has_record: bool,
+}
+
+/// A part of a stored sleep that is a tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SleepPart {
+    /// The sandbox's files (its overlay's upper directory).
+    Disk,
+    /// CRIU's images.
+    Memory,
+}
+
+/// What fetching a part brought.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fetched {
+    /// The plain stream's bytes.
+    pub bytes: u64,
+    pub ms: u64,
+}
+
 /// The fleet's object store as the core sees it.
 pub trait Replicas: Send + Sync {
     /// The store, for logs and `GET /internal/node` (its URL, endpoint, region; never keys).
     fn describe(&self) -> String;
+    /// The build this node's manifests name (a sleep of another build cannot be woken here).
+    fn build(&self) -> String;
     /// Stores `up` whole (its manifest last), or fails leaving no manifest of it. The disk
     /// part is read first; `disk_read` is told once it is.
     fn put(&self, up: Upload, disk_read: DiskRead) -> BoxFuture<Result<Stored, ReplicaError>>;
+    /// The latest sleep of sandbox `sandbox_id` the store holds whole at an epoch below
+    /// `below` (`None`: none).
+    fn latest_sleep(
+        &self,
+        sandbox_id: &str,
+        below: u64,
+    ) -> BoxFuture<Result<Option<StoredSleepRef>, ReplicaError>>;
+    /// The record a stored sleep carries (its bytes, checked against its manifest).
+    fn fetch_record(&self, sleep: &StoredSleepRef) -> BoxFuture<Result<Vec<u8>, ReplicaError>>;
+    /// Unpacks a part of a stored sleep into `dest` (new or empty), checked against its
+    /// manifest; on a failure what it made there is taken away.
+    fn fetch_part(
+        &self,
+        sleep: &StoredSleepRef,
+        part: SleepPart,
+        dest: PathBuf,
+    ) -> BoxFuture<Result<Fetched, ReplicaError>>;
 }
 
 /// The last sleep or snapshot of a sandbox fully stored.
@@ -441,7 +540,7 @@ fn now_generation() -> u64 {
 }
 
 /// A sleep's generation: when CRIU wrote its inventory (ns since the epoch).
-fn generation_of(images: &Path) -> Option<u64> {
+pub(crate) fn generation_of(images: &Path) -> Option<u64> {
     let m = std::fs::metadata(images.join("inventory.img")).ok()?;
     let t = m.modified().ok()?;
     let d = t.duration_since(std::time::UNIX_EPOCH).ok()?;
@@ -461,6 +560,25 @@ fn link_or_copy(src: &Path, dst: &Path) -> Result<(), ReplicaError> {
         }
         Err(e) => Err(io_err(src)(e)),
     }
+}
+
+/// Writes `value` as JSON into the new file `path`, readable by its owner alone (a record
+/// holds a sandbox's token).
+fn write_private<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), ReplicaError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let body = serde_json::to_vec(value).map_err(|e| ReplicaError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io_err(path))?;
+    f.write_all(&body).map_err(io_err(path))
 }
 
 /// What staging a sleep made.
@@ -576,6 +694,11 @@ impl Node {
         self.replicas.as_ref().map(|q| q.info())
     }
 
+    /// The node's store (none: it has none).
+    pub(crate) fn replica_store(&self) -> Option<Arc<dyn Replicas>> {
+        self.replicas.as_ref().map(|q| q.replicas.clone())
+    }
+
     /// The last sleep (or snapshot) of `id` fully stored.
     pub fn last_stored(&self, id: &str) -> Option<LastStored> {
         let q = self.replicas.as_ref()?;
@@ -609,6 +732,16 @@ impl Node {
         let data_dir = self.cfg.data_dir.clone();
         let images = crate::node::checkpoint::images_dir(&data_dir, id);
         let generation = generation_of(&images).unwrap_or_else(now_generation);
+        // This very sleep staged already: its upload is queued, running or to be tried again
+        // (staging goes once its upload ends). Staging it again would take its files away.
+        if data_dir
+            .join(STAGING)
+            .join(format!("{id}.{generation}"))
+            .exists()
+        {
+            tracing::debug!(sandbox = %id, generation, "this sleep is staged already");
+            return;
+        }
         let epoch = self.sandbox_epoch(id);
         let id2 = id.to_string();
         let staged =
@@ -624,6 +757,22 @@ impl Node {
                 return;
             }
         };
+        // Its record as of this sleep, beside the staging's other parts.
+        let mut files = Vec::new();
+        match self.sleep_record(id, epoch) {
+            Ok(record) => {
+                let path = stage.staging.join(RECORD_FILE);
+                match write_private(&path, &record) {
+                    Ok(()) => files.push((RECORD_PART.to_string(), path)),
+                    Err(e) => {
+                        tracing::error!(sandbox = %id, error = %e, "a sleep's record not staged: the sleep is stored without it")
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(sandbox = %id, error = %e.message, "a sleep's record not made: the sleep is stored without it")
+            }
+        }
         let live = stage.disk_snapshot.is_none().then(|| LiveDisk {
             node: Arc::downgrade(self),
             gate: q.gate(id),
@@ -638,7 +787,7 @@ impl Node {
                 image,
                 memory: stage.memory,
                 disk: stage.disk,
-                files: Vec::new(),
+                files,
             },
             staging: stage.staging,
             disk_snapshot: stage.disk_snapshot,
@@ -690,6 +839,8 @@ impl Node {
     /// node left goes, and every sleeping sandbox and every snapshot is staged again (what
     /// the store holds already is not sent again).
     pub fn start_replicas(self: &Arc<Self>) {
+        // A takeover a killed node left half made goes first: nothing of it is staged.
+        self.remove_half_made_takeovers();
         if self.replicas.is_none() {
             return;
         }
@@ -756,6 +907,27 @@ mod tests {
     impl Replicas for Recorder {
         fn describe(&self) -> String {
             "recorder".into()
+        }
+        fn build(&self) -> String {
+            "build".into()
+        }
+        fn latest_sleep(
+            &self,
+            _: &str,
+            _: u64,
+        ) -> BoxFuture<Result<Option<StoredSleepRef>, ReplicaError>> {
+            Box::pin(async { Ok(None) })
+        }
+        fn fetch_record(&self, _: &StoredSleepRef) -> BoxFuture<Result<Vec<u8>, ReplicaError>> {
+            Box::pin(async { Err(ReplicaError::Store("a recorder keeps nothing".into())) })
+        }
+        fn fetch_part(
+            &self,
+            _: &StoredSleepRef,
+            _: SleepPart,
+            _: PathBuf,
+        ) -> BoxFuture<Result<Fetched, ReplicaError>> {
+            Box::pin(async { Err(ReplicaError::Store("a recorder keeps nothing".into())) })
         }
         fn put(&self, up: Upload, disk_read: DiskRead) -> BoxFuture<Result<Stored, ReplicaError>> {
             let fail = {

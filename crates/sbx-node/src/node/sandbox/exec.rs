@@ -502,7 +502,14 @@ impl Node {
         let wait = HostMsg::Wait {
             exec_id: exec_id.into(),
         };
-        match one_shot(&sb.socket, &wait).await.map_err(agent_lost)? {
+        // A release ends the wait: the command goes on where the sandbox goes.
+        let got = tokio::select! {
+            got = one_shot(&sb.socket, &wait) => got,
+            e = self.moved_signal(&m.id) => {
+                return Err(e.with_beside("exec_id", serde_json::json!(exec_id)));
+            }
+        };
+        match got.map_err(agent_lost)? {
             AgentMsg::State(s) => Ok(s),
             AgentMsg::ExecFailed { .. } => Err(ApiError::new(
                 ErrorCode::ExecNotFound,

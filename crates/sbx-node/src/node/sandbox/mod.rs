@@ -7,6 +7,8 @@ mod boot;
 mod egress;
 mod exec;
 mod lifecycle;
+mod move_in;
+mod move_out;
 mod output;
 pub mod sleep;
 mod snapshot;
@@ -335,6 +337,9 @@ pub struct Managed {
     pub rewatch: std::sync::atomic::AtomicBool,
     /// `held_asleep`: while it sleeps, a request to one of its ports does not wake it.
     pub held: std::sync::atomic::AtomicBool,
+    /// Set when a release moves it to another node (`move_out.rs`): it is not woken, and its
+    /// streams, waits and terminals end with `sandbox_moved`.
+    pub(crate) moving: tokio::sync::watch::Sender<Option<move_out::MoveNote>>,
 }
 
 impl Managed {
@@ -355,6 +360,7 @@ impl Managed {
             attached: std::sync::atomic::AtomicUsize::new(0),
             rewatch: std::sync::atomic::AtomicBool::new(false),
             held: std::sync::atomic::AtomicBool::new(spec.held_asleep),
+            moving: tokio::sync::watch::Sender::new(None),
             spec,
         }
     }
@@ -414,20 +420,40 @@ pub struct ListQuery {
 }
 
 impl Node {
+    /// Kept sandbox `id_or_name`; 409 `moved` for one released or forgotten here (it is
+    /// another node's now).
     pub(crate) fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
+        let found = self.managed_entry(id_or_name);
+        let id = found.as_ref().map_or(id_or_name, |m| m.id.as_str());
+        // One this node is taking over (`move_in.rs`): 503 until it is here.
+        if let Some(e) = found.is_none().then(|| self.takeover_error(id)).flatten() {
+            return Err(e);
+        }
+        if let Some(e) = self.moved_error(id, found.is_some()) {
+            return Err(e);
+        }
+        found.ok_or_else(|| not_found(id_or_name))
+    }
+
+    /// Sandbox `id_or_name` in the table, released or not.
+    pub(crate) fn managed_entry(&self, id_or_name: &str) -> Option<Arc<Managed>> {
         let m = self.managed.locked();
         if let Some(s) = m.get(id_or_name) {
-            return Ok(s.clone());
+            return Some(s.clone());
         }
         m.values()
             .find(|s| s.name().as_deref() == Some(id_or_name))
             .cloned()
-            .ok_or_else(|| not_found(id_or_name))
     }
 
-    /// How many sandboxes the node keeps (made by creates, running or asleep).
+    /// How many sandboxes the node keeps (made by creates, running or asleep; not those it
+    /// released).
     pub fn kept_count(&self) -> usize {
-        self.managed.locked().len()
+        self.managed
+            .locked()
+            .keys()
+            .filter(|id| !self.store.is_moved(id))
+            .count()
     }
 
     /// Sandbox `id_or_name`'s object (404 `sandbox_not_found` when the node has none).
@@ -505,6 +531,9 @@ impl Node {
         let mut out: Vec<(String, SandboxObject)> = Vec::new();
         let mut more = false;
         for m in all {
+            if self.store.is_moved(&m.id) {
+                continue;
+            }
             if let Some(c) = &q.cursor {
                 if key(&m) <= *c {
                     continue;

@@ -60,11 +60,18 @@ impl Node {
             let wait = HostMsg::Wait {
                 exec_id: exec_id.into(),
             };
-            let _ = tokio::time::timeout(
-                Duration::from_secs_f64(wait_seconds),
-                one_shot(&sb.socket, &wait),
-            )
-            .await;
+            // A release ends the wait: the command goes on where the sandbox goes.
+            tokio::select! {
+                _ = tokio::time::timeout(
+                    Duration::from_secs_f64(wait_seconds),
+                    one_shot(&sb.socket, &wait),
+                ) => {}
+                e = self.moved_signal(&m.id) => {
+                    return Err(e
+                        .with_beside("offset", serde_json::json!(0))
+                        .with_beside("exec_id", serde_json::json!(exec_id)));
+                }
+            }
         }
         let (state, mut c) = match read_all(&sb, exec_id).await {
             Ok(x) => x,
@@ -152,9 +159,16 @@ impl Node {
         })
         .await
         .map_err(agent_lost)?;
+        let moved = self.moved_signal(&m.id);
         tokio::spawn(async move {
+            tokio::pin!(moved);
             loop {
                 let ev = tokio::select! {
+                    // A release ends the stream (the event stream adds where it was).
+                    e = &mut moved => {
+                        let _ = tx.send(RunEvent::Failed(e)).await;
+                        return;
+                    }
                     f = conn.recv() => match f {
                         Ok(Frame::Data { stream, pos, bytes, .. }) => RunEvent::Output { stream, pos, data: bytes },
                         Ok(Frame::Msg(AgentMsg::Gap { from, to, .. })) => RunEvent::Gap { from, to },

@@ -502,6 +502,8 @@ impl Node {
         if m.status() != SandboxStatus::Sleeping {
             return Ok(());
         }
+        // Released (or being released) to another node: not woken here.
+        self.refuse_wake_if_moving(m)?;
         let ck = self.checkpointer()?;
         m.idle.locked().changing = true;
         let r = self.wake_locked(m, ck).await;
