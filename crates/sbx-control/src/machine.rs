@@ -647,30 +647,7 @@ async fn reclaiming(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbError
     if let Owner::Not(why) = own(ctl, &cur, cur.epoch + 2, &from.id).await? {
         return fail(ctl, cur, conflict(why)).await;
     }
-    let req = TakeoverRequest {
-        epoch: epoch(&cur, 2),
-        from: FromNode {
-            id: to.id.clone(),
-            name: to.name.clone(),
-            url: to.url.clone(),
-            local: None,
-        },
-        from_store: false,
-        wake: cur.wake,
-        reclaim: true,
-        move_id: Some(cur.id.clone()),
-    };
-    let Some(r) = ask_while(
-        ctl,
-        nudge,
-        &cur,
-        &from,
-        "takeover",
-        to_json(&req),
-        nodecall::MOVE_CALL_TIMEOUT,
-    )
-    .await
-    else {
+    let Some(r) = take_back(ctl, nudge, &cur, &from, &to, 2).await else {
         return Ok(());
     };
     let Some(mut cur) = reread(ctl, &cur, RECLAIMING).await? else {
@@ -690,6 +667,41 @@ async fn reclaiming(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbError
     }
 }
 
+/// Asks the old node (`from`) to take the sandbox back from the new one (`to`): at E+2 its
+/// own kept copy (a reclaim), at E+3 from the object store (a restore).
+async fn take_back(
+    ctl: &Ctl,
+    nudge: &Notify,
+    m: &MoveRow,
+    from: &NodeRow,
+    to: &NodeRow,
+    k: i64,
+) -> Option<Result<Answer, CallError>> {
+    let req = TakeoverRequest {
+        epoch: epoch(m, k),
+        from: FromNode {
+            id: to.id.clone(),
+            name: to.name.clone(),
+            url: to.url.clone(),
+            local: None,
+        },
+        from_store: k == 3,
+        wake: m.wake,
+        reclaim: k == 2,
+        move_id: Some(m.id.clone()),
+    };
+    ask_while(
+        ctl,
+        nudge,
+        m,
+        from,
+        "takeover",
+        to_json(&req),
+        nodecall::MOVE_CALL_TIMEOUT,
+    )
+    .await
+}
+
 async fn restoring(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbError> {
     let Some((from, to)) = ends(ctl, &m).await? else {
         return Ok(());
@@ -700,30 +712,7 @@ async fn restoring(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbError>
     if let Owner::Not(why) = own(ctl, &m, m.epoch + 3, &from.id).await? {
         return fail(ctl, m, conflict(why)).await;
     }
-    let req = TakeoverRequest {
-        epoch: epoch(&m, 3),
-        from: FromNode {
-            id: to.id.clone(),
-            name: to.name.clone(),
-            url: to.url.clone(),
-            local: None,
-        },
-        from_store: true,
-        wake: m.wake,
-        reclaim: false,
-        move_id: Some(m.id.clone()),
-    };
-    let Some(r) = ask_while(
-        ctl,
-        nudge,
-        &m,
-        &from,
-        "takeover",
-        to_json(&req),
-        nodecall::MOVE_CALL_TIMEOUT,
-    )
-    .await
-    else {
+    let Some(r) = take_back(ctl, nudge, &m, &from, &to, 3).await else {
         return Ok(());
     };
     let Some(cur) = reread(ctl, &m, RESTORING).await? else {

@@ -28,6 +28,7 @@ use sbx_api::moves::{
 use sbx_api::{ApiError, ErrorCode, SandboxStatus};
 use serde_json::json;
 
+use super::move_in::host_id;
 use super::{not_found, store_err, wrong_state, Managed};
 use crate::node::checkpoint::images_dir;
 use crate::node::replica::{generation_of, UploadKind};
@@ -93,21 +94,6 @@ fn wrong_epoch(at: u64, asked: u64, how: &str) -> ApiError {
 
 fn not_movable(why: &str) -> ApiError {
     ApiError::new(ErrorCode::NotMovable, why.to_string())
-}
-
-/// This machine and its boot: `/etc/machine-id` `:` the boot id (a node on the same machine
-/// reads a released copy's files directly).
-pub(crate) fn host_id() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default()
-    };
-    format!(
-        "{}:{}",
-        read("/etc/machine-id"),
-        read("/proc/sys/kernel/random/boot_id")
-    )
 }
 
 /// The bytes of the files under `dir` (0 where it cannot be read).
