@@ -177,6 +177,16 @@ pub enum ErrorCode {
     /// The takeover could not bring the sandbox (the store or the old node's copy could not be read).
     TakeoverFailed,
 
+    // Node leases, recoveries and the control plane's failover (the fleet, part 2).
+    /// The node's lease fences the sandbox: the node could not renew its lease with the control plane, froze its sandboxes and serves none of them until it renews.
+    Fenced,
+    /// A recovery of a node whose lease may still be held: `lease_until` beside the error says until when (the node's lease and the time after it for the node to have seen it run out).
+    LeaseHeld,
+    /// This control plane is a standby: `active` beside the error names the copy that holds the lease (null while none does).
+    Standby,
+    /// The node that had the sandbox was lost, and the object store holds nothing of it to bring it back from.
+    NodeLost,
+
     // 504 timeout
     /// The caller hung up.
     CallerGone,
@@ -230,7 +240,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ErrorCode; 86] = [
+    pub const ALL: [ErrorCode; 90] = [
         ErrorCode::InvalidJson,
         ErrorCode::UnknownField,
         ErrorCode::UnknownParameter,
@@ -317,6 +327,10 @@ impl ErrorCode {
         ErrorCode::ImageMissing,
         ErrorCode::CopyBehind,
         ErrorCode::TakeoverFailed,
+        ErrorCode::Fenced,
+        ErrorCode::LeaseHeld,
+        ErrorCode::Standby,
+        ErrorCode::NodeLost,
     ];
 
     /// The code as it is written on the wire.
@@ -396,6 +410,10 @@ impl ErrorCode {
             ErrorCode::ImageMissing => "image_missing",
             ErrorCode::CopyBehind => "copy_behind",
             ErrorCode::TakeoverFailed => "takeover_failed",
+            ErrorCode::Fenced => "fenced",
+            ErrorCode::LeaseHeld => "lease_held",
+            ErrorCode::Standby => "standby",
+            ErrorCode::NodeLost => "node_lost",
             ErrorCode::CallerGone => "caller_gone",
             ErrorCode::FsInvalid => "fs_invalid",
             ErrorCode::PathNotFound => "path_not_found",
@@ -506,11 +524,13 @@ impl ErrorCode {
             | MoveGoingBack
             | MoveTakenOver
             | BuildMissing
-            | ImageMissing => 409,
+            | ImageMissing
+            | LeaseHeld
+            | NodeLost => 409,
             BodyTooLarge => 413,
             Internal => 500,
             Unavailable | NoCapacity | MemoryFull | DriveFull | NotServedHere => 503,
-            CopyBehind => 503,
+            CopyBehind | Fenced | Standby => 503,
             TakeoverFailed => 502,
             CallerGone => 504,
             FsInvalid | BadPattern => 400,
@@ -534,7 +554,8 @@ impl ErrorCode {
     ///   sending a run again would run the command again, which no client should do blindly.
     /// - 500 `internal`: false (the node failed; nothing says it will not again).
     /// - 503: `unavailable`, `no_capacity`, `memory_full`, `drive_full` and `copy_behind`
-    ///   (the store catches up) are true; 502 `takeover_failed` too (the store or the old
+    ///   (the store catches up), `fenced` (the node renews its lease) and `standby` (a
+    ///   control plane takes the lease) are true; 502 `takeover_failed` too (the store or the old
     ///   node answers again);
     ///   `not_served_here` is false (this node does not do it, now or later).
     /// - 504 `caller_gone`: false (nobody is there to retry; only logs see it).
@@ -552,6 +573,8 @@ impl ErrorCode {
                 | ErrorCode::StreamAborted
                 | ErrorCode::CopyBehind
                 | ErrorCode::TakeoverFailed
+                | ErrorCode::Fenced
+                | ErrorCode::Standby
         )
     }
 }
@@ -909,6 +932,8 @@ mod tests {
                 ErrorCode::StreamAborted,
                 ErrorCode::CopyBehind,
                 ErrorCode::TakeoverFailed,
+                ErrorCode::Fenced,
+                ErrorCode::Standby,
             ]
         );
         assert!(!ErrorCode::Internal.retryable());
