@@ -285,17 +285,19 @@ fn a_running_sandbox_is_released_fenced_taken_back_and_forgotten() {
     assert_eq!((s, &again), (200, &answer), "after a restart");
 
     // A reclaim (E+2) takes it back: it runs on with its processes and its command.
-    let r = node.post_json(
-        &format!("/internal/sandboxes/{id}/takeover"),
-        &json!({
-            "epoch": 3,
-            "from": { "id": "nod-b", "name": "node-b", "url": "http://127.0.0.1:1" },
-            "reclaim": true,
-            "wake": true,
-        }),
-    );
+    let reclaim = json!({
+        "epoch": 3,
+        "from": { "id": "nod-b", "name": "node-b", "url": "http://127.0.0.1:1" },
+        "reclaim": true,
+        "wake": true,
+    });
+    let r = node.post_json(&format!("/internal/sandboxes/{id}/takeover"), &reclaim);
     assert_eq!(r.status, 200, "{}\n{}", r.text(), node.log_tail(30));
     let back = r.json();
+    // The same reclaim asked again (its answer lost on the way): the same answer, not
+    // wrong_epoch.
+    let r = node.post_json(&format!("/internal/sandboxes/{id}/takeover"), &reclaim);
+    assert_eq!((r.status, r.json()), (200, back.clone()), "a reclaim asked again");
     assert_eq!(
         (
             back["source"].as_str(),

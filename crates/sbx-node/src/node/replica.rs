@@ -472,6 +472,11 @@ async fn worker(
                 .is_some_and(|s| s.queued.is_some());
             if newer {
                 j.discard();
+            } else if !j.staging.exists() {
+                // Its staging went (the sandbox was deleted or forgotten meanwhile): nothing
+                // is left to store, and asking again would fail for ever.
+                tracing::info!(id = %j.up.id, generation = j.up.generation, "an upload whose staging is gone: dropped");
+                j.discard();
             } else {
                 job = Some(j);
             }

@@ -492,6 +492,7 @@ impl Node {
         let _ = tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
         self.store.delete_sandbox(&m.id).map_err(store_err)?;
         self.managed.locked().remove(&m.id);
+        self.drop_takeover_answer(&m.id);
         self.release_name(m.name().as_deref());
         m.row.locked().status = "deleted".into();
         Ok(self.sandbox_object(&m))

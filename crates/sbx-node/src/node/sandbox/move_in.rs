@@ -288,6 +288,13 @@ impl Node {
             }
         }
         if let Some(a) = self.take_back(id, r.epoch, r.wake).await? {
+            // Kept as a takeover's is: the same reclaim asked again (its answer lost) gets it,
+            // not `wrong_epoch` (the node holds it at that epoch now).
+            let done = Done {
+                epoch: r.epoch,
+                answer: a.clone(),
+            };
+            self.keep_takeover_answer(id, &done);
             return Ok(a);
         }
         if r.reclaim {
@@ -329,13 +336,7 @@ impl Node {
                     epoch: r.epoch,
                     answer: answer.clone(),
                 };
-                let path = dir.join(format!("{id}.{DONE}"));
-                if let Err(e) = serde_json::to_vec(&done)
-                    .map_err(std::io::Error::other)
-                    .and_then(|b| std::fs::write(&path, b))
-                {
-                    tracing::warn!(sandbox = %id, error = %e, "the answer of a takeover not kept");
-                }
+                self.keep_takeover_answer(id, &done);
                 let _ = std::fs::remove_file(&mark);
                 tracing::info!(sandbox = %id, epoch = r.epoch, source = ?answer.source, disk_ms = answer.disk_ms, memory_ms = answer.memory_ms, woke = answer.woke, ms = started.elapsed().as_millis() as u64, "taken over");
                 Ok(answer)
@@ -663,7 +664,29 @@ impl Node {
         crate::node::checkpoint::remove_spent(&images);
         let _ = std::fs::remove_dir_all(&images);
         self.release_net(id);
-        let _ = std::fs::remove_file(self.takeover_dir().join(format!("{id}.{DONE}")));
+        self.drop_takeover_answer(id);
+    }
+
+    /// Keeps the answer of a takeover (or reclaim) of `id` done (`<id>.done`).
+    fn keep_takeover_answer(&self, id: &str, done: &Done) {
+        let dir = self.takeover_dir();
+        let path = dir.join(format!("{id}.{DONE}"));
+        if let Err(e) = std::fs::create_dir_all(&dir)
+            .and_then(|()| serde_json::to_vec(done).map_err(std::io::Error::other))
+            .and_then(|b| std::fs::write(&path, b))
+        {
+            tracing::warn!(sandbox = %id, error = %e, "the answer of a takeover not kept");
+        }
+    }
+
+    /// Removes the kept answer of a takeover of `id` (the sandbox is gone from this node).
+    pub(crate) fn drop_takeover_answer(&self, id: &str) {
+        let path = self.takeover_dir().join(format!("{id}.{DONE}"));
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(sandbox = %id, error = %e, "the answer of a takeover stays");
+            }
+        }
     }
 
     /// At the node's start (after `recover`, before anything is staged or served): every

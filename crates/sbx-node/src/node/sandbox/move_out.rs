@@ -460,6 +460,9 @@ impl Node {
         }
         self.store.forget_sandbox(tomb).map_err(store_err)?;
         self.managed.locked().remove(&m.id);
+        // The answer of a takeover that brought it here is void now (a takeover at that
+        // epoch again must not be answered with it).
+        self.drop_takeover_answer(&m.id);
         self.release_name(m.name().as_deref());
         m.expiry.locked().1 += 1;
         m.row.locked().status = "deleted".into();
