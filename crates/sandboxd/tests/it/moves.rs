@@ -297,7 +297,11 @@ fn a_running_sandbox_is_released_fenced_taken_back_and_forgotten() {
     // The same reclaim asked again (its answer lost on the way): the same answer, not
     // wrong_epoch.
     let r = node.post_json(&format!("/internal/sandboxes/{id}/takeover"), &reclaim);
-    assert_eq!((r.status, r.json()), (200, back.clone()), "a reclaim asked again");
+    assert_eq!(
+        (r.status, r.json()),
+        (200, back.clone()),
+        "a reclaim asked again"
+    );
     assert_eq!(
         (
             back["source"].as_str(),
