@@ -235,8 +235,9 @@ struct Cli {
     #[arg(long, value_name = "FILE", requires = "preview_tls_cert")]
     preview_tls_key: Option<PathBuf>,
     /// The fleet's control plane to join (`http://HOST:PORT` of `sandboxd control`): the node
-    /// registers with it and renews its lease by heartbeats (docs/fleet.md). Without it the
-    /// node stands alone.
+    /// registers with it and renews its lease by heartbeats (docs/fleet.md). Several,
+    /// comma-separated (copies on one PostgreSQL database): the node goes to the active one (a
+    /// standby answers 503 `standby` naming it). Without it the node stands alone.
     #[arg(long, value_name = "URL", requires = "node_name")]
     control: Option<String>,
     /// The node's name in the fleet (1 to 64 letters, digits, `.`, `_`, `-`): the same name
@@ -280,6 +281,42 @@ struct ControlArgs {
     /// on to the node). Without it the control plane serves loopback callers only.
     #[arg(long, value_name = "FILE")]
     api_keys: Option<PathBuf>,
+    /// An iii engine (ws://HOST:PORT) the fleet's nodes also join: the control plane registers
+    /// the sandbox::* functions in its default namespace and routes each call to a node (each
+    /// node serves its own in the namespace `sbx-<node name>`).
+    #[arg(long = "iii-url", value_name = "URL")]
+    iii_url: Option<String>,
+    /// Where E2B's SDKs reach the fleet (E2B_API_URL and E2B_SANDBOX_URL: `http://ADDR`): each
+    /// request goes to the E2B listener of the node the table names (the nodes' --e2b-listen).
+    /// Off unless given.
+    #[arg(long, value_name = "ADDR")]
+    e2b_listen: Option<SocketAddr>,
+    /// Where the fleet's preview URLs are served: `{port}-{sandbox}.{domain}` goes to the
+    /// preview listener of the sandbox's node, the Host kept. Off unless given.
+    #[arg(long, value_name = "ADDR")]
+    preview_listen: Option<SocketAddr>,
+    /// The domain of the preview URLs (`{port}-{sandbox}.DOMAIN`): the nodes' --preview-domain.
+    #[arg(long, default_value = "localhost", value_name = "DOMAIN")]
+    preview_domain: String,
+    /// Recover a node by itself once it has been lost this long past its lease and the grace
+    /// after it (as `POST /internal/nodes/{id}/recover` would); 0 (the default): only when
+    /// asked.
+    #[arg(long, default_value_t = 0, value_name = "SECONDS")]
+    recover_after_seconds: u64,
+    /// This control plane's name among those sharing one database (PostgreSQL: one is
+    /// active, the others stand by). Default: the host's name and --listen's port.
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// Where nodes and callers reach this control plane (`http://HOST:PORT`): a standby's 503
+    /// `standby` names the active one's. Default: `http://` and --listen (the host's name
+    /// where --listen is 0.0.0.0 or [::]).
+    #[arg(long, value_name = "URL")]
+    advertise_url: Option<String>,
+    /// How long the active control plane's lease runs without a renewal (the database's
+    /// clock; renewed every third of it): a standby takes over within about 1⅓ of it after
+    /// the active one dies.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS", value_parser = parse_lease)]
+    control_lease_seconds: f64,
 }
 
 /// `--node-lease-seconds`: a number of seconds over 0 (at most a day).
@@ -296,7 +333,7 @@ enum Cmd {
     Serve,
     /// Run the fleet's control plane: nodes join it (`--control`), and its /v1 API places
     /// sandboxes on them and passes every call of a sandbox to its node (docs/fleet.md).
-    Control(ControlArgs),
+    Control(Box<ControlArgs>),
     /// Build the base image now (debootstrap from the machine's apt sources) and exit.
     BuildBase,
     /// Remove what no pulled image uses from the images directory (blobs, layers, refs, temp
@@ -392,7 +429,7 @@ fn run() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
     if matches!(cli.command, Some(Cmd::Control(_))) {
         if let Some(Cmd::Control(args)) = cli.command.take() {
-            return run_control(args);
+            return run_control(*args);
         }
     }
     let images_dir = cli
@@ -423,7 +460,7 @@ fn run() -> anyhow::Result<()> {
         Some(Cmd::Serve) | Some(Cmd::Control(_)) | None => {}
     }
     // The fleet's settings are checked before anything of the node is made.
-    let join = match &cli.control {
+    let mut join = match &cli.control {
         Some(control) => Some(join_config(&cli, control)?),
         None => None,
     };
@@ -679,6 +716,13 @@ fn run() -> anyhow::Result<()> {
             can_be_off: true,
         })
         .map_err(release)?;
+        // The fleet's control plane forwards preview hosts to this listener (plain HTTP only:
+        // one with TLS is the node's own).
+        if let (Some(j), Some(p)) = (join.as_mut(), preview.as_ref()) {
+            if !p.settings.tls {
+                j.preview_url = Some(reachable_url(p.settings.listen, &j.url));
+            }
+        }
         let node = node::Node::builder(
             cfg,
             driver,
@@ -693,6 +737,8 @@ fn run() -> anyhow::Result<()> {
         .net(net.clone())
         .preview(preview.as_ref().map(|p| p.settings.clone()))
         .replicas(replicas)
+        // A node of a fleet keeps a lease: fenced until its first join (`node/lease.rs`).
+        .leased(cli.control.is_some())
         .build()
         .context("the volumes table")
         .map_err(release)?;
@@ -884,9 +930,12 @@ async fn serve(
         docs_url,
         cors_origins,
     });
+    // A node of a fleet serves its functions in a namespace of its own (the control plane
+    // serves the engine's default one); a node standing alone in the default.
+    let namespace = join.as_ref().map(|j| iii::fleet_namespace(&j.name));
     let _worker = iii_url
         .filter(|u| !u.trim().is_empty())
-        .map(|u| iii::start(&u, state.node.clone()));
+        .map(|u| iii::start(&u, state.node.clone(), namespace));
     let app = http::router(state);
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
@@ -903,7 +952,7 @@ async fn serve(
     tracing::info!(%listen, "sandboxd serves");
     // The fleet: the node joins its control plane once it serves (the control plane may send
     // it calls from then on).
-    let joined = join.map(|j| sbx_control::join::start(j, node_capacity(node.clone())));
+    let joined = join.map(|j| sbx_control::join::start_with(j, node_lease_hooks(node.clone())));
     node.refill();
     // The sandboxes are ended as soon as the node is told to stop: the graceful shutdown waits
     // for every open request, and a run's request lasts as long as its command.
@@ -939,7 +988,38 @@ fn run_control(args: ControlArgs) -> anyhow::Result<()> {
         .with_context(|| format!("mkdir {}", args.data_dir.display()))?;
     let data_dir = std::fs::canonicalize(&args.data_dir)
         .with_context(|| format!("resolve {}", args.data_dir.display()))?;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string());
+    let name = match &args.name {
+        Some(n) => {
+            anyhow::ensure!(
+                !n.trim().is_empty() && n.len() <= 200,
+                "--name {n:?}: 1 to 200 characters"
+            );
+            n.clone()
+        }
+        None => format!("{host}:{}", args.listen.port()),
+    };
+    let advertise_url = match &args.advertise_url {
+        Some(u) => {
+            anyhow::ensure!(
+                sbx_control::server::is_http_base(u),
+                "--advertise-url {u:?}: where nodes reach this control plane, http://HOST:PORT"
+            );
+            u.trim_end_matches('/').to_string()
+        }
+        None if args.listen.ip().is_unspecified() => {
+            format!("http://{host}:{}", args.listen.port())
+        }
+        None => format!("http://{}", args.listen),
+    };
     let cfg = sbx_control::ControlConfig {
+        name,
+        advertise_url,
+        control_lease: Duration::from_secs_f64(args.control_lease_seconds),
         listen: args.listen,
         db_url: args
             .db
@@ -950,6 +1030,12 @@ fn run_control(args: ControlArgs) -> anyhow::Result<()> {
         data_dir,
         node_lease: Duration::from_secs_f64(args.node_lease_seconds),
         api_keys,
+        iii_url: args.iii_url.filter(|u| !u.trim().is_empty()),
+        e2b_listen: args.e2b_listen,
+        preview_listen: args.preview_listen,
+        preview_domain: args.preview_domain,
+        recover_after: (args.recover_after_seconds > 0)
+            .then(|| Duration::from_secs(args.recover_after_seconds)),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -971,9 +1057,14 @@ fn run_control(args: ControlArgs) -> anyhow::Result<()> {
 
 /// What a node joins its control plane with: its name, where it is reached, its build, a key.
 fn join_config(cli: &Cli, control: &str) -> anyhow::Result<sbx_control::join::JoinConfig> {
+    let controls = sbx_control::join::control_urls(control);
     anyhow::ensure!(
-        control.starts_with("http://") && control.len() > "http://".len(),
-        "--control {control:?}: the control plane's URL is http://HOST:PORT"
+        !controls.is_empty()
+            && controls
+                .iter()
+                .all(|c| c.starts_with("http://") && c.len() > "http://".len()),
+        "--control {control:?}: the control plane's URL is http://HOST:PORT (several, of one \
+         fleet's control planes, comma-separated)"
     );
     let name = cli.node_name.clone().unwrap_or_default();
     anyhow::ensure!(
@@ -1034,12 +1125,73 @@ fn join_config(cli: &Cli, control: &str) -> anyhow::Result<sbx_control::join::Jo
         "the node joins a fleet"
     );
     Ok(sbx_control::join::JoinConfig {
-        control: control.trim_end_matches('/').to_string(),
+        control: controls.join(","),
         name,
+        e2b_url: cli.e2b_listen.map(|a| reachable_url(a, &url)),
         url,
+        preview_url: None,
         build,
         api_key,
     })
+}
+
+/// `http://ADDR` of a listener of the node, for the control plane: a wildcard address takes
+/// the host of the node's advertised URL (`http://HOST:PORT`).
+fn reachable_url(listen: SocketAddr, advertised: &str) -> String {
+    if !listen.ip().is_unspecified() {
+        return format!("http://{listen}");
+    }
+    let host = advertised
+        .strip_prefix("http://")
+        .unwrap_or(advertised)
+        .trim_end_matches('/');
+    let host = match host.rsplit_once(':') {
+        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    };
+    format!("http://{host}:{}", listen.port())
+}
+
+/// What the join loop asks of the node: its room, the sandboxes it holds (`held`), and what
+/// it does with a renewal of its lease (its taken sandboxes removed, its fence moved on).
+fn node_lease_hooks(node: Arc<node::Node>) -> sbx_control::join::Hooks {
+    let held = {
+        let node = node.clone();
+        Arc::new(move || {
+            node.held_list()
+                .into_iter()
+                .map(|(id, epoch)| sbx_control::db::HeldSandbox { id, epoch })
+                .collect()
+        }) as sbx_control::join::HeldFn
+    };
+    let renewed = {
+        let node = node.clone();
+        Arc::new(move |r: sbx_control::join::Renewal| {
+            let node = node.clone();
+            Box::pin(async move {
+                let taken = r
+                    .taken
+                    .into_iter()
+                    .map(|t| node::lease::Taken {
+                        id: t.id,
+                        epoch: t.epoch,
+                        to: t.to,
+                    })
+                    .collect();
+                node.lease_renewed(node::lease::Renewal {
+                    deadline: r.deadline,
+                    lease_end: r.sent + r.lease,
+                    taken,
+                })
+                .await;
+            }) as std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        }) as sbx_control::join::RenewedFn
+    };
+    sbx_control::join::Hooks {
+        capacity: node_capacity(node),
+        held: Some(held),
+        renewed: Some(renewed),
+    }
 }
 
 /// The node's room as it tells its control plane: its most sandboxes, those it holds now, the

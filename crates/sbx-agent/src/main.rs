@@ -12,6 +12,7 @@
 mod awake;
 mod exec;
 mod fs;
+mod lease;
 mod ring;
 mod server;
 mod users;

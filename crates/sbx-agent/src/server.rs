@@ -22,6 +22,8 @@ struct Agent {
     by_pid: RefCell<HashMap<u32, Rc<Exec>>>,
     /// `/run/sbx/awake`, served by PID 1 of a sandbox (not by an agent started outside one).
     awake: Option<Rc<crate::awake::Awake>>,
+    /// The watchdog of the node's lease (`lease.rs`), of PID 1 of a sandbox only.
+    lease: Option<Rc<crate::lease::Watchdog>>,
 }
 
 type Out = mpsc::Sender<Vec<u8>>;
@@ -56,8 +58,12 @@ async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
         } else {
             None
         },
+        lease: (std::process::id() == 1).then(crate::lease::Watchdog::of_sandbox),
     });
     spawn_local(reaper(agent.clone()));
+    if let Some(l) = &agent.lease {
+        spawn_local(l.clone().run());
+    }
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
@@ -154,6 +160,9 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
     ];
     if agent.awake.is_some() {
         features.push(sbx_proto::FEATURE_AWAKE.into());
+    }
+    if agent.lease.is_some() {
+        features.push(sbx_proto::FEATURE_LEASE.into());
     }
     let hello = AgentMsg::Hello {
         version: PROTO_VERSION,
@@ -328,6 +337,10 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
             // Before a checkpoint: the watches whose connections the node closed are gone.
             if dumpable {
                 crate::watch::none_running(Duration::from_secs(2)).await;
+                // A sandbox restored from this checkpoint is sent its node's lease then.
+                if let Some(l) = &agent.lease {
+                    l.disarm();
+                }
             }
             let _ = sbx_runtime::process::set_dumpable(dumpable);
             let dumpable = sbx_runtime::process::is_dumpable();
@@ -356,6 +369,10 @@ async fn handle(agent: &Rc<Agent>, out: &Out, msg: HostMsg) {
                 },
             )
             .await;
+        }
+        HostMsg::Lease { until_ms } => {
+            let stopped = agent.lease.as_ref().is_some_and(|l| l.set(until_ms));
+            send(out, &AgentMsg::Leased { stopped }).await;
         }
         // File operations are the connection's (see `connection`).
         HostMsg::Fs { .. } | HostMsg::FsEnd { .. } => {}

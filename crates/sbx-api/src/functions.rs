@@ -6,6 +6,9 @@ use serde_json::{json, Value};
 
 use crate::{ApiError, ErrorCode};
 
+mod schemas;
+pub use schemas::{describe, schemas, FUNCTIONS};
+
 /// The docs page the S-codes' anchors (`#S001`…) are on, unless the node is told another.
 pub const DEFAULT_DOCS_BASE: &str = "https://iii.dev/docs/sandbox#";
 
@@ -198,6 +201,9 @@ pub fn s_code_of(err: &ApiError) -> &'static str {
         NoCapacity | MemoryFull | DriveFull => "S400",
         InvalidField if param.starts_with("limits.") => "S400",
         SandboxFailed | CommandLost | Unavailable | Internal | CallerGone => "S300",
+        // The node cannot serve it now and will (it renews its lease; a control plane takes
+        // the lease): the same call again later.
+        Fenced | Standby | CopyBehind | TakeoverFailed => "S301",
         _ => "S001",
     }
 }

@@ -42,9 +42,15 @@ type St = State<Arc<Ctl>>;
 type RidExt = Extension<Rid>;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Create,
     Run,
+    /// `POST /v1/functions/sandbox::create` or `::run` for the functions interface
+    /// (`functions.rs`): `made` when it leaves a sandbox (a create, a run with
+    /// `keep_sandbox`), recorded from the reply's `sandbox_id`.
+    Function {
+        made: bool,
+    },
 }
 
 /// What a create's or a run's body says of where it should go.
@@ -77,11 +83,11 @@ fn name_taken(name: &str) -> ApiError {
 }
 
 /// The node's own error for a sandbox nobody has.
-fn sandbox_not_found(key: &str) -> ApiError {
+pub(crate) fn sandbox_not_found(key: &str) -> ApiError {
     ApiError::new(ErrorCode::SandboxNotFound, format!("no sandbox {key}"))
 }
 
-fn node_away(node: &NodeRow, e: &proxy::ProxyError) -> ApiError {
+pub(crate) fn node_away(node: &NodeRow, e: &proxy::ProxyError) -> ApiError {
     ApiError::new(
         ErrorCode::Unavailable,
         format!(
@@ -91,7 +97,7 @@ fn node_away(node: &NodeRow, e: &proxy::ProxyError) -> ApiError {
     )
 }
 
-fn node_lost(node: &NodeRow, sandbox: &str) -> ApiError {
+pub(crate) fn node_lost(node: &NodeRow, sandbox: &str) -> ApiError {
     ApiError::new(
         ErrorCode::Unavailable,
         format!(
@@ -303,7 +309,7 @@ fn escape_segment(s: &str) -> String {
     out
 }
 
-async fn place(ctl: Arc<Ctl>, rid: String, req: Request, kind: Kind) -> Response {
+pub(crate) async fn place(ctl: Arc<Ctl>, rid: String, req: Request, kind: Kind) -> Response {
     let (parts, body) = req.into_parts();
     let bytes = match read_limited(body, MAX_PLACED_BODY).await {
         Ok(b) => b,
@@ -395,7 +401,10 @@ async fn place(ctl: Arc<Ctl>, rid: String, req: Request, kind: Kind) -> Response
     if let Some(s) = scope {
         ctl.remember_idem(s, &node.id);
     }
-    ctl.placed(&node.id, resp.status().is_success() && kind == Kind::Create);
+    ctl.placed(
+        &node.id,
+        resp.status().is_success() && matches!(kind, Kind::Create | Kind::Function { made: true }),
+    );
     if !resp.status().is_success() {
         if let Some(r) = reservation {
             ctl.unreserve(r).await;
@@ -403,7 +412,9 @@ async fn place(ctl: Arc<Ctl>, rid: String, req: Request, kind: Kind) -> Response
         return resp;
     }
     match kind {
-        Kind::Create => created(&ctl, &rid, resp, &node, reservation).await,
+        Kind::Create | Kind::Function { .. } => {
+            created(&ctl, &rid, resp, &node, reservation, kind).await
+        }
         Kind::Run => match reservation {
             Some(r) => {
                 let (parts, body) = resp.into_parts();
@@ -443,6 +454,7 @@ async fn created(
     resp: Response,
     node: &NodeRow,
     reservation: Option<Reservation>,
+    kind: Kind,
 ) -> Response {
     let (parts, body) = resp.into_parts();
     let bytes = match read_limited(body, MAX_ANSWER).await {
@@ -474,7 +486,10 @@ async fn created(
             return HttpResponse::from_parts(parts, Body::from(bytes));
         }
     };
-    let Some(id) = v.get("id").and_then(Value::as_str).map(String::from) else {
+    // A function's reply names its sandbox `sandbox_id` (made running: it waited for it).
+    let function = matches!(kind, Kind::Function { .. });
+    let id_key = if function { "sandbox_id" } else { "id" };
+    let Some(id) = v.get(id_key).and_then(Value::as_str).map(String::from) else {
         if let Some(r) = reservation {
             ctl.unreserve(r).await;
         }
@@ -483,7 +498,7 @@ async fn created(
     let status = v
         .get("status")
         .and_then(Value::as_str)
-        .unwrap_or("starting")
+        .unwrap_or(if function { "running" } else { "starting" })
         .to_string();
     let row = SandboxRow {
         id: id.clone(),
@@ -642,7 +657,7 @@ const MAX_REPLAY: u64 = 1 << 20;
 const MOVED_WAIT: Duration = Duration::from_secs(3);
 
 /// A request that can be sent twice: its head and its whole body.
-struct Replay {
+pub(crate) struct Replay {
     method: Method,
     uri: axum::http::Uri,
     version: axum::http::Version,
@@ -651,7 +666,7 @@ struct Replay {
 }
 
 impl Replay {
-    fn request(&self) -> Request {
+    pub(crate) fn request(&self) -> Request {
         let mut r = Request::new(Body::from(self.body.clone()));
         *r.method_mut() = self.method.clone();
         *r.uri_mut() = self.uri.clone();
@@ -663,7 +678,7 @@ impl Replay {
 
 /// The request as one that can be sent again, where its body is small (or it has none) and it
 /// does not ask to switch protocols; else as it came.
-async fn replayable(req: Request) -> Result<Replay, Request> {
+pub(crate) async fn replayable(req: Request) -> Result<Replay, Request> {
     if proxy::upgrade_of(req.headers()).is_some() {
         return Err(req);
     }
@@ -696,7 +711,7 @@ async fn replayable(req: Request) -> Result<Replay, Request> {
     }
 }
 
-fn being_moved(row: &SandboxRow, m: &MoveRow) -> ApiError {
+pub(crate) fn being_moved(row: &SandboxRow, m: &MoveRow) -> ApiError {
     ApiError::new(
         ErrorCode::Unavailable,
         format!(
@@ -709,7 +724,7 @@ fn being_moved(row: &SandboxRow, m: &MoveRow) -> ApiError {
 /// After a node answered `moved`: waits (briefly) until the sandbox's move is over (the
 /// call then goes where the table has it), or the wait is up (a move still under way then
 /// answers 503 and the caller asks again).
-async fn wait_moved(ctl: &Ctl, row: &SandboxRow) {
+pub(crate) async fn wait_moved(ctl: &Ctl, row: &SandboxRow) {
     let deadline = tokio::time::Instant::now() + MOVED_WAIT;
     while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;

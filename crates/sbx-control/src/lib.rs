@@ -2,20 +2,37 @@
 //! (`db`, SQLite or PostgreSQL), the nodes joining it (`join`, the node's side), placement
 //! (`place`), the fleet's `/v1` API, every call of a sandbox passed to the node that has it
 //! (`fleet`, over `proxy`), and moves of sandboxes between nodes (`moves`: the API; `machine`:
-//! the durable move machine; `nodecall`: its calls to nodes). It is a client of nodes over
-//! HTTP: it links no part of a node.
+//! the durable move machine; `nodecall`: its calls to nodes), and the functions interface
+//! (`sandbox::*`) on an iii engine, each call routed to a node (`functions`). It is a client of
+//! nodes over HTTP: it links no part of a node.
+//!
+//! Several copies may share one PostgreSQL database: one is active by a lease with a term in
+//! the database, the others stand by (503 `standby`), and every write is fenced by the term
+//! (`active`, `db::lease`).
+//!
+//! Two more listeners, off unless given: E2B's (`e2b`, `--e2b-listen`) and the preview
+//! listener (`preview`, `--preview-listen`), each request passed to the same listener of the
+//! sandbox's node by the table (`relay`: the routing they share with `fleet`).
 //!
 //! Routes (`server::router`): `GET /healthz`; `GET|POST /internal/nodes`, `GET
 //! /internal/nodes/{id}`, `POST /internal/nodes/{id}/heartbeat`, `POST
 //! /internal/nodes/{id}/drain`; `POST|GET /internal/moves`, `GET /internal/moves/{id}`, `POST
-//! /internal/moves/{id}/cancel`; `POST /v1/run`, `POST|GET /v1/sandboxes`, every method of
+//! /internal/moves/{id}/cancel`; `POST /internal/nodes/{id}/recover|evacuate`, `GET
+//! /internal/batches[/{id}]` (`batch`: evacuations and recoveries); `POST /v1/run`, `POST|GET /v1/sandboxes`, every method of
 //! `/v1/sandboxes/{id}` and below. docs/fleet.md tells how to run a fleet.
 
 #![forbid(unsafe_code)]
 
+pub mod active;
 pub mod auth;
+pub mod batch;
 pub mod db;
+pub mod e2b;
+#[cfg(test)]
+mod e2b_tests;
 pub mod fleet;
+pub mod functions;
+pub mod held;
 pub mod join;
 pub mod list;
 pub mod machine;
@@ -24,7 +41,9 @@ pub mod moves;
 mod moves_tests;
 pub mod nodecall;
 pub mod place;
+pub mod preview;
 pub mod proxy;
+pub mod relay;
 pub mod server;
 #[cfg(test)]
 mod server_tests;
@@ -51,6 +70,29 @@ pub struct ControlConfig {
     pub node_lease: Duration,
     /// The keys callers must send; `None`: loopback callers only.
     pub api_keys: Option<HashSet<String>>,
+    /// This copy's name among the control planes of one database (`--name`; the lease's
+    /// holder).
+    pub name: String,
+    /// Where nodes and callers reach this copy (`--advertise-url`, `http://HOST:PORT`): what a
+    /// standby's 503 `standby` names.
+    pub advertise_url: String,
+    /// How long the active copy's lease runs without a renewal (`--control-lease-seconds`;
+    /// the database's clock): a standby takes over within about 1⅓ of it (`active`).
+    pub control_lease: Duration,
+    /// A node lost this long past its lease and grace is recovered by itself
+    /// (`--recover-after-seconds`); `None`: only by `POST /internal/nodes/{id}/recover`.
+    pub recover_after: Option<Duration>,
+    /// E2B's listener (`--e2b-listen`): E2B's SDKs on the fleet, each request forwarded to
+    /// the E2B listener of a node by the table (`e2b`); `None`: off.
+    pub e2b_listen: Option<SocketAddr>,
+    /// The preview listener (`--preview-listen`): `{port}-{sandbox}.{domain}` forwarded to the
+    /// preview listener of the sandbox's node (`preview`); `None`: off.
+    pub preview_listen: Option<SocketAddr>,
+    /// `--preview-domain` (the nodes' own).
+    pub preview_domain: String,
+    /// An iii engine (`ws://HOST:PORT`) to serve `sandbox::*` on (its default namespace), each
+    /// call routed to a node (`functions`); `None`: no worker.
+    pub iii_url: Option<String>,
 }
 
 impl ControlConfig {
@@ -86,6 +128,18 @@ pub enum ControlError {
         #[source]
         source: sbx_blob::BlobError,
     },
+    #[error("--preview-domain {0:?} is not a domain")]
+    PreviewDomain(String),
+    /// `--e2b-listen` or `--preview-listen` could not be bound.
+    #[error("{flag}: listen on {addr}")]
+    ListenFront {
+        flag: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the SQLite file")]
+    Sqlite(#[source] active::LockError),
     #[error("listen on {addr}")]
     Listen {
         addr: SocketAddr,
@@ -126,19 +180,13 @@ pub async fn serve(
             url: redacted(&cfg.db_url),
             source,
         })?;
-    // Names reserved by calls of a control plane that stopped mid-call are free again.
-    let stale = db
-        .sandboxes(None)
-        .await
-        .map_err(|source| ControlError::Db {
-            url: redacted(&cfg.db_url),
-            source,
-        })?;
-    for r in stale.iter().filter(|r| r.status == fleet::RESERVED) {
-        if let Err(e) = db.delete_sandbox(&r.id).await {
-            tracing::warn!(error = %e, id = %r.id, "a stale name reservation stays");
-        }
-    }
+    // Nothing is written before this copy holds the control plane's lease (`active`). One
+    // control plane owns a SQLite file: it takes the lease whoever held it last.
+    db.fence_writes();
+    let sqlite_lock = match active::sqlite_path(&cfg.db_url) {
+        Some(path) => Some(active::lock_sqlite(&path).map_err(ControlError::Sqlite)?),
+        None => None,
+    };
     let store = sbx_blob::Store::open(&cfg.store_url).map_err(|source| ControlError::Store {
         url: cfg.store_url.clone(),
         source,
@@ -158,9 +206,71 @@ pub async fn serve(
         keys = cfg.api_keys.is_some(),
         "the control plane serves"
     );
-    let ctl = Arc::new(server::Ctl::new(db, cfg.node_lease, cfg.api_keys).with_store(store));
-    // Every unfinished move of the table is taken up (a control plane stopped mid-move).
-    let moves = machine::start(ctl.clone());
+    // E2B's and the preview listener, bound before anything is served (a port taken stops
+    // the start, naming its address).
+    let preview_domain = match cfg.preview_listen {
+        Some(_) => Some(
+            preview::domain_of(&cfg.preview_domain)
+                .ok_or_else(|| ControlError::PreviewDomain(cfg.preview_domain.clone()))?,
+        ),
+        None => None,
+    };
+    let mut fronts = Vec::new();
+    for (flag, addr) in [
+        ("--e2b-listen", cfg.e2b_listen),
+        ("--preview-listen", cfg.preview_listen),
+    ] {
+        fronts.push(match addr {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| ControlError::ListenFront { flag, addr, source })?,
+            ),
+            None => None,
+        });
+    }
+    let preview_listener = fronts.pop().flatten();
+    let e2b_listener = fronts.pop().flatten();
+    let ctl = Arc::new(
+        server::Ctl::new(db, cfg.node_lease, cfg.api_keys)
+            .with_store(store)
+            .with_role(active::Role::new(&cfg.name)),
+    );
+    let preview_at = preview_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .zip(preview_domain.clone());
+    let mut listeners = Vec::new();
+    if let Some(l) = e2b_listener {
+        let domain = e2b::answer_domain(preview_at.as_ref().map(|(a, d)| (d.as_str(), *a)));
+        tracing::info!(listen = ?l.local_addr().ok(), "the control plane's E2B listener serves");
+        listeners.push(e2b::spawn(l, ctl.clone(), domain));
+    }
+    if let (Some(l), Some(domain)) = (preview_listener, preview_domain) {
+        tracing::info!(listen = ?l.local_addr().ok(), %domain, "the control plane's preview listener serves");
+        listeners.push(preview::spawn(l, ctl.clone(), domain));
+    }
+    // Standby until it takes the lease; active, it takes up every unfinished move (a control
+    // plane stopped mid-move) and every unfinished evacuation and recovery (`active::Active`).
+    let lease = active::LeaseConfig {
+        name: cfg.name.clone(),
+        url: cfg.advertise_url.clone(),
+        lease: cfg.control_lease,
+        force: sqlite_lock.is_some(),
+    };
+    let duties = active::Duties {
+        recover_after: cfg.recover_after,
+        iii_url: cfg.iii_url.clone(),
+    };
+    let first = match active::take(&ctl, &lease).await {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::warn!(error = %e, "the control plane's lease could not be taken (tried again)");
+            None
+        }
+    };
+    let role = tokio::spawn(active::run(ctl.clone(), lease, duties, first));
+    let db = ctl.db.clone();
     let app = server::router(ctl).into_make_service_with_connect_info::<SocketAddr>();
     // A stop ends the control plane at once: its streams (a command's output, a terminal)
     // are the nodes', and a caller goes on with them through another control plane or the
@@ -172,7 +282,19 @@ pub async fn serve(
             Ok(())
         }
     };
-    moves.abort();
+    // Its duties stop with the loop; the lease is given up, so that a standby takes over at
+    // its next try.
+    role.abort();
+    let _ = role.await;
+    match db.release_lease(&cfg.name).await {
+        Ok(true) => tracing::info!(name = %cfg.name, "the control plane's lease is given up"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(error = %e, "the control plane's lease could not be given up"),
+    }
+    drop(sqlite_lock);
+    for l in listeners {
+        l.abort();
+    }
     served
 }
 

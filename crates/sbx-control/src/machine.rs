@@ -21,6 +21,16 @@
 //! - `restoring`: the table at E+3 on the old node, which takes it from the object store
 //!   (`from_store`). 200: `failed` with the refusal; a refusal: `failed` with it.
 //!
+//! A recovery's move (`why` `recovery`, made by `batch.rs` for a lost node) starts at
+//! `taking_over` with `from_store`: the table goes E → E+3 to the new node (compare-and-set,
+//! done again harmlessly when resumed), which takes it over at E+3 from the object store alone
+//! (no local copy). 200: `done` (the lost node is not asked to forget: it learns that its
+//! copy was taken from its heartbeat's `taken`). A refusal, or [`RECOVERY_TRIES`] asks with no
+//! answer that settles it: no reclaim is possible (the old node is lost), so the new node is
+//! asked to forget what it may have made at E+3 (best effort), the table goes E+3 → E+4 back
+//! to the lost node, its status `lost`, and the move ends `failed` with the refusal (its
+//! batch tries it once more on another node; a later recovery of the node takes it up again).
+//!
 //! Every transition is a compare-and-set on the step ([`Db::update_move`]); one lost to another
 //! writer (a racing control plane, an operator's cancel) is dropped and the move read again.
 //! Each call of a step counts in `attempts` as it is made (a control plane killed during a
@@ -54,6 +64,20 @@ const RESCAN: Duration = Duration::from_secs(5);
 const DB_PAUSE: Duration = Duration::from_secs(1);
 /// How many times the old node is asked to forget a sandbox after a move is done.
 const FORGET_TRIES: u32 = 3;
+/// How many asks of a recovery's takeover without an answer that settles it (5xx, none) end
+/// it as refused (with the backoff, about a minute: a new node killed mid-takeover and
+/// started again within it finishes the takeover).
+pub const RECOVERY_TRIES: i64 = 8;
+/// A move's `why`: an evacuation's, a recovery's.
+pub const WHY_EVACUATION: &str = "evacuation";
+pub const WHY_RECOVERY: &str = "recovery";
+/// The table's status of a sandbox its recovery could not bring back.
+pub const LOST: &str = "lost";
+
+/// Whether `m` is a recovery's move (a takeover from the store at E+3, no release).
+pub fn is_recovery(m: &MoveRow) -> bool {
+    m.why == WHY_RECOVERY
+}
 
 /// The wait before the next ask of a step asked `attempts` times: 1 s, doubling, at most 30 s.
 pub fn backoff(attempts: i64) -> Duration {
@@ -325,6 +349,10 @@ async fn write(ctl: &Ctl, m: &MoveRow, expect: &str) -> Result<bool, DbError> {
     if won {
         if m.step != expect {
             tracing::info!(move_id = %m.id, sandbox = %m.sandbox_id, from = expect, to = %m.step, "a move's step");
+            if m.batch.is_some() && FINISHED_STEPS.contains(&m.step.as_str()) {
+                // Its batch places its next moves (or ends).
+                ctl.batches.nudge();
+            }
         }
     } else {
         tracing::info!(move_id = %m.id, step = expect, "a move's transition lost to another writer: dropped");
@@ -502,6 +530,15 @@ async fn taking_over(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbErro
     let Some((from, to)) = ends(ctl, &m).await? else {
         return Ok(());
     };
+    let recovery = is_recovery(&m);
+    // A recovery's: the table goes E → E+3 to the new node first (an operator's move did
+    // E → E+1 at its release).
+    let k = if recovery { 3 } else { 1 };
+    if recovery {
+        if let Owner::Not(why) = own(ctl, &m, m.epoch + 3, &to.id).await? {
+            return fail(ctl, m, conflict(why)).await;
+        }
+    }
     let Some(m) = begin(ctl, m).await? else {
         return Ok(());
     };
@@ -512,12 +549,12 @@ async fn taking_over(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbErro
         .and_then(|v| v.get("local").cloned())
         .and_then(|l| serde_json::from_value(l).ok());
     let req = TakeoverRequest {
-        epoch: epoch(&m, 1),
+        epoch: epoch(&m, k),
         from: FromNode {
             id: from.id.clone(),
             name: from.name.clone(),
             url: from.url.clone(),
-            local,
+            local: if recovery { None } else { local },
         },
         from_store: m.from_store,
         wake: m.wake,
@@ -550,13 +587,57 @@ async fn taking_over(ctl: &Ctl, nudge: &Notify, m: MoveRow) -> Result<(), DbErro
             }
             done(ctl, cur, &text).await
         }
+        Said::Refused { error, .. } if recovery => {
+            recovery_refused(ctl, cur, &from, &to, error).await
+        }
         Said::Refused { error, .. } => {
             cur.refusal = Some(error.to_string());
             cur.error = None;
             go(ctl, cur, RECLAIMING).await.map(|_| ())
         }
+        Said::Again(error) if recovery && cur.attempts >= RECOVERY_TRIES => {
+            tracing::warn!(move_id = %cur.id, attempts = cur.attempts, %error, "a recovery's takeover never answered: given up");
+            recovery_refused(ctl, cur, &from, &to, error).await
+        }
         Said::Again(error) => retry(ctl, cur, error).await,
     }
+}
+
+/// A recovery's takeover was refused (or never answered): the new node forgets what it may
+/// have made at E+3 (best effort: it may be dead), the table goes back to the lost node at
+/// E+4 with status `lost`, and the move fails with `error`.
+async fn recovery_refused(
+    ctl: &Ctl,
+    m: MoveRow,
+    from: &NodeRow,
+    to: &NodeRow,
+    error: Value,
+) -> Result<(), DbError> {
+    let forget = json!({ "epoch": epoch(&m, 3), "to": from.name });
+    for attempt in 1..=FORGET_TRIES {
+        let r = ask(
+            ctl,
+            to,
+            &m.sandbox_id,
+            "forget",
+            forget.clone(),
+            nodecall::SHORT_CALL_TIMEOUT,
+        )
+        .await;
+        match said(r, to, "forget") {
+            Said::Ok(_) => break,
+            Said::Refused { error, .. } | Said::Again(error) => {
+                tracing::warn!(move_id = %m.id, node = %to.name, attempt, %error, "the new node of a failed recovery did not forget the sandbox");
+            }
+        }
+    }
+    if let Owner::Not(why) = own(ctl, &m, m.epoch + 4, &from.id).await? {
+        tracing::warn!(move_id = %m.id, %why, "a failed recovery's sandbox could not be put back on its lost node");
+    }
+    if let Err(e) = ctl.db.update_sandbox(&m.sandbox_id, Some(LOST), None).await {
+        tracing::warn!(sandbox = %m.sandbox_id, error = %e, "a sandbox's status could not be written");
+    }
+    fail(ctl, m, error).await
 }
 
 /// The new node has it: `done`, the table's status as the takeover left it, and the old node
@@ -567,6 +648,10 @@ async fn done(ctl: &Ctl, m: MoveRow, takeover: &str) -> Result<(), DbError> {
     let mut m = m;
     m.error = None;
     if !go(ctl, m.clone(), DONE).await? {
+        return Ok(());
+    }
+    if is_recovery(&m) {
+        // The old node is lost: its heartbeat, when it comes back, tells it (`taken`).
         return Ok(());
     }
     let Some((from, to)) = ends(ctl, &m).await? else {
@@ -757,6 +842,7 @@ mod tests {
             created_at_ms: 0,
             updated_at_ms: 0,
             ended_at_ms: None,
+            batch: None,
         };
         assert!(!release_outstanding(&m));
         m.attempts = 1;

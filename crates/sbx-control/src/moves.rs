@@ -20,7 +20,8 @@ use crate::server::{db_failed, fail, read_limited, rfc3339, Ctl, Rid};
 
 /// The project of every move (the control plane has one project: its table keeps none).
 pub const PROJECT: &str = "default";
-/// What made a move of `POST /internal/moves`.
+/// What made a move of `POST /internal/moves` (`why`; an evacuation's and a recovery's are
+/// [`machine::WHY_EVACUATION`], [`machine::WHY_RECOVERY`]).
 pub const WHY_OPERATOR: &str = "operator";
 /// The most bytes of a move's body.
 const MAX_BODY: usize = 64 << 10;
@@ -57,7 +58,7 @@ pub fn move_json(m: &MoveRow, nodes: &[NodeRow]) -> Value {
         "error": text_json(m.error.as_deref()),
         "attempts": m.attempts,
         "next_attempt_at": m.next_attempt_at_ms.map(rfc3339),
-        "batch": null,
+        "batch": m.batch,
         "created_at": rfc3339(m.created_at_ms),
         "updated_at": rfc3339(m.updated_at_ms),
         "ended_at": m.ended_at_ms.map(rfc3339),
@@ -332,6 +333,7 @@ async fn start(ctl: &Ctl, rid: &str, ask: &MoveAsk) -> Result<MoveRow, Response>
         created_at_ms: 0,
         updated_at_ms: 0,
         ended_at_ms: None,
+        batch: None,
     };
     match ctl.db.insert_move(&m).await {
         Ok(()) => {}
@@ -438,6 +440,10 @@ pub async fn cancel(
             machine::DONE | machine::FAILED => {
                 Some((ErrorCode::MoveOver, format!("is over ({step})")))
             }
+            _ if machine::is_recovery(&m) => Some((
+                ErrorCode::MoveTakenOver,
+                "cannot be cancelled: it is a recovery's, and its old node is lost".to_string(),
+            )),
             machine::RECLAIMING | machine::RESTORING => Some((
                 ErrorCode::MoveGoingBack,
                 "is already going back to the old node".to_string(),

@@ -406,6 +406,32 @@ async fn fake_v1(State(n): State<Arc<Fake>>, req: axum::extract::Request) -> Res
     .into_response()
 }
 
+/// `GET /v1/sandboxes`: the sandboxes it holds and has not released, by id.
+async fn fake_list(State(n): State<Arc<Fake>>) -> Response {
+    let st = lock(&n.state);
+    let mut ids: Vec<&String> = st
+        .sandboxes
+        .iter()
+        .filter(|(_, h)| h.released.is_none())
+        .map(|(id, _)| id)
+        .collect();
+    ids.sort();
+    let data: Vec<Value> = ids
+        .into_iter()
+        .filter_map(|id| st.sandboxes.get(id).map(|h| (id, h)))
+        .map(|(id, h)| {
+            let volumes = if h.volumes {
+                json!([{"volume": "vol-1", "path": "/data"}])
+            } else {
+                json!([])
+            };
+            json!({"object": "sandbox", "id": id, "status": h.status, "volumes": volumes})
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data, "has_more": false, "next_cursor": null}))
+        .into_response()
+}
+
 struct FakeNode {
     addr: SocketAddr,
     fake: Arc<Fake>,
@@ -438,6 +464,7 @@ async fn fake_node(name: &str) -> anyhow::Result<FakeNode> {
         .route("/internal/sandboxes/{id}/release", post(fake_release))
         .route("/internal/sandboxes/{id}/takeover", post(fake_takeover))
         .route("/internal/sandboxes/{id}/forget", post(fake_forget))
+        .route("/v1/sandboxes", axum::routing::get(fake_list))
         .route("/v1/sandboxes/{id}", any(fake_v1))
         .route("/v1/sandboxes/{id}/{*rest}", any(fake_v1))
         .with_state(fake.clone());
@@ -494,8 +521,20 @@ async fn control(
     machine: bool,
     store: Option<sbx_blob::Store>,
 ) -> anyhow::Result<Control> {
+    control_with(db_url, machine, store, Duration::from_secs(60), None).await
+}
+
+/// [`control`] with nodes' leases of `lease` (its batches' runner runs with its machine, and
+/// recovers a node lost `recover_after` past its lease and grace).
+async fn control_with(
+    db_url: &str,
+    machine: bool,
+    store: Option<sbx_blob::Store>,
+    lease: Duration,
+    recover_after: Option<Duration>,
+) -> anyhow::Result<Control> {
     let db = Db::open(db_url).await?;
-    let mut ctl = Ctl::new(db.clone(), Duration::from_secs(60), None);
+    let mut ctl = Ctl::new(db.clone(), lease, None);
     if let Some(s) = store {
         ctl = ctl.with_store(s);
     }
@@ -503,6 +542,7 @@ async fn control(
     let mut tasks = Vec::new();
     if machine {
         tasks.push(crate::machine::start(ctl.clone()));
+        tasks.push(crate::batch::start(ctl.clone(), recover_after));
     }
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = l.local_addr()?;
@@ -530,7 +570,18 @@ struct Fleet {
 
 impl Fleet {
     async fn new(db_url: &str) -> anyhow::Result<Fleet> {
-        let ctl = control(db_url, true, None).await?;
+        Fleet::with(db_url, Duration::from_secs(60), None, None).await
+    }
+
+    /// [`Fleet::new`] on a control plane of nodes' leases of `lease`, with `store` (and
+    /// `--recover-after-seconds`' `recover_after`).
+    async fn with(
+        db_url: &str,
+        lease: Duration,
+        store: Option<sbx_blob::Store>,
+        recover_after: Option<Duration>,
+    ) -> anyhow::Result<Fleet> {
+        let ctl = control_with(db_url, true, store, lease, recover_after).await?;
         let a = fake_node("a").await?;
         let b = fake_node("b").await?;
         let mut ids = Vec::new();
@@ -544,6 +595,9 @@ impl Fleet {
                     sandboxes: 0,
                     images: vec![],
                 },
+                e2b_url: None,
+                preview_url: None,
+                held: Vec::new(),
             };
             ids.push(ctl.db.register_node(&reg, 600_000).await?.id);
         }
@@ -1250,6 +1304,7 @@ async fn case_taken_over(url: String) -> anyhow::Result<()> {
         created_at_ms: 0,
         updated_at_ms: 0,
         ended_at_ms: None,
+        batch: None,
     };
     ctl.db.insert_move(&m).await?;
     let http: TestClient = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
@@ -1286,6 +1341,9 @@ fn reg(name: &str) -> NodeReg {
         url: "http://127.0.0.1:9".into(),
         build: "0123456789abcdef".into(),
         capacity: Capacity::default(),
+        e2b_url: None,
+        preview_url: None,
+        held: Vec::new(),
     }
 }
 
@@ -1374,6 +1432,9 @@ async fn a_deleted_sandbox_leaves_nothing_in_the_store() -> anyhow::Result<()> {
                 url: format!("http://{}", a.addr),
                 build: "0123456789abcdef".into(),
                 capacity: Capacity::default(),
+                e2b_url: None,
+                preview_url: None,
+                held: Vec::new(),
             },
             600_000,
         )
@@ -1438,3 +1499,7 @@ fn moves_bodies_are_what_the_nodes_parse() {
     let f = json!({"epoch": 4, "to": "a"}).to_string();
     assert_eq!(parse_forget(f.as_bytes()).map(|f| f.epoch).ok(), Some(4));
 }
+
+// Evacuations and recoveries (batches of moves) on the same fake nodes.
+#[path = "batch_tests.rs"]
+mod batch_tests;

@@ -136,6 +136,8 @@ mod tests {
             },
             registered_at_ms: 0,
             heartbeat_at_ms: 0,
+            e2b_url: None,
+            preview_url: None,
         }
     }
 

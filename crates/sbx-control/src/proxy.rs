@@ -91,7 +91,26 @@ pub fn upgrade_of(headers: &HeaderMap) -> Option<HeaderValue> {
 pub async fn forward(
     client: &NodeClient,
     node_url: &str,
+    req: Request<Body>,
+) -> Result<Response<Body>, ProxyError> {
+    send(client, node_url, req, false).await
+}
+
+/// [`forward`], the request's `Host` and `Origin` kept: the node's preview listener reads the
+/// sandbox from the Host, and judges the page (`Origin`) itself.
+pub async fn forward_keeping_host(
+    client: &NodeClient,
+    node_url: &str,
+    req: Request<Body>,
+) -> Result<Response<Body>, ProxyError> {
+    send(client, node_url, req, true).await
+}
+
+async fn send(
+    client: &NodeClient,
+    node_url: &str,
     mut req: Request<Body>,
+    keep_host: bool,
 ) -> Result<Response<Body>, ProxyError> {
     let on_caller = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>();
     // A request to switch protocols is passed on as one only when the caller's side can switch.
@@ -113,8 +132,10 @@ pub async fn forward(
     strip_hop_by_hop(&mut parts.headers);
     // The node's own Host (hyper's client sets it from the URI); a browser's Origin was the
     // control plane's to judge, and is not the node's.
-    parts.headers.remove(header::HOST);
-    parts.headers.remove(header::ORIGIN);
+    if !keep_host {
+        parts.headers.remove(header::HOST);
+        parts.headers.remove(header::ORIGIN);
+    }
     if let Some(u) = &upgrade {
         parts
             .headers

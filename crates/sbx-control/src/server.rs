@@ -52,6 +52,11 @@ pub struct Ctl {
     pub store: Option<sbx_blob::Store>,
     /// The move machine's handle (`machine::start` runs it).
     pub machine: crate::machine::Machine,
+    /// This copy's name and the active copy as last read (`active`: the lease of the control
+    /// plane).
+    pub role: crate::active::Role,
+    /// The batches' runner's handle (evacuations and recoveries: `batch::start` runs it).
+    pub batches: crate::batch::Batches,
 }
 
 /// Locks `m`, whatever a panicking holder left (the maps stay usable).
@@ -69,6 +74,8 @@ impl Ctl {
             node_key,
             store: None,
             machine: crate::machine::Machine::default(),
+            role: crate::active::Role::default(),
+            batches: crate::batch::Batches::default(),
             db,
             client: crate::proxy::client(),
             lease,
@@ -84,6 +91,13 @@ impl Ctl {
     #[must_use]
     pub fn with_store(mut self, store: sbx_blob::Store) -> Ctl {
         self.store = Some(store);
+        self
+    }
+
+    /// The same, taking part in the control plane's lease as `role` names it.
+    #[must_use]
+    pub fn with_role(mut self, role: crate::active::Role) -> Ctl {
+        self.role = role;
         self
     }
 
@@ -158,6 +172,13 @@ pub fn router(ctl: Arc<Ctl>) -> Router {
         .route("/internal/nodes/{id}", get(get_node))
         .route("/internal/nodes/{id}/heartbeat", post(heartbeat))
         .route("/internal/nodes/{id}/drain", post(drain))
+        .route("/internal/nodes/{id}/recover", post(crate::batch::recover))
+        .route(
+            "/internal/nodes/{id}/evacuate",
+            post(crate::batch::evacuate),
+        )
+        .route("/internal/batches", get(crate::batch::list))
+        .route("/internal/batches/{id}", get(crate::batch::get))
         .route(
             "/internal/moves",
             post(crate::moves::create).get(crate::moves::list),
@@ -170,6 +191,10 @@ pub fn router(ctl: Arc<Ctl>) -> Router {
         .route("/v1/sandboxes/{id}/{*rest}", any(fleet::sandbox_call))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            ctl.clone(),
+            crate::active::gate,
+        ))
         .layer(middleware::from_fn_with_state(ctl.clone(), edge))
         .with_state(ctl)
 }
@@ -218,6 +243,9 @@ pub fn fail(rid: &str, e: ApiError) -> Response {
 
 /// The control plane's database failed: 503 unavailable (retryable), the reason in the log.
 pub fn db_failed(rid: &str, e: &DbError) -> Response {
+    if let DbError::Deposed { active } = e {
+        return fail(rid, crate::active::standby_error(active.as_ref()));
+    }
     tracing::error!(request_id = %rid, error = %e, "the control plane's database failed");
     fail(
         rid,
@@ -267,12 +295,21 @@ pub fn node_json(n: &NodeRow) -> Value {
         "capacity": n.capacity,
         "registered_at": rfc3339(n.registered_at_ms),
         "heartbeat_at": rfc3339(n.heartbeat_at_ms),
+        "e2b_url": n.e2b_url,
+        "preview_url": n.preview_url,
     })
 }
 
 async fn healthz(State(ctl): State<Arc<Ctl>>, Extension(Rid(rid)): Extension<Rid>) -> Response {
     match ctl.db.now_ms().await {
-        Ok(_) => Json(json!({ "ok": true, "db": ctl.db.kind() })).into_response(),
+        Ok(_) => Json(json!({
+            "ok": true,
+            "db": ctl.db.kind(),
+            "role": "active",
+            "name": ctl.role.name(),
+            "term": ctl.db.term(),
+        }))
+        .into_response(),
         Err(e) => db_failed(&rid, &e),
     }
 }
@@ -300,7 +337,7 @@ async fn get_node(
     }
 }
 
-fn no_node(id: &str) -> ApiError {
+pub fn no_node(id: &str) -> ApiError {
     ApiError::new(
         ErrorCode::NotFound,
         format!(
@@ -347,6 +384,17 @@ pub fn valid_node_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
 }
 
+/// Whether `u` is `http://HOST:PORT` (a base URL with no path).
+pub fn is_http_base(u: &str) -> bool {
+    u.strip_prefix("http://")
+        .map(|rest| rest.trim_end_matches('/'))
+        .is_some_and(|auth| {
+            !auth.is_empty()
+                && !auth.contains('/')
+                && auth.parse::<axum::http::uri::Authority>().is_ok()
+        })
+}
+
 fn check_reg(reg: &NodeReg) -> Result<(), ApiError> {
     if !valid_node_name(&reg.name) {
         return Err(ApiError::invalid_field(
@@ -369,6 +417,14 @@ fn check_reg(reg: &NodeReg) -> Result<(), ApiError> {
             "url must be where the control plane reaches the node: http://HOST:PORT",
         ));
     }
+    for (field, u) in [("e2b_url", &reg.e2b_url), ("preview_url", &reg.preview_url)] {
+        if u.as_deref().is_some_and(|u| !is_http_base(u)) {
+            return Err(ApiError::invalid_field(
+                field,
+                format!("{field} must be http://HOST:PORT of the node's listener, or null"),
+            ));
+        }
+    }
     if reg.build.is_empty() || reg.build.len() > 64 {
         return Err(ApiError::invalid_field(
             "build",
@@ -379,13 +435,23 @@ fn check_reg(reg: &NodeReg) -> Result<(), ApiError> {
 }
 
 /// A registration's or heartbeat's answer: the node's id and its lease.
-fn lease_answer(ctl: &Ctl, n: &NodeRow) -> Response {
+/// `taken`: the sandboxes of its `held` the fleet has elsewhere (`held.rs`); the answer is
+/// 503 where they cannot be read (the node must not unfence what may be taken).
+async fn lease_answer(ctl: &Ctl, rid: &str, n: &NodeRow, reg: &NodeReg) -> Response {
+    let taken = match crate::held::taken(&ctl.db, &n.id, &reg.held).await {
+        Ok(t) => t,
+        Err(e) => return db_failed(rid, &e),
+    };
+    for t in &taken {
+        tracing::warn!(node = %n.name, sandbox = %t.id, epoch = t.epoch, to = ?t.to, "a node holds a sandbox the fleet has elsewhere: taken");
+    }
     Json(json!({
         "object": "node_lease",
         "id": n.id,
         "name": n.name,
         "lease_until": rfc3339(n.lease_until_ms),
         "lease_seconds": ctl.lease.as_secs_f64(),
+        "taken": taken,
     }))
     .into_response()
 }
@@ -404,7 +470,7 @@ async fn register(
         Ok(n) => {
             ctl.counted(&n.id);
             tracing::info!(node = %n.name, id = %n.id, url = %n.url, build = %n.build, "a node joined");
-            lease_answer(&ctl, &n)
+            lease_answer(&ctl, &rid, &n, &reg).await
         }
         Err(e) => db_failed(&rid, &e),
     }
@@ -424,7 +490,7 @@ async fn heartbeat(
     match ctl.db.heartbeat(&id, &reg, ctl.lease_ms()).await {
         Ok(n) => {
             ctl.counted(&n.id);
-            lease_answer(&ctl, &n)
+            lease_answer(&ctl, &rid, &n, &reg).await
         }
         Err(DbError::NotFound) => fail(&rid, no_node(&id)),
         Err(e) => db_failed(&rid, &e),

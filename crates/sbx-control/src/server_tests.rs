@@ -151,6 +151,8 @@ async fn a_node_joins_a_control_plane_that_comes_late_and_joins_a_new_one_again(
             url: "http://127.0.0.1:1".into(),
             build: "0123456789abcdef".into(),
             api_key: None,
+            e2b_url: Some("http://127.0.0.1:2".into()),
+            preview_url: None,
         },
         Arc::new(move || Capacity {
             max_sandboxes: 10,
@@ -177,6 +179,9 @@ async fn a_node_joins_a_control_plane_that_comes_late_and_joins_a_new_one_again(
     let joined = node_named(&c, first.addr, "n1").await.unwrap_or_default();
     let id = joined["id"].as_str().unwrap_or("").to_string();
     assert!(id.starts_with("nod-"), "{joined}");
+    // Its E2B listener is the table's; its preview listener is off.
+    assert_eq!(joined["e2b_url"], "http://127.0.0.1:2", "{joined}");
+    assert!(joined["preview_url"].is_null(), "{joined}");
     // Heartbeats every third of the lease, each with the room as it is then.
     let seen = joined["capacity"]["sandboxes"].as_u64().unwrap_or(0);
     wait_for("heartbeats", Duration::from_secs(5), || async {
@@ -417,6 +422,9 @@ async fn the_fleets_v1_over_fake_nodes() {
                 sandboxes: 0,
                 images: vec![],
             },
+            e2b_url: None,
+            preview_url: None,
+            held: Vec::new(),
         };
         ctl.db
             .register_node(&reg, 30_000)
@@ -619,6 +627,9 @@ async fn the_fleets_v1_over_fake_nodes() {
                 url: format!("http://{away}"),
                 build: "0123456789abcdef".into(),
                 capacity: Capacity::default(),
+                e2b_url: None,
+                preview_url: None,
+                held: Vec::new(),
             },
             30_000,
         )

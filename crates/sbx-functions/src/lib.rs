@@ -51,26 +51,8 @@ const PRESETS: [&str; 3] = ["python", "node", "base"];
 
 const STOPPED_KEPT: usize = 10_000;
 
-/// Every function served.
-pub const FUNCTIONS: [&str; 17] = [
-    "sandbox::run",
-    "sandbox::create",
-    "sandbox::exec",
-    "sandbox::list",
-    "sandbox::stop",
-    "sandbox::catalog::list",
-    "sandbox::fs::mkdir",
-    "sandbox::fs::write",
-    "sandbox::fs::ls",
-    "sandbox::fs::stat",
-    "sandbox::fs::read",
-    "sandbox::fs::chmod",
-    "sandbox::fs::grep",
-    "sandbox::fs::sed",
-    "sandbox::fs::mv",
-    "sandbox::fs::rm",
-    "sandbox::adapter::info",
-];
+/// Every function served (the list lives in sbx-api, shared with the control plane).
+pub use sbx_api::functions::FUNCTIONS;
 
 struct Activity {
     last: Instant,

@@ -46,6 +46,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Json<serde_jso
         "kept": n.kept_count(),
         "max_sandboxes": n.cfg.max_sandboxes,
         "capacity": n.capacity.as_ref(),
+        "lease": n.lease_info(),
         "cgroups": n.driver.placement(),
         "health": health_info(&n.health()),
         "teardowns": n.pending_teardowns(),

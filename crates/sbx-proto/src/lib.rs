@@ -32,6 +32,9 @@ pub const FEATURE_AWAKE: &str = "awake";
 /// the connection's end lowers all of its own; the agent sends `sleep N\n` (milliseconds)
 /// before the sandbox stops for being idle.
 pub const AWAKE_SOCKET: &str = "/run/sbx/awake";
+/// The feature of [`HostMsg::Lease`]: the agent is the watchdog of the node's lease (a node
+/// of a fleet); an agent without it is sent none.
+pub const FEATURE_LEASE: &str = "lease";
 
 /// The generation of this protocol.
 pub const PROTO_VERSION: u32 = 1;
@@ -188,6 +191,13 @@ pub enum HostMsg {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         notice_ms: Option<u32>,
     },
+    /// The node's lease with its control plane runs until `until_ms` (CLOCK_BOOTTIME, in
+    /// milliseconds): past it without a newer lease, the agent stops every other process of
+    /// the sandbox (SIGSTOP) and keeps them stopped until a lease in the future comes (SIGCONT).
+    /// `None`: no lease (the watchdog is off; what it stopped goes on). A node without a
+    /// control plane never sends one, and an agent that never got one never stops anything.
+    /// Answered by `Leased`. Only to an agent that announces [`FEATURE_LEASE`].
+    Lease { until_ms: Option<u64> },
 }
 
 /// How a command ended, as [`ExitInfo::status`]. On the wire: `"exited"`, `"timed_out"`,
@@ -357,6 +367,9 @@ pub enum AgentMsg {
         #[serde(default)]
         lowered_ms_ago: Option<u64>,
     },
+    /// The answer to `Lease`: whether the sandbox's processes are stopped now (its lease ran
+    /// out).
+    Leased { stopped: bool },
     /// A download of file operation `id` starts: data frames of stream `file` follow, from
     /// position `offset`, `length` bytes (`None`: as many as there are), then `FsDone`.
     FsOpened {
@@ -672,6 +685,21 @@ mod tests {
                 lowered_ms_ago: None
             }
         );
+    }
+
+    #[test]
+    fn lease_schema_snapshot() {
+        let lease = serde_json::to_string(&HostMsg::Lease {
+            until_ms: Some(12_345),
+        })
+        .unwrap();
+        assert_eq!(lease, r#"{"type":"lease","until_ms":12345}"#);
+        let none = serde_json::to_string(&HostMsg::Lease { until_ms: None }).unwrap();
+        assert_eq!(none, r#"{"type":"lease","until_ms":null}"#);
+        let back: HostMsg = serde_json::from_str(r#"{"type":"lease","until_ms":7}"#).unwrap();
+        assert_eq!(back, HostMsg::Lease { until_ms: Some(7) });
+        let leased = serde_json::to_string(&AgentMsg::Leased { stopped: true }).unwrap();
+        assert_eq!(leased, r#"{"type":"leased","stopped":true}"#);
     }
 
     /// Pins the wire shape: a change here is a protocol change (see the module doc).

@@ -410,6 +410,50 @@ pub fn kill_pid(pid: u32, sig: i32) {
     }
 }
 
+/// CLOCK_BOOTTIME in milliseconds: monotonic, counting a suspend, the same inside a sandbox
+/// and on its host (sandboxes have no time namespace). A node's lease is told to its sandboxes'
+/// agents in it.
+pub fn boottime_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `ts`, which lives across the call.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    if r != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64)
+        .saturating_mul(1000)
+        .saturating_add(ts.tv_nsec as u64 / 1_000_000)
+}
+
+/// Sends `sig` to every process this one may signal but itself: `kill(-1, sig)`. Only PID 1 of
+/// a sandbox calls it (its PID namespace bounds what -1 reaches); anywhere else it would
+/// signal the host's processes, so it refuses unless this process is PID 1.
+pub fn signal_all_others(sig: i32) -> io::Result<()> {
+    if std::process::id() != 1 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "only PID 1 of a sandbox signals every process of it",
+        ));
+    }
+    // SAFETY: kill has no memory effects; -1 addresses every process of this PID namespace
+    // the caller may signal, but the caller.
+    let r = unsafe { libc::kill(-1, sig) };
+    if r == 0 {
+        Ok(())
+    } else {
+        let e = io::Error::last_os_error();
+        // ESRCH: no other process.
+        if e.raw_os_error() == Some(libc::ESRCH) {
+            Ok(())
+        } else {
+            Err(e)
+        }
+    }
+}
+
 /// Sends `sig` to a process group; errors (it is gone) are ignored.
 pub fn kill_group(pgid: u32, sig: i32) {
     if pgid <= 1 {

@@ -230,6 +230,15 @@ impl ControlPlane {
 
     /// The same, with the fleet's object store `store` (else its own default).
     pub fn start_with(db: Option<&str>, store: Option<&FleetStore>) -> ControlPlane {
+        ControlPlane::start_args(db, store, &[])
+    }
+
+    /// The same, with more flags (`--iii-url …`).
+    pub fn start_args(
+        db: Option<&str>,
+        store: Option<&FleetStore>,
+        extra: &[String],
+    ) -> ControlPlane {
         let root = std::env::temp_dir().join(unique("sbx-fleet-ctl"));
         let _ = fs::remove_dir_all(&root);
         fs::create_dir_all(&root).expect("make the control plane's folder");
@@ -254,6 +263,7 @@ impl ControlPlane {
             if let Some(store) = store {
                 args.extend(["--store".to_string(), store.url.clone()]);
             }
+            args.extend(extra.iter().cloned());
             let mut proc = Proc::spawn(&args, &env, &root.join("control.log"));
             match wait_healthy(
                 &mut proc,
@@ -295,6 +305,20 @@ impl ControlPlane {
         self.proc.kill();
     }
 
+    /// SIGSTOP.
+    pub fn pause(&self) {
+        if let Some(c) = &self.proc.child {
+            send_signal(c.id(), libc::SIGSTOP);
+        }
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        if let Some(c) = &self.proc.child {
+            send_signal(c.id(), libc::SIGCONT);
+        }
+    }
+
     /// Starts it again, killed, on the same port, data directory, database and store.
     pub fn restart(&mut self) {
         assert!(self.proc.child.is_none(), "the control plane still runs");
@@ -323,6 +347,8 @@ impl Drop for ControlPlane {
         if std::thread::panicking() {
             eprintln!("{}", self.proc.tail(40));
         }
+        // A paused control plane takes its SIGTERM once it goes on.
+        self.resume();
         self.proc.stop();
         let _ = fs::remove_dir_all(&self.root);
     }
@@ -336,6 +362,15 @@ pub struct NodeOpts<'a> {
     /// Another build than its peers': the agent binary copied with one byte appended (the
     /// build is a hash over the kernel, CRIU and the agent's bytes; the copy runs the same).
     pub other_build: bool,
+}
+
+/// What `Node::start_more` adds to a node's start.
+#[derive(Default)]
+pub struct NodeMore {
+    /// More flags (`--iii-url …`).
+    pub args: Vec<String>,
+    /// Standing alone: no `--control`, `--node-name` or `--store` (it joins no fleet).
+    pub standalone: bool,
 }
 
 /// A node that joins a control plane: small (no warm pool, a 2 GiB disk, no network), on
@@ -352,6 +387,8 @@ pub struct Node {
     store_url: String,
     env: Vec<(String, String)>,
     agent: PathBuf,
+    extra: Vec<String>,
+    standalone: bool,
 }
 
 impl Node {
@@ -360,6 +397,26 @@ impl Node {
     }
 
     pub fn start_with(name: &str, control: &ControlPlane, opts: NodeOpts) -> Node {
+        Node::start_more(name, control, opts, NodeMore::default())
+    }
+
+    /// The same, with more flags, or standing alone.
+    pub fn start_more(name: &str, control: &ControlPlane, opts: NodeOpts, more: NodeMore) -> Node {
+        Node::start_at(name, control.url(""), opts, more)
+    }
+
+    /// A node given several control planes (`--control URL,URL`: copies of one fleet's).
+    pub fn start_joining(name: &str, controls: &[&ControlPlane], opts: NodeOpts) -> Node {
+        let urls: Vec<String> = controls.iter().map(|c| c.url("")).collect();
+        Node::start_at(name, urls.join(","), opts, NodeMore::default())
+    }
+
+    /// A node joining the control plane at `url` (one of the test's own making).
+    pub fn start_at_url(name: &str, url: &str, opts: NodeOpts) -> Node {
+        Node::start_at(name, url.to_string(), opts, NodeMore::default())
+    }
+
+    fn start_at(name: &str, control: String, opts: NodeOpts, more: NodeMore) -> Node {
         let root = std::env::temp_dir().join(unique("sbx-fleet-node"));
         let _ = fs::remove_dir_all(&root);
         let data_dir = root.join("data");
@@ -392,13 +449,15 @@ impl Node {
             name: name.to_string(),
             addr: String::new(),
             preview: String::new(),
-            control: control.url(""),
+            control,
             root,
             data_dir,
             cgroup_name,
             store_url,
             env,
             agent,
+            extra: more.args,
+            standalone: more.standalone,
         };
         for attempt in 0..3 {
             node.addr = format!("127.0.0.1:{}", free_port());
@@ -455,6 +514,21 @@ impl Node {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        let mut args = args;
+        if self.standalone {
+            // Without `--control URL`, `--node-name NAME` and `--store URL`.
+            let mut kept = Vec::new();
+            let mut it = args.into_iter();
+            while let Some(a) = it.next() {
+                if matches!(a.as_str(), "--control" | "--node-name" | "--store") {
+                    it.next();
+                } else {
+                    kept.push(a);
+                }
+            }
+            args = kept;
+        }
+        args.extend(self.extra.iter().cloned());
         self.proc = Proc::spawn(&args, &self.env, &self.root.join("node.log"));
         let health = self.url("/healthz");
         wait_healthy(&mut self.proc, &health, Duration::from_secs(30))

@@ -8,9 +8,14 @@
 //!
 //! Needs root, the base image (SBX_TEST_IMAGES or /var/lib/sbx/images) and the agent built.
 
+mod e2b;
+mod failover;
 mod harness;
 mod http;
+mod iii;
+mod lease;
 mod moves;
+mod recover;
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};

@@ -12,10 +12,15 @@
 //! - a sandbox has at most one unfinished move (a partial unique index on `moves(sandbox_id)`
 //!   where the step is neither `done` nor `failed`), surfaced as [`DbError::AlreadyMoving`].
 //!
+//! And every write is fenced by the control plane's lease (`lease`): a handle that took part in
+//! it writes only while the `control_lease` row has its term, checked in the write's own
+//! transaction ([`DbError::Deposed`] otherwise), in one place (`Backend`), whoever wrote the call.
+//!
 //! The schema of each backend is in one place (`sqlite::MIGRATIONS`, `postgres::MIGRATIONS`),
 //! a list of numbered steps recorded in a `schema_version` table; [`Db::open`] applies those
 //! a database has not had yet.
 
+mod lease;
 mod postgres;
 mod sqlite;
 #[cfg(test)]
@@ -24,6 +29,8 @@ pub(crate) mod tests;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+
+pub use lease::{ControlLease, LeaseHolder};
 
 /// Prefix of a node's id.
 pub const NODE_PREFIX: &str = "nod";
@@ -56,6 +63,13 @@ pub enum DbError {
     /// The sandbox has a move that is not over.
     #[error("the sandbox is being moved ({move_id})")]
     AlreadyMoving { move_id: String },
+    /// The node has a batch of this kind that is not over.
+    #[error("the node has a batch under way ({batch_id})")]
+    BatchUnderWay { batch_id: String },
+    /// This control plane's term of the lease is over (another copy took it), or it holds
+    /// none (a standby): it writes nothing. `active`: the copy the write found holding it.
+    #[error("this control plane is not the active one (the lease is {active:?})")]
+    Deposed { active: Option<LeaseHolder> },
     /// The row names a node or sandbox that is not in the table.
     #[error("unknown reference: {0}")]
     UnknownReference(String),
@@ -95,6 +109,37 @@ pub struct NodeReg {
     pub url: String,
     pub build: String,
     pub capacity: Capacity,
+    /// Where E2B's SDKs reach the node (`http://HOST:PORT` of its `--e2b-listen`); none when
+    /// it is off. The control plane's E2B listener forwards there.
+    #[serde(default)]
+    pub e2b_url: Option<String>,
+    /// Where the node's preview listener is (`http://HOST:PORT`); none when it is off. The
+    /// control plane's preview listener forwards there.
+    #[serde(default)]
+    pub preview_url: Option<String>,
+    /// The sandboxes the node holds (not released or forgotten; running or asleep), each at
+    /// its epoch: the heartbeat's answer names those the fleet has elsewhere now (`taken`,
+    /// `held.rs`). Not stored in the nodes' table.
+    #[serde(default)]
+    pub held: Vec<HeldSandbox>,
+}
+
+/// A sandbox a node holds, at the epoch it holds it at (a heartbeat's `held`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldSandbox {
+    pub id: String,
+    pub epoch: u64,
+}
+
+/// A sandbox a node holds that the fleet has elsewhere now (a heartbeat's answer's `taken`):
+/// the node removes its copy before it serves anything again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakenSandbox {
+    pub id: String,
+    /// The epoch the fleet has it at now.
+    pub epoch: u64,
+    /// The name of the node that has it now; `None` where the table has it on no node.
+    pub to: Option<String>,
 }
 
 /// A node's room, as it last told it.
@@ -150,6 +195,10 @@ pub struct NodeRow {
     pub capacity: Capacity,
     pub registered_at_ms: i64,
     pub heartbeat_at_ms: i64,
+    /// The node's E2B listener (`http://HOST:PORT`), as it last told it.
+    pub e2b_url: Option<String>,
+    /// The node's preview listener (`http://HOST:PORT`), as it last told it.
+    pub preview_url: Option<String>,
 }
 
 /// A row of the sandboxes' table: where a sandbox of the fleet lives, at which epoch.
@@ -203,6 +252,8 @@ pub struct MoveRow {
     pub updated_at_ms: i64,
     /// When it reached `done` or `failed` (the database's now then); `None` while under way.
     pub ended_at_ms: Option<i64>,
+    /// The evacuation (`evc-…`) or recovery (`rcv-…`) it is of; `None` for an operator's.
+    pub batch: Option<String>,
 }
 
 /// A new node id: `nod-` and 16 random characters of `[0-9a-hjkmnp-tv-z]`.
@@ -278,23 +329,107 @@ impl From<Failure> for DbError {
 
 type Row = Vec<Val>;
 
-enum Backend {
+/// A database and the fence of its writes (`lease`): every statement of the store goes
+/// through [`Backend::query`] or [`Backend::execute`], so every write is fenced here, whoever
+/// wrote its call.
+struct Backend {
+    kind: Kind,
+    fence: lease::Fence,
+}
+
+enum Kind {
     Sqlite(sqlite::Sqlite),
     Postgres(Box<postgres::Postgres>),
 }
 
+/// What a write answered: its rows (a RETURNING) or how many rows it changed.
+pub(crate) enum Written {
+    Rows(Vec<Row>),
+    Count(u64),
+}
+
+/// Whether a statement changes rows: its first word, a RETURNING, or a WITH that writes.
+fn changes_rows(sql: &str) -> bool {
+    let upper = sql.trim_start().to_ascii_uppercase();
+    const WRITES: [&str; 5] = ["INSERT", "UPDATE", "DELETE", "REPLACE", "UPSERT"];
+    WRITES.iter().any(|w| upper.starts_with(w))
+        || upper.contains("RETURNING")
+        || (upper.starts_with("WITH") && WRITES.iter().any(|w| upper.contains(w)))
+}
+
 impl Backend {
     async fn query(&self, sql: &'static str, params: Vec<Val>) -> Result<Vec<Row>, Failure> {
-        match self {
-            Backend::Sqlite(b) => b.query(sql, params).await,
-            Backend::Postgres(b) => b.query(sql, params).await,
+        if changes_rows(sql) {
+            return match self.write(sql, params, true).await? {
+                Written::Rows(rows) => Ok(rows),
+                Written::Count(_) => Ok(Vec::new()),
+            };
         }
+        self.query_unfenced(sql, params).await
     }
 
     async fn execute(&self, sql: &'static str, params: Vec<Val>) -> Result<u64, Failure> {
-        match self {
-            Backend::Sqlite(b) => b.execute(sql, params).await,
-            Backend::Postgres(b) => b.execute(sql, params).await,
+        match self.write(sql, params, false).await? {
+            Written::Count(n) => Ok(n),
+            Written::Rows(rows) => Ok(rows.len() as u64),
+        }
+    }
+
+    /// A write, fenced by the lease's term where the handle is fenced.
+    async fn write(
+        &self,
+        sql: &'static str,
+        params: Vec<Val>,
+        returning: bool,
+    ) -> Result<Written, Failure> {
+        match self.fence.guard() {
+            Some(lease::Guard::Open) => {
+                if returning {
+                    self.query_unfenced(sql, params).await.map(Written::Rows)
+                } else {
+                    self.execute_unfenced(sql, params).await.map(Written::Count)
+                }
+            }
+            Some(lease::Guard::Term(term)) => {
+                let out = match &self.kind {
+                    Kind::Sqlite(b) => b.write_fenced(sql, params, term, returning).await,
+                    Kind::Postgres(b) => b.write_fenced(sql, params, term, returning).await,
+                };
+                if let Err(Failure::Other(DbError::Deposed { .. })) = &out {
+                    self.fence.lost(term);
+                }
+                out
+            }
+            None => {
+                // No term: nothing is written; the answer names the copy that holds the lease.
+                let rows = self.query_unfenced(lease::SQL_LEASE_TERM, vec![]).await?;
+                let (term, holder, url) = match rows.into_iter().next() {
+                    Some(row) => {
+                        let mut c = Cols::new(row);
+                        (c.i64()?, c.text()?, c.text()?)
+                    }
+                    None => (0, String::new(), String::new()),
+                };
+                Err(Failure::Other(lease::deposed(term, holder, url)))
+            }
+        }
+    }
+
+    async fn query_unfenced(
+        &self,
+        sql: &'static str,
+        params: Vec<Val>,
+    ) -> Result<Vec<Row>, Failure> {
+        match &self.kind {
+            Kind::Sqlite(b) => b.query(sql, params).await,
+            Kind::Postgres(b) => b.query(sql, params).await,
+        }
+    }
+
+    async fn execute_unfenced(&self, sql: &'static str, params: Vec<Val>) -> Result<u64, Failure> {
+        match &self.kind {
+            Kind::Sqlite(b) => b.execute(sql, params).await,
+            Kind::Postgres(b) => b.execute(sql, params).await,
         }
     }
 }
@@ -316,7 +451,7 @@ macro_rules! node_cols {
     () => {
         "id, name, url, \
          CASE WHEN draining THEN 'draining' WHEN lease_until < @now THEN 'lost' ELSE 'ready' END, \
-         lease_until, build, capacity, registered_at, heartbeat_at"
+         lease_until, build, capacity, registered_at, heartbeat_at, e2b_url, preview_url"
     };
 }
 
@@ -330,24 +465,29 @@ macro_rules! move_cols {
     () => {
         "id, sandbox_id, from_node, to_node, epoch, step, why, wake, from_store, release, \
          takeover, error, attempts, next_attempt_at, cancel, refusal, created_at, updated_at, \
-         ended_at"
+         ended_at, batch"
     };
 }
+
+// The batches' queries (after the macros above, which they use).
+pub mod batch;
 
 const SQL_NOW: &str = "SELECT @now";
 
 const SQL_REGISTER: &str = concat!(
     "INSERT INTO nodes (id, name, url, build, capacity, draining, lease_until, registered_at, \
-     heartbeat_at) VALUES (?, ?, ?, ?, ?, FALSE, @now + ?, @now, @now) \
+     heartbeat_at, e2b_url, preview_url) VALUES (?, ?, ?, ?, ?, FALSE, @now + ?, @now, @now, \
+     ?, ?) \
      ON CONFLICT (name) DO UPDATE SET url = excluded.url, build = excluded.build, \
      capacity = excluded.capacity, lease_until = excluded.lease_until, \
-     registered_at = excluded.registered_at, heartbeat_at = excluded.heartbeat_at \
+     registered_at = excluded.registered_at, heartbeat_at = excluded.heartbeat_at, \
+     e2b_url = excluded.e2b_url, preview_url = excluded.preview_url \
      RETURNING ",
     node_cols!()
 );
 const SQL_HEARTBEAT: &str = concat!(
     "UPDATE nodes SET url = ?, build = ?, capacity = ?, lease_until = @now + ?, \
-     heartbeat_at = @now WHERE id = ? RETURNING ",
+     heartbeat_at = @now, e2b_url = ?, preview_url = ? WHERE id = ? RETURNING ",
     node_cols!()
 );
 const SQL_NODES: &str = concat!("SELECT ", node_cols!(), " FROM nodes ORDER BY name");
@@ -377,8 +517,9 @@ const SQL_MOVE_OWNER: &str = "UPDATE sandboxes SET node_id = ?, epoch = ?, updat
 
 const SQL_INSERT_MOVE: &str = "INSERT INTO moves (id, sandbox_id, from_node, to_node, epoch, \
      step, why, wake, from_store, release, takeover, error, attempts, next_attempt_at, \
-     cancel, refusal, created_at, updated_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, \
-     ?, ?, ?, ?, ?, ?, @now, @now, CASE WHEN ? IN ('done', 'failed') THEN @now ELSE NULL END)";
+     cancel, refusal, created_at, updated_at, ended_at, batch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, \
+     ?, ?, ?, ?, ?, ?, ?, ?, @now, @now, CASE WHEN ? IN ('done', 'failed') THEN @now ELSE NULL \
+     END, ?)";
 const SQL_UPDATE_MOVE: &str = "UPDATE moves SET step = ?, wake = ?, from_store = ?, \
      release = ?, takeover = ?, error = ?, attempts = ?, next_attempt_at = ?, \
      cancel = (cancel OR ?), refusal = ?, \
@@ -422,24 +563,27 @@ impl Db {
                     "sqlite::memory: is not supported: the store needs a file".into(),
                 ));
             }
-            Backend::Sqlite(sqlite::Sqlite::open(path.into()).await?)
+            Kind::Sqlite(sqlite::Sqlite::open(path.into()).await?)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Backend::Postgres(Box::new(postgres::Postgres::open(url).await?))
+            Kind::Postgres(Box::new(postgres::Postgres::open(url).await?))
         } else {
             return Err(DbError::Url(
                 "expected sqlite:/path, postgres://… or postgresql://…".into(),
             ));
         };
         Ok(Db {
-            backend: Arc::new(backend),
+            backend: Arc::new(Backend {
+                kind: backend,
+                fence: lease::Fence::default(),
+            }),
         })
     }
 
     /// `"sqlite"` or `"postgres"`.
     pub fn kind(&self) -> &'static str {
-        match *self.backend {
-            Backend::Sqlite(_) => "sqlite",
-            Backend::Postgres(_) => "postgres",
+        match self.backend.kind {
+            Kind::Sqlite(_) => "sqlite",
+            Kind::Postgres(_) => "postgres",
         }
     }
 
@@ -468,6 +612,8 @@ impl Db {
             Val::text(&reg.build),
             Val::Text(capacity),
             Val::I64(lease_ms),
+            Val::opt_text(reg.e2b_url.as_deref()),
+            Val::opt_text(reg.preview_url.as_deref()),
         ];
         match self.backend.query(SQL_REGISTER, params).await {
             Ok(rows) => {
@@ -495,6 +641,8 @@ impl Db {
             Val::text(&reg.build),
             Val::Text(capacity_json(&reg.capacity)?),
             Val::I64(lease_ms),
+            Val::opt_text(reg.e2b_url.as_deref()),
+            Val::opt_text(reg.preview_url.as_deref()),
             Val::text(id),
         ];
         let rows = self.backend.query(SQL_HEARTBEAT, params).await?;
@@ -660,6 +808,7 @@ impl Db {
             Val::Bool(m.cancel),
             Val::opt_text(m.refusal.as_deref()),
             Val::text(&m.step),
+            Val::opt_text(m.batch.as_deref()),
         ];
         // The unfinished move the index found may end between the insert and the look-up: then
         // the insert is tried again.
@@ -876,6 +1025,8 @@ fn node_row(row: Row) -> Result<NodeRow, DbError> {
             .map_err(|e| DbError::Corrupt(format!("node capacity: {e}")))?,
         registered_at_ms: c.i64()?,
         heartbeat_at_ms: c.i64()?,
+        e2b_url: c.opt_text()?,
+        preview_url: c.opt_text()?,
     })
 }
 
@@ -915,5 +1066,6 @@ fn move_row(row: Row) -> Result<MoveRow, DbError> {
         created_at_ms: c.i64()?,
         updated_at_ms: c.i64()?,
         ended_at_ms: c.opt_i64()?,
+        batch: c.opt_text()?,
     })
 }

@@ -12,7 +12,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 use tokio_postgres::{Client, Config, NoTls};
 
-use super::{DbError, Failure, Row, UniqueOn, Val};
+use super::{lease, DbError, Failure, Row, UniqueOn, Val, Written};
 
 /// The database's clock in ms since the epoch: the time the server took the statement, fixed
 /// for its length (as SQLite's 'now' is), so that a row's times made by one statement agree
@@ -93,6 +93,48 @@ pub(super) const MIGRATIONS: &[(i64, &str)] = &[
         "ALTER TABLE moves ADD COLUMN cancel BOOLEAN NOT NULL DEFAULT FALSE,
         ADD COLUMN refusal TEXT, ADD COLUMN ended_at BIGINT;",
     ),
+    (
+        3,
+        "CREATE TABLE batches (
+        seq BIGINT GENERATED ALWAYS AS IDENTITY,
+        id TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        node_id TEXT NOT NULL,
+        error TEXT,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        ended_at BIGINT,
+        CONSTRAINT batches_pkey PRIMARY KEY (seq),
+        CONSTRAINT batches_id_key UNIQUE (id),
+        CONSTRAINT batches_node_fkey FOREIGN KEY (node_id) REFERENCES nodes(id),
+        CONSTRAINT batches_kind_check CHECK (kind IN ('evacuation', 'recovery'))
+    );
+    CREATE UNIQUE INDEX batches_unfinished ON batches(node_id, kind) WHERE ended_at IS NULL;
+    CREATE INDEX batches_node ON batches(node_id, seq);
+    ALTER TABLE moves ADD COLUMN batch TEXT,
+        ADD CONSTRAINT moves_batch_fkey FOREIGN KEY (batch) REFERENCES batches(id);
+    CREATE INDEX moves_batch ON moves(batch, seq);",
+    ),
+    (
+        4,
+        "CREATE TABLE control_lease (
+        id BIGINT NOT NULL,
+        holder TEXT NOT NULL,
+        url TEXT NOT NULL,
+        term BIGINT NOT NULL,
+        lease_until BIGINT NOT NULL,
+        taken_at BIGINT NOT NULL,
+        CONSTRAINT control_lease_pkey PRIMARY KEY (id),
+        CONSTRAINT control_lease_one CHECK (id = 1)
+    );
+    INSERT INTO control_lease (id, holder, url, term, lease_until, taken_at)
+        VALUES (1, '', '', 0, 0, 0);",
+    ),
+    (
+        5,
+        "ALTER TABLE nodes ADD COLUMN e2b_url TEXT;
+    ALTER TABLE nodes ADD COLUMN preview_url TEXT;",
+    ),
 ];
 
 pub(super) struct Postgres {
@@ -100,7 +142,12 @@ pub(super) struct Postgres {
     /// Where it connects, for errors (no password).
     target: String,
     client: Mutex<Option<Arc<Client>>>,
+    /// Idle connections of fenced writes (a transaction needs a connection of its own).
+    writers: std::sync::Mutex<Vec<Client>>,
 }
+
+/// How many idle connections of fenced writes are kept.
+const WRITERS_IDLE: usize = 4;
 
 impl Postgres {
     /// Connects and applies the migrations the database has not had.
@@ -113,7 +160,39 @@ impl Postgres {
             config,
             target,
             client: Mutex::new(Some(Arc::new(client))),
+            writers: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// A write in one transaction after a read of the lease's term `FOR SHARE` (a take of the
+    /// lease waits for it to end), refused with [`DbError::Deposed`] where the term is not
+    /// `term`. On a connection of its own (the shared one is used by every call at once).
+    pub(super) async fn write_fenced(
+        &self,
+        sql: &'static str,
+        params: Vec<Val>,
+        term: i64,
+        returning: bool,
+    ) -> Result<Written, Failure> {
+        let idle = self
+            .writers
+            .lock()
+            .map(|mut v| v.pop())
+            .unwrap_or(None)
+            .filter(|c| !c.is_closed());
+        let mut client = match idle {
+            Some(c) => c,
+            None => connect(&self.config, &self.target).await?,
+        };
+        let out = fenced(&mut client, &dialect(sql), &params, term, returning).await;
+        if !client.is_closed() {
+            if let Ok(mut v) = self.writers.lock() {
+                if v.len() < WRITERS_IDLE {
+                    v.push(client);
+                }
+            }
+        }
+        out
     }
 
     pub(super) async fn query(
@@ -163,6 +242,39 @@ impl Postgres {
         let row = client.query_one("SELECT pg_backend_pid()", &[]).await?;
         Ok(row.try_get(0)?)
     }
+}
+
+async fn fenced(
+    client: &mut Client,
+    sql: &str,
+    params: &[Val],
+    term: i64,
+    returning: bool,
+) -> Result<Written, Failure> {
+    let tx = client.transaction().await.map_err(failure)?;
+    let lease = format!("{} FOR SHARE", lease::SQL_LEASE_TERM);
+    let found = tx.query_opt(lease.as_str(), &[]).await.map_err(failure)?;
+    let (found_term, holder, url) = match found {
+        Some(r) => (
+            r.try_get::<_, i64>(0).map_err(failure)?,
+            r.try_get::<_, String>(1).map_err(failure)?,
+            r.try_get::<_, String>(2).map_err(failure)?,
+        ),
+        None => (0, String::new(), String::new()),
+    };
+    if found_term != term {
+        // Dropped, the transaction is rolled back.
+        return Err(Failure::Other(lease::deposed(found_term, holder, url)));
+    }
+    let refs: Vec<&(dyn ToSql + Sync)> = params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
+    let out = if returning {
+        let rows = tx.query(sql, &refs).await.map_err(failure)?;
+        Written::Rows(rows.iter().map(read_row).collect::<Result<_, _>>()?)
+    } else {
+        Written::Count(tx.execute(sql, &refs).await.map_err(failure)?)
+    };
+    tx.commit().await.map_err(failure)?;
+    Ok(out)
 }
 
 async fn connect(config: &Config, target: &str) -> Result<Client, DbError> {

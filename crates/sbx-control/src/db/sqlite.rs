@@ -8,7 +8,7 @@ use std::time::Duration;
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
 use rusqlite::{Connection, ErrorCode};
 
-use super::{DbError, Failure, Row, UniqueOn, Val};
+use super::{lease, DbError, Failure, Row, UniqueOn, Val, Written};
 
 /// The database's clock in ms since the epoch. `julianday('now')` has a resolution of 1 ms
 /// (SQLite keeps 'now' in ms) and is fixed for the length of a statement; as a double of some
@@ -81,6 +81,41 @@ pub(super) const MIGRATIONS: &[(i64, &str)] = &[
     ALTER TABLE moves ADD COLUMN refusal TEXT;
     ALTER TABLE moves ADD COLUMN ended_at INTEGER;",
     ),
+    (
+        3,
+        "CREATE TABLE batches (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        kind TEXT NOT NULL CHECK (kind IN ('evacuation', 'recovery')),
+        node_id TEXT NOT NULL REFERENCES nodes(id),
+        error TEXT,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        ended_at INTEGER
+    );
+    CREATE UNIQUE INDEX batches_unfinished ON batches(node_id, kind) WHERE ended_at IS NULL;
+    CREATE INDEX batches_node ON batches(node_id, seq);
+    ALTER TABLE moves ADD COLUMN batch TEXT REFERENCES batches(id);
+    CREATE INDEX moves_batch ON moves(batch, seq);",
+    ),
+    (
+        4,
+        "CREATE TABLE control_lease (
+        id INTEGER NOT NULL PRIMARY KEY CHECK (id = 1),
+        holder TEXT NOT NULL,
+        url TEXT NOT NULL,
+        term INTEGER NOT NULL,
+        lease_until INTEGER NOT NULL,
+        taken_at INTEGER NOT NULL
+    );
+    INSERT INTO control_lease (id, holder, url, term, lease_until, taken_at)
+        VALUES (1, '', '', 0, 0, 0);",
+    ),
+    (
+        5,
+        "ALTER TABLE nodes ADD COLUMN e2b_url TEXT;
+    ALTER TABLE nodes ADD COLUMN preview_url TEXT;",
+    ),
 ];
 
 pub(super) struct Sqlite {
@@ -107,23 +142,8 @@ impl Sqlite {
         params: Vec<Val>,
     ) -> Result<Vec<Row>, Failure> {
         let sql = dialect(sql);
-        self.with_conn(move |conn| {
-            let mut stmt = conn.prepare_cached(&sql).map_err(failure)?;
-            let ncols = stmt.column_count();
-            let mut rows = stmt
-                .query(rusqlite::params_from_iter(params.iter()))
-                .map_err(failure)?;
-            let mut out = Vec::new();
-            while let Some(row) = rows.next().map_err(failure)? {
-                let mut vals = Vec::with_capacity(ncols);
-                for i in 0..ncols {
-                    vals.push(read(row.get_ref(i).map_err(failure)?)?);
-                }
-                out.push(vals);
-            }
-            Ok(out)
-        })
-        .await
+        self.with_conn(move |conn| run_query(conn, &sql, &params))
+            .await
     }
 
     pub(super) async fn execute(
@@ -132,12 +152,57 @@ impl Sqlite {
         params: Vec<Val>,
     ) -> Result<u64, Failure> {
         let sql = dialect(sql);
+        self.with_conn(move |conn| run_execute(conn, &sql, &params))
+            .await
+    }
+
+    /// A write in one transaction with a read of the lease's term (`BEGIN IMMEDIATE`: no
+    /// other writer between the two), refused with [`DbError::Deposed`] where the term is
+    /// not `term`.
+    pub(super) async fn write_fenced(
+        &self,
+        sql: &'static str,
+        params: Vec<Val>,
+        term: i64,
+        returning: bool,
+    ) -> Result<Written, Failure> {
+        let sql = dialect(sql);
         self.with_conn(move |conn| {
-            let mut stmt = conn.prepare_cached(&sql).map_err(failure)?;
-            let n = stmt
-                .execute(rusqlite::params_from_iter(params.iter()))
-                .map_err(failure)?;
-            Ok(n as u64)
+            conn.execute_batch("BEGIN IMMEDIATE").map_err(failure)?;
+            let result = (|| {
+                let found = conn
+                    .query_row(lease::SQL_LEASE_TERM, [], |r| {
+                        Ok((
+                            r.get::<_, i64>(0)?,
+                            r.get::<_, String>(1)?,
+                            r.get::<_, String>(2)?,
+                        ))
+                    })
+                    .map_err(failure)?;
+                if found.0 != term {
+                    return Err(Failure::Other(lease::deposed(found.0, found.1, found.2)));
+                }
+                if returning {
+                    run_query(conn, &sql, &params).map(Written::Rows)
+                } else {
+                    run_execute(conn, &sql, &params).map(Written::Count)
+                }
+            })();
+            match result {
+                Ok(w) => match conn.execute_batch("COMMIT") {
+                    Ok(()) => Ok(w),
+                    Err(e) => {
+                        // Not left open on the connection that goes back to the pool.
+                        let _ = conn.execute_batch("ROLLBACK");
+                        Err(failure(e))
+                    }
+                },
+                Err(e) => {
+                    // The error that matters is the statement's (or the fence's).
+                    let _ = conn.execute_batch("ROLLBACK");
+                    Err(e)
+                }
+            }
         })
         .await
     }
@@ -166,6 +231,31 @@ impl Sqlite {
         .await
         .map_err(|e| Failure::Other(DbError::Join(e.to_string())))?
     }
+}
+
+fn run_query(conn: &Connection, sql: &str, params: &[Val]) -> Result<Vec<Row>, Failure> {
+    let mut stmt = conn.prepare_cached(sql).map_err(failure)?;
+    let ncols = stmt.column_count();
+    let mut rows = stmt
+        .query(rusqlite::params_from_iter(params.iter()))
+        .map_err(failure)?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next().map_err(failure)? {
+        let mut vals = Vec::with_capacity(ncols);
+        for i in 0..ncols {
+            vals.push(read(row.get_ref(i).map_err(failure)?)?);
+        }
+        out.push(vals);
+    }
+    Ok(out)
+}
+
+fn run_execute(conn: &Connection, sql: &str, params: &[Val]) -> Result<u64, Failure> {
+    let mut stmt = conn.prepare_cached(sql).map_err(failure)?;
+    let n = stmt
+        .execute(rusqlite::params_from_iter(params.iter()))
+        .map_err(failure)?;
+    Ok(n as u64)
 }
 
 fn connect(path: &std::path::Path) -> Result<Connection, DbError> {

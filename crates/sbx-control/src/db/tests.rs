@@ -88,7 +88,7 @@ macro_rules! both {
     };
 }
 
-fn reg(name: &str) -> NodeReg {
+pub(crate) fn reg(name: &str) -> NodeReg {
     NodeReg {
         name: name.into(),
         url: format!("http://{name}.test:7700"),
@@ -98,10 +98,13 @@ fn reg(name: &str) -> NodeReg {
             sandboxes: 0,
             images: vec!["debian:12".into()],
         },
+        e2b_url: None,
+        preview_url: None,
+        held: Vec::new(),
     }
 }
 
-fn sandbox(name: Option<&str>, node_id: &str) -> SandboxRow {
+pub(crate) fn sandbox(name: Option<&str>, node_id: &str) -> SandboxRow {
     SandboxRow {
         id: sbx_api::ids::new_id("sbx"),
         name: name.map(str::to_owned),
@@ -114,7 +117,7 @@ fn sandbox(name: Option<&str>, node_id: &str) -> SandboxRow {
     }
 }
 
-fn a_move(sandbox_id: &str, from: &str, to: &str) -> MoveRow {
+pub(crate) fn a_move(sandbox_id: &str, from: &str, to: &str) -> MoveRow {
     MoveRow {
         id: new_move_id(),
         sandbox_id: sandbox_id.into(),
@@ -135,6 +138,7 @@ fn a_move(sandbox_id: &str, from: &str, to: &str) -> MoveRow {
         created_at_ms: 0,
         updated_at_ms: 0,
         ended_at_ms: None,
+        batch: None,
     }
 }
 
@@ -775,7 +779,7 @@ async fn postgres_reconnects_after_its_connection_broke() {
 async fn case_reconnect(url: String) -> anyhow::Result<()> {
     let db = Db::open(&url).await?;
     let a = db.register_node(&reg("alpha"), 60_000).await?;
-    let Backend::Postgres(pg) = &*db.backend else {
+    let Kind::Postgres(pg) = &db.backend.kind else {
         bail!("not PostgreSQL");
     };
     let pid = pg.backend_pid().await?;
@@ -854,4 +858,32 @@ async fn sqlite_now_is_exact_to_the_ms() -> anyhow::Result<()> {
     .await;
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+both!(a_node_s_listeners_are_kept, case_listeners);
+async fn case_listeners(url: String) -> anyhow::Result<()> {
+    let db = Db::open(&url).await?;
+    let a1 = db.register_node(&reg("alpha"), 10_000).await?;
+    ensure!(a1.e2b_url.is_none() && a1.preview_url.is_none(), "{a1:?}");
+    let mut with = reg("alpha");
+    with.e2b_url = Some("http://alpha.test:7790".into());
+    with.preview_url = Some("http://alpha.test:7780".into());
+    let a2 = db.heartbeat(&a1.id, &with, 10_000).await?;
+    ensure!(
+        a2.e2b_url.as_deref() == Some("http://alpha.test:7790")
+            && a2.preview_url.as_deref() == Some("http://alpha.test:7780"),
+        "{a2:?}"
+    );
+    let read = db.node("alpha").await?;
+    ensure!(read.as_ref() == Some(&a2), "{read:?}");
+    // Joining again (a restart with the listener off) says so.
+    let mut off = with.clone();
+    off.e2b_url = None;
+    let a3 = db.register_node(&off, 10_000).await?;
+    ensure!(a3.id == a1.id, "{a3:?}");
+    ensure!(
+        a3.e2b_url.is_none() && a3.preview_url.as_deref() == Some("http://alpha.test:7780"),
+        "{a3:?}"
+    );
+    Ok(())
 }

@@ -105,6 +105,8 @@ pub struct AgentConn {
     watch: bool,
     /// The agent serves `/run/sbx/awake` ([`sbx_proto::FEATURE_AWAKE`]).
     awake: bool,
+    /// The agent watches the node's lease ([`sbx_proto::FEATURE_LEASE`]).
+    lease: bool,
 }
 
 /// Connections whose exchanges are all over, by agent socket: the next operation on the same
@@ -130,6 +132,7 @@ impl AgentConn {
             fs: false,
             watch: false,
             awake: false,
+            lease: false,
         };
         let hello = tokio::time::timeout(timeout, conn.recv())
             .await
@@ -142,6 +145,7 @@ impl AgentConn {
                 conn.fs = features.iter().any(|f| f == sbx_proto::FEATURE_FS);
                 conn.watch = features.iter().any(|f| f == sbx_proto::FEATURE_WATCH);
                 conn.awake = features.iter().any(|f| f == sbx_proto::FEATURE_AWAKE);
+                conn.lease = features.iter().any(|f| f == sbx_proto::FEATURE_LEASE);
                 Ok(conn)
             }
             Frame::Msg(AgentMsg::Hello { version, .. }) => Err(AgentError::Version(version)),
@@ -338,6 +342,28 @@ pub async fn holds(socket: &Path, notice_ms: Option<u32>) -> Result<Holds, Agent
             connected,
             lowered_ms_ago,
         }),
+        _ => Err(AgentError::Closed),
+    }
+}
+
+/// Tells the agent at `socket` the node's lease (`until_ms`: CLOCK_BOOTTIME milliseconds;
+/// see [`sbx_proto::HostMsg::Lease`]): whether the sandbox's processes are stopped after it;
+/// `None` for an agent that does not watch leases (an older one: it is told nothing).
+pub async fn lease(socket: &Path, until_ms: Option<u64>) -> Result<Option<bool>, AgentError> {
+    let mut c = AgentConn::open(socket, Duration::from_secs(2)).await?;
+    if !c.lease {
+        c.release();
+        return Ok(None);
+    }
+    let answer = tokio::time::timeout(
+        Duration::from_secs(2),
+        c.request(&HostMsg::Lease { until_ms }),
+    )
+    .await
+    .map_err(|_| AgentError::Timeout)??;
+    c.release();
+    match answer {
+        AgentMsg::Leased { stopped } => Ok(Some(stopped)),
         _ => Err(AgentError::Closed),
     }
 }

@@ -616,6 +616,10 @@ async fn handle(agent: &Arc<Agent>, out: &Out, msg: HostMsg) {
         HostMsg::SetDumpable { dumpable } => {
             send(out, &AgentMsg::Dumpable { dumpable }).await;
         }
+        // The fake's hello claims no lease watchdog; an agent without one is sent none.
+        HostMsg::Lease { .. } => {
+            send(out, &AgentMsg::Leased { stopped: false }).await;
+        }
         // The fake's hello claims no awake socket; answer as an agent without one.
         HostMsg::Awake { .. } => {
             let held = AgentMsg::Awake {

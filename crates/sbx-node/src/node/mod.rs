@@ -8,6 +8,7 @@ pub mod credentials;
 pub mod fake;
 pub mod files;
 pub mod health;
+pub mod lease;
 mod machine;
 pub mod net;
 pub mod output;
@@ -127,6 +128,8 @@ pub struct Node {
     pub volumes: volume::Volumes,
     /// The fleet's object store that sleeps and snapshots go to (none: not stored).
     replicas: Option<replica::ReplicaQueue>,
+    /// The node's lease with its control plane, and its fence (`lease.rs`).
+    lease: lease::NodeLease,
 }
 
 pub(crate) fn stopping_error() -> ApiError {
@@ -171,9 +174,17 @@ pub struct NodeBuilder {
     capacity: Option<capacity::Capacity>,
     volumes: Option<volume::VolumeSettings>,
     replicas: Option<Arc<dyn replica::Replicas>>,
+    leased: bool,
 }
 
 impl NodeBuilder {
+    /// The node keeps a lease with a control plane (`--control`): fenced until its first
+    /// renewal and whenever one is late (`lease.rs`). Without it, it never fences.
+    pub fn leased(mut self, leased: bool) -> Self {
+        self.leased = leased;
+        self
+    }
+
     /// The node's network: sandboxes that have network get a namespace of it.
     pub fn net(mut self, net: Option<Arc<net::NodeNet>>) -> Self {
         self.net = net;
@@ -237,6 +248,7 @@ impl NodeBuilder {
             capacity: self.capacity,
             volumes,
             replicas: self.replicas.map(replica::ReplicaQueue::new),
+            lease: lease::NodeLease::new(self.leased),
         }))
     }
 }
@@ -293,6 +305,7 @@ impl Node {
             capacity: None,
             volumes: None,
             replicas: None,
+            leased: false,
         }
     }
 

@@ -89,6 +89,9 @@ impl Node {
         if self.is_stopping() {
             return Err(stopping_error());
         }
+        if let Some(e) = self.fence_error() {
+            return Err(e);
+        }
         // Until the run is in the table: its place is taken.
         let _admission = self.admission.locked();
         let Machine {

@@ -29,6 +29,9 @@ impl Node {
         if self.is_stopping() {
             return Err(crate::node::stopping_error());
         }
+        if let Some(e) = self.fence_error() {
+            return Err(e);
+        }
         if c.spec.snapshot.is_some() {
             return self.create_from_snapshot(c).await;
         }
@@ -327,6 +330,10 @@ impl Node {
         let m = Arc::downgrade(m);
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
+            // A fenced node ends nothing: the expiry waits for its lease (`lease.rs`).
+            while node.is_fenced() && !node.is_stopping() {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
             // Changed (or gone) since: not this timer's to do.
             match m.upgrade() {
                 Some(m) if m.expiry.locked().1 == armed => {}
@@ -527,6 +534,8 @@ impl Node {
     /// still the machine (not ended by a delete or a restart), the sandbox is failed at once
     /// with `agent_lost`, as a node that starts and finds an agent gone marks it (`recover`).
     pub(crate) fn watch_agent(self: &Arc<Self>, m: &Arc<Managed>, sb: &Arc<Sandbox>) {
+        // A node of a fleet tells a new (woken, adopted) agent its lease at once.
+        self.lease_agent(m.op.clone(), sb);
         // A second descriptor of the node's pidfd of the agent: readable once it has ended.
         let fd = match sb.netns_handle().and_then(sbx_runtime::process::async_fd) {
             Ok(fd) => fd,

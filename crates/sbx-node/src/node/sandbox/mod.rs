@@ -17,6 +17,7 @@ pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
 pub(crate) use egress::egress_of;
 pub use exec::Attached;
 use exec::*;
+pub(crate) use move_out::moved as moved_error_of;
 use output::*;
 
 use std::collections::{BTreeMap, HashSet};
@@ -300,6 +301,12 @@ impl Cancel {
 
 /// A sandbox the node keeps.
 impl Managed {
+    /// Its lifecycle lock, for work of another module that must not overlap a lifecycle change
+    /// (the lease told to its agent: a connection open during a checkpoint fails the dump).
+    pub(crate) fn op_lock(&self) -> Arc<tokio::sync::Mutex<()>> {
+        self.op.clone()
+    }
+
     /// The volumes it has attached.
     pub fn volumes(&self) -> &[crate::node::volume::StoredVolume] {
         &self.spec.volumes
@@ -423,7 +430,14 @@ impl Node {
     /// Kept sandbox `id_or_name`; 409 `moved` for one released or forgotten here (it is
     /// another node's now).
     pub(crate) fn managed(&self, id_or_name: &str) -> Result<Arc<Managed>, ApiError> {
+        // A node whose lease ran out serves none of its sandboxes (`lease.rs`).
+        if let Some(e) = self.fence_error() {
+            return Err(e);
+        }
         let found = self.managed_entry(id_or_name);
+        if let Some(e) = found.as_ref().and_then(|m| self.taken_error(&m.id)) {
+            return Err(e);
+        }
         let id = found.as_ref().map_or(id_or_name, |m| m.id.as_str());
         // One this node is taking over (`move_in.rs`): 503 until it is here.
         if let Some(e) = found.is_none().then(|| self.takeover_error(id)).flatten() {

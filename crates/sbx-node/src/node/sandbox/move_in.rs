@@ -272,6 +272,10 @@ impl Node {
         if self.is_stopping() {
             return Err(crate::node::stopping_error());
         }
+        // A fenced node takes nothing over (asked again once it renews its lease).
+        if let Some(e) = self.fence_error() {
+            return Err(e);
+        }
         if let Some(a) = self.takeover_done(id, r.epoch) {
             return Ok(a);
         }

@@ -189,6 +189,10 @@ impl Node {
                 return released_before(id, &done, &r);
             }
         }
+        // A fenced node releases nothing (asked again once it renews its lease).
+        if let Some(e) = self.fence_error() {
+            return Err(e);
+        }
         let Some(m) = m else {
             return Err(not_found(id));
         };
@@ -543,6 +547,17 @@ fn released_before(
     r: &ReleaseRequest,
 ) -> Result<ReleaseAnswer, ApiError> {
     if !done.kept {
+        // A tombstone above the release's epoch (the fleet took it: `lease.rs`): the epoch
+        // is not this node's.
+        if r.epoch < done.epoch {
+            let mut e = wrong_epoch(done.epoch, r.epoch, "knows");
+            e.message = format!(
+                "the fleet has the sandbox at epoch {} on {} now: this node no longer holds it",
+                done.epoch,
+                done.to.as_deref().unwrap_or("another node")
+            );
+            return Err(e);
+        }
         return Err(not_found(id));
     }
     if done.move_id.as_deref() == Some(r.move_id.as_str()) && done.epoch == r.epoch {

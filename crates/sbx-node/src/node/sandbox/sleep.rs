@@ -207,6 +207,8 @@ impl Node {
                                 tracing::error!(sandbox = %m.id, error = %e, "thaw");
                                 return Err(ApiError::internal());
                             }
+                            // Its agent's lease may have run out while it was frozen.
+                            self.lease_agent(m.op.clone(), &sb);
                             tracing::debug!(sandbox = %m.id, "resumed");
                         }
                         idle.paused_since = None;
@@ -694,6 +696,10 @@ impl Node {
                 };
                 if node.is_stopping() {
                     return;
+                }
+                // A fenced node changes none of its sandboxes (`lease.rs`).
+                if node.is_fenced() {
+                    continue;
                 }
                 let all: Vec<Arc<Managed>> = node.managed.locked().values().cloned().collect();
                 let now = Instant::now();
