@@ -27,6 +27,7 @@ pub mod files;
 pub mod functions;
 pub mod ids;
 pub mod moves;
+pub mod preview;
 pub mod run;
 pub mod sandbox;
 pub mod secret;

@@ -19,6 +19,7 @@ use axum::extract::{Request, State};
 use axum::http::header;
 use axum::response::Response;
 use axum::Router;
+use sbx_api::preview::parse_host;
 use sbx_api::{ApiError, ErrorCode};
 
 use crate::relay::{self, Listener, Refused};
@@ -35,33 +36,6 @@ pub struct PreviewState {
 pub fn domain_of(flag: &str) -> Option<String> {
     let d = flag.trim().trim_matches('.').to_ascii_lowercase();
     (!d.is_empty() && !d.contains(':') && !d.contains('/') && !d.contains(' ')).then_some(d)
-}
-
-/// `{port}-{sandbox}.{domain}[:port]` -> (port, sandbox id or name); `None` for any other host
-/// (the node's rule: one label before the domain, a port of 1 to 65535, a sandbox of letters,
-/// digits, `-` and `_`).
-pub fn parse_host(host: &str, domain: &str) -> Option<(u16, String)> {
-    let host = host.trim().to_ascii_lowercase();
-    let name = match host.rsplit_once(':') {
-        Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => h,
-        Some(_) => return None,
-        None => host.as_str(),
-    };
-    let name = name.strip_suffix('.').unwrap_or(name);
-    let label = name.strip_suffix(domain)?.strip_suffix('.')?;
-    if label.contains('.') {
-        return None;
-    }
-    let (port, sandbox) = label.split_once('-')?;
-    if port.is_empty() || port.len() > 5 || !port.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let port: u16 = port.parse().ok().filter(|p| *p > 0)?;
-    let valid = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
-    if sandbox.is_empty() || !sandbox.chars().all(valid) {
-        return None;
-    }
-    Some((port, sandbox.to_string()))
 }
 
 /// The request's host: `Host`, or an HTTP/2 request's `:authority`.
@@ -146,38 +120,6 @@ pub fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn preview_hosts_name_a_port_and_a_sandbox() {
-        let p = |h: &str| parse_host(h, "localhost");
-        assert_eq!(p("8080-sbx-abc.localhost"), Some((8080, "sbx-abc".into())));
-        assert_eq!(
-            p("8080-SBX-abc.LOCALHOST:7790"),
-            Some((8080, "sbx-abc".into()))
-        );
-        assert_eq!(p("3000-my-app.localhost."), Some((3000, "my-app".into())));
-        assert_eq!(
-            parse_host("1-x.preview.example.com:443", "preview.example.com"),
-            Some((1, "x".into()))
-        );
-        for bad in [
-            "localhost",
-            "sbx-abc.localhost",
-            "8080.localhost",
-            "8080-.localhost",
-            "0-sbx-a.localhost",
-            "65536-sbx-a.localhost",
-            "8080-sbx-a.evil.localhost",
-            "8080-sbx-a.localhostx",
-            "8080-sbx-a.xlocalhost",
-            "8080-sbx-a.localhost:x",
-            "8080-sbx a.localhost",
-            "127.0.0.1:7790",
-            "",
-        ] {
-            assert_eq!(p(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn the_domain_flag() {

@@ -17,15 +17,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::calls::At;
 use crate::harness::{ControlPlane, FleetStore, Node, NodeOpts, PgDatabase};
 use crate::http::{Http, Reply};
 
 /// The control planes' lease (s).
 const LEASE: f64 = 2.0;
-
-/// A process that counts into /tmp/c and prints each count (as moves.rs's).
-const COUNTER: &str =
-    "i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; echo $i; sleep 0.1; done";
 
 fn control_plane(db: &PgDatabase, store: &FleetStore, name: &str) -> ControlPlane {
     let extra: Vec<String> = ["--name", name, "--control-lease-seconds", "2"]
@@ -160,29 +157,21 @@ impl Fleet {
         }
     }
 
+    /// The sandboxes' calls through control plane `which`.
+    fn at(&self, which: u8) -> At<'_> {
+        At {
+            http: &self.http,
+            base: self.cp(which).url(""),
+            logs: Box::new(|| self.logs()),
+        }
+    }
+
     fn sh(&self, which: u8, id: &str, line: &str) -> String {
-        let r = self.post(
-            which,
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({ "command": line, "wait_seconds": 60 }),
-        );
-        assert!(
-            r.status == 200 || r.status == 201,
-            "{line}: {} {}\n{}",
-            r.status,
-            r.text(),
-            self.logs()
-        );
-        let v = r.json();
-        assert_eq!(v["exit_code"], 0, "{line}: {v}");
-        v["stdout"].as_str().unwrap_or_default().to_string()
+        self.at(which).sh(id, line)
     }
 
     fn count(&self, which: u8, id: &str) -> u64 {
-        let out = self.sh(which, id, "cat /tmp/c");
-        out.trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("not a count ({e}): {out:?}"))
+        self.at(which).count(id)
     }
 
     fn move_now(&self, which: u8, move_id: &str) -> Value {
@@ -284,25 +273,7 @@ fn the_control_plane_fails_over_on_postgres() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     f.sh(1, &id, "echo failover-file > /root/kept.txt");
-    let r = f.post(
-        1,
-        &format!("/v1/sandboxes/{id}/exec"),
-        &json!({ "command": ["sh", "-c", COUNTER] }),
-    );
-    assert_eq!(r.status, 201, "the counter: {}", r.text());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while f
-        .post(
-            1,
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({ "command": "test -s /tmp/c", "wait_seconds": 10 }),
-        )
-        .json()["exit_code"]
-        != 0
-    {
-        assert!(Instant::now() < deadline, "the counter does not count");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    f.at(1).start_counter(&id);
     let before = f.count(1, &id);
 
     // The move is started on cp-1; cp-1 is killed while the node releases the sandbox.

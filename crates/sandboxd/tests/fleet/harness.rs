@@ -13,6 +13,11 @@ use std::time::{Duration, Instant};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
+/// The nodes' lease of the tests' control planes (s): short, so that a node is lost soon,
+/// yet long enough that a node of a loaded 2-core machine renews it in time (it fences
+/// itself a second before its end, and renews every second).
+pub const NODE_LEASE_SECONDS: u64 = 3;
+
 pub fn sandboxd_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sandboxd"))
 }
@@ -222,7 +227,7 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// `sandboxd control` with a data directory of its own, a node lease of 2 s, and `db` (a
+    /// `sandboxd control` with a data directory of its own, a node lease of [`NODE_LEASE_SECONDS`], and `db` (a
     /// database URL) or its SQLite default.
     pub fn start(db: Option<&str>) -> ControlPlane {
         ControlPlane::start_with(db, None)
@@ -252,7 +257,7 @@ impl ControlPlane {
                 "--data-dir",
                 &root.join("data").to_string_lossy(),
                 "--node-lease-seconds",
-                "2",
+                &NODE_LEASE_SECONDS.to_string(),
             ]
             .iter()
             .map(|s| s.to_string())

@@ -8,6 +8,7 @@
 //!
 //! Needs root, the base image (SBX_TEST_IMAGES or /var/lib/sbx/images) and the agent built.
 
+mod calls;
 mod e2b;
 mod failover;
 mod harness;
@@ -483,7 +484,7 @@ fn scenario(f: &mut Fleet) {
         .get(&f.node(other).url(&format!("/v1/sandboxes/{gone}")));
     assert_eq!(r.status, 404, "{}", r.text());
 
-    // A node killed is lost once its lease (2 s) runs out; its sandboxes' calls are 503,
+    // A node killed is lost once its lease (3 s) runs out; its sandboxes' calls are 503,
     // retryable, and the list says which node it misses.
     f.node_mut(&n2).kill();
     let lost = f.wait_state(&n2, "lost", Duration::from_secs(10));

@@ -24,13 +24,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::calls::At;
 use crate::harness::{ControlPlane, FleetStore, Node, NodeOpts, PgDatabase};
 use crate::http::{assert_error, Http, Reply};
-
-/// A process that counts into /tmp/c (replaced whole, so a read never sees half a number) and
-/// prints each count: `sh -c` of it is a command that runs until the sandbox ends.
-const COUNTER: &str =
-    "i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; echo $i; sleep 0.1; done";
 
 /// The keys of a move object, exactly (the spec's `move`).
 const MOVE_KEYS: [&str; 20] = [
@@ -194,79 +190,34 @@ impl Fleet {
         r.json()
     }
 
-    fn wait_status(&self, id: &str, status: &str, timeout: Duration) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let r = self.get(&format!("/v1/sandboxes/{id}"));
-            if r.status == 200 && r.json()["status"] == status {
-                return r.json();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{id} is not {status} after {timeout:?}: {} {}\n{}",
-                r.status,
-                r.text(),
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(100));
+    /// The sandboxes' calls through the control plane.
+    fn at(&self) -> At<'_> {
+        At {
+            http: &self.http,
+            base: self.ctl.url(""),
+            logs: Box::new(|| self.logs()),
         }
     }
 
-    /// A shell line in the sandbox through the control plane, waited for (it must succeed):
-    /// its command object.
+    fn wait_status(&self, id: &str, status: &str, timeout: Duration) -> Value {
+        self.at().wait_status(id, status, timeout)
+    }
+
     fn sh_obj(&self, id: &str, line: &str) -> Value {
-        let r = self.post(
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({ "command": line, "wait_seconds": 60 }),
-        );
-        assert!(
-            r.status == 200 || r.status == 201,
-            "{line}: {} {}\n{}",
-            r.status,
-            r.text(),
-            self.logs()
-        );
-        let v = r.json();
-        assert_eq!(v["exit_code"], 0, "{line}: {v}");
-        v
+        self.at().sh_obj(id, line)
     }
 
     fn sh(&self, id: &str, line: &str) -> String {
-        self.sh_obj(id, line)["stdout"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string()
+        self.at().sh(id, line)
     }
 
-    /// The counter's value.
     fn count(&self, id: &str) -> u64 {
-        let out = self.sh(id, "cat /tmp/c");
-        out.trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("not a count ({e}): {out:?}"))
+        self.at().count(id)
     }
 
     /// The counter started as a command of its own: its id, once it has counted.
     fn start_counter(&self, id: &str) -> String {
-        let r = self.post(
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({ "command": ["sh", "-c", COUNTER] }),
-        );
-        assert_eq!(r.status, 201, "the counter: {}", r.text());
-        let exec = r.json()["id"].as_str().unwrap_or_default().to_string();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self
-            .post(
-                &format!("/v1/sandboxes/{id}/exec"),
-                &json!({ "command": "test -s /tmp/c", "wait_seconds": 10 }),
-            )
-            .json()["exit_code"]
-            != 0
-        {
-            assert!(Instant::now() < deadline, "the counter does not count");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        exec
+        self.at().start_counter(id)
     }
 
     /// The counter goes on from `before` (it was not started again, nor stopped): two reads,

@@ -1,4 +1,4 @@
-//! Recoveries and evacuations (issue #29), end to end: a control plane (node leases of 2 s)
+//! Recoveries and evacuations (issue #29), end to end: a control plane (node leases of 3 s)
 //! and three real nodes sharing an object store (a directory), driven through `POST
 //! /internal/nodes/{id}/recover|evacuate` and `GET /internal/batches/{id}`.
 //!
@@ -21,12 +21,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::calls::At;
 use crate::harness::{ControlPlane, FleetStore, Node, NodeOpts, PgDatabase};
 use crate::http::{assert_error, Http, Reply};
-
-/// A process that counts into /tmp/c (replaced whole) every 0.1 s.
-const COUNTER: &str =
-    "i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done";
 
 const NAMES: [&str; 3] = ["node-a", "node-b", "node-c"];
 
@@ -198,65 +195,29 @@ impl Fleet {
         }
     }
 
-    fn wait_status(&self, id: &str, status: &str, timeout: Duration) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let r = self.get(&format!("/v1/sandboxes/{id}"));
-            if r.status == 200 && r.json()["status"] == status {
-                return r.json();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{id} is not {status}: {} {}\n{}",
-                r.status,
-                r.text(),
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(100));
+    /// The sandboxes' calls through the control plane.
+    fn at(&self) -> At<'_> {
+        At {
+            http: &self.http,
+            base: self.ctl.url(""),
+            logs: Box::new(|| self.logs()),
         }
+    }
+
+    fn wait_status(&self, id: &str, status: &str, timeout: Duration) -> Value {
+        self.at().wait_status(id, status, timeout)
     }
 
     fn sh(&self, id: &str, line: &str) -> String {
-        let r = self.post(
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({ "command": line, "wait_seconds": 60 }),
-        );
-        assert!(
-            r.status == 200 || r.status == 201,
-            "{line}: {}\n{}",
-            r.text(),
-            self.logs()
-        );
-        let v = r.json();
-        assert_eq!(v["exit_code"], 0, "{line}: {v}");
-        v["stdout"].as_str().unwrap_or_default().to_string()
+        self.at().sh(id, line)
     }
 
     fn count(&self, id: &str) -> u64 {
-        let out = self.sh(id, "cat /tmp/c");
-        out.trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("not a count ({e}): {out:?}"))
+        self.at().count(id)
     }
 
     fn start_counter(&self, id: &str) {
-        let r = self.post(
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({ "command": ["sh", "-c", COUNTER] }),
-        );
-        assert_eq!(r.status, 201, "the counter: {}", r.text());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self
-            .post(
-                &format!("/v1/sandboxes/{id}/exec"),
-                &json!({ "command": "test -s /tmp/c", "wait_seconds": 10 }),
-            )
-            .json()["exit_code"]
-            != 0
-        {
-            assert!(Instant::now() < deadline, "the counter does not count");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        self.at().start_counter(id);
     }
 
     /// Asleep through the control plane.
