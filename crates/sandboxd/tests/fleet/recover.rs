@@ -32,6 +32,8 @@ const NAMES: [&str; 3] = ["node-a", "node-b", "node-c"];
 struct Fleet {
     nodes: Vec<Node>,
     ctl: ControlPlane,
+    /// A second control plane on the same PostgreSQL database, standing by (`start_pair`).
+    standby: Option<ControlPlane>,
     store: FleetStore,
     _db: Option<PgDatabase>,
     http: Http,
@@ -40,24 +42,51 @@ struct Fleet {
 
 impl Fleet {
     fn start(db: Option<PgDatabase>) -> Fleet {
+        Fleet::start_copies(db, false)
+    }
+
+    /// Two control planes on one PostgreSQL database (the first active, the second standing
+    /// by); the nodes are given both.
+    fn start_pair(db: PgDatabase) -> Fleet {
+        Fleet::start_copies(Some(db), true)
+    }
+
+    fn start_copies(db: Option<PgDatabase>, pair: bool) -> Fleet {
         let store = FleetStore::dir();
-        let ctl = ControlPlane::start_with(db.as_ref().map(|d| d.url.as_str()), Some(&store));
+        let db_url = db.as_ref().map(|d| d.url.clone());
+        let copy = |name: &str| {
+            let args: Vec<String> = ["--name", name, "--control-lease-seconds", "2"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            ControlPlane::start_args(db_url.as_deref(), Some(&store), &args)
+        };
+        let ctl = copy("cp-1");
+        let standby = pair.then(|| {
+            // The first copy takes the lease before the second starts.
+            let http = Http::new();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while http.get(&ctl.url("/healthz")).json()["role"] != "active" {
+                assert!(Instant::now() < deadline, "cp-1 never active");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            copy("cp-2")
+        });
+        let opts = || NodeOpts {
+            store: Some(&store),
+            other_build: false,
+        };
         let nodes = NAMES
             .iter()
-            .map(|n| {
-                Node::start_with(
-                    n,
-                    &ctl,
-                    NodeOpts {
-                        store: Some(&store),
-                        other_build: false,
-                    },
-                )
+            .map(|n| match &standby {
+                Some(s) => Node::start_joining(n, &[&ctl, s], opts()),
+                None => Node::start_with(n, &ctl, opts()),
             })
             .collect();
         let mut f = Fleet {
             nodes,
             ctl,
+            standby,
             store,
             _db: db,
             http: Http::new(),
@@ -555,8 +584,13 @@ fn a_new_node_killed_during_a_recovery(db: Option<PgDatabase>) {
 }
 
 /// (d) The control plane killed (SIGKILL) during an evacuation, and started again.
-fn a_control_plane_killed_mid_evacuation(db: Option<PgDatabase>) {
-    let mut f = Fleet::start(db);
+/// (d) The control plane killed mid-evacuation: started again, or (`pair`) its standby takes
+/// the lease and goes on with the batch.
+fn a_control_plane_killed_mid_evacuation(db: Option<PgDatabase>, pair: bool) {
+    let mut f = match (db, pair) {
+        (Some(db), true) => Fleet::start_pair(db),
+        (db, _) => Fleet::start(db),
+    };
     let mut ids = Vec::new();
     for _ in 0..6 {
         let id = f.create_on("node-a");
@@ -569,8 +603,26 @@ fn a_control_plane_killed_mid_evacuation(db: Option<PgDatabase>) {
     // Killed once a move is under way (some released, some not placed yet).
     std::thread::sleep(Duration::from_millis(800));
     f.ctl.kill();
-    std::thread::sleep(Duration::from_millis(500));
-    f.ctl.restart();
+    match f.standby.take() {
+        Some(standby) => {
+            // The standby is the control plane from here (the dead copy is dropped last).
+            let dead = std::mem::replace(&mut f.ctl, standby);
+            f.standby = Some(dead);
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while f.get("/healthz").json()["role"] != "active" {
+                assert!(
+                    Instant::now() < deadline,
+                    "cp-2 never took over\n{}",
+                    f.logs()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        None => {
+            std::thread::sleep(Duration::from_millis(500));
+            f.ctl.restart();
+        }
+    }
     let b = f.wait_batch(&bid, Duration::from_secs(300));
     assert_eq!(b["counts"]["total"], 6, "{b}");
     assert_eq!(b["counts"]["running"], 0, "{b}");
@@ -631,5 +683,13 @@ fn a_new_node_killed_during_a_recovery_on_sqlite() {
 
 #[test]
 fn a_control_plane_killed_mid_evacuation_on_sqlite() {
-    a_control_plane_killed_mid_evacuation(None);
+    a_control_plane_killed_mid_evacuation(None, false);
+}
+
+#[test]
+fn the_active_control_plane_killed_mid_evacuation_its_standby_ends_it() {
+    let Some(db) = postgres() else {
+        return;
+    };
+    a_control_plane_killed_mid_evacuation(Some(db), true);
 }
