@@ -184,6 +184,23 @@ impl FnError {
     }
 }
 
+/// A call's payload as the functions read it: an object (null is none; anything else is
+/// S001), without the fields an engine adds (names starting with `_`: the iii engine's
+/// `_caller_worker_id` on every call, its queue bridges' `__traceparent` and `__baggage`), so
+/// that no function reads them as its own (any other unknown field is still S001). The node's
+/// and the control plane's dispatch both read payloads so.
+pub fn call_payload(
+    payload: serde_json::Value,
+) -> Result<serde_json::Map<String, serde_json::Value>, FnError> {
+    let mut payload = match payload {
+        serde_json::Value::Object(m) => m,
+        serde_json::Value::Null => serde_json::Map::new(),
+        _ => return Err(FnError::invalid("the payload is not a JSON object")),
+    };
+    payload.retain(|k, _| !k.starts_with('_'));
+    Ok(payload)
+}
+
 /// The S-code of an error of the HTTP API's actions.
 pub fn s_code_of(err: &ApiError) -> &'static str {
     use ErrorCode::*;

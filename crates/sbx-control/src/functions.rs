@@ -148,13 +148,7 @@ pub async fn invoke(
     function_id: &str,
     payload: Value,
 ) -> Result<Value, FnError> {
-    let mut payload = match payload {
-        Value::Object(m) => m,
-        Value::Null => Map::new(),
-        _ => return Err(FnError::invalid("the payload is not a JSON object")),
-    };
-    // The engine's own fields (`_caller_worker_id`, `__traceparent`, …) are not the caller's.
-    payload.retain(|k, _| !k.starts_with('_'));
+    let payload = sbx_api::functions::call_payload(payload)?;
     match route(function_id, &payload) {
         Route::Place { made } => place(ctl, rid, function_id, payload, made).await,
         Route::Sandbox => sandbox_call(ctl, function_id, payload).await,

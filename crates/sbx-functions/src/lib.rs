@@ -157,12 +157,7 @@ pub async fn invoke(
     function_id: &str,
     payload: Value,
 ) -> Result<Value, FnError> {
-    let mut payload = match payload {
-        Value::Object(m) => m,
-        Value::Null => Map::new(),
-        _ => return Err(FnError::invalid("the payload is not a JSON object")),
-    };
-    take_engine_fields(&mut payload);
+    let payload = sbx_api::functions::call_payload(payload)?;
     let span = tracing::info_span!("function", request_id = %rid, function = %function_id);
     dispatch(node, &fns(), function_id, Payload(payload))
         .instrument(span)
