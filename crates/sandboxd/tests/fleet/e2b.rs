@@ -117,12 +117,15 @@ struct Fleet {
     e2b: String,
     preview: String,
     node_e2b: [String; 2],
-    keys_dir: PathBuf,
+    _keys_dir: KeysDir,
 }
 
-impl Drop for Fleet {
+/// The folder of the key file, removed when dropped (also when a start fails half way).
+struct KeysDir(PathBuf);
+
+impl Drop for KeysDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.keys_dir);
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -135,7 +138,8 @@ impl Fleet {
         let keys_dir =
             std::env::temp_dir().join(format!("sbx-fleet-e2b-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&keys_dir).expect("make the keys' folder");
-        let keys = keys_dir.join("keys");
+        let keys_dir = KeysDir(keys_dir);
+        let keys = keys_dir.0.join("keys");
         std::fs::write(&keys, format!("{KEY}\n")).expect("write the key file");
         let keys = keys.to_string_lossy().into_owned();
         let store = FleetStore::dir();
@@ -187,7 +191,7 @@ impl Fleet {
             e2b,
             preview,
             node_e2b,
-            keys_dir,
+            _keys_dir: keys_dir,
         }
     }
 

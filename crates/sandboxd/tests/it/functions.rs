@@ -18,9 +18,22 @@ fn node_with(config: &str) -> TestNode {
     let path = dir.join("sandboxd.toml");
     std::fs::write(&path, format!("docs_base_url = \"{DOCS}\"\n{config}")).unwrap();
     let path = path.to_str().unwrap().to_string();
+    // The folder goes also when the node does not start (the start panics).
+    let mut scratch = Scratch(dir);
     let mut node = TestNode::start_with(&["--config", &path, "--warm-pool", "0"]);
-    node.owns(dir);
+    node.owns(std::mem::take(&mut scratch.0));
     node
+}
+
+/// A folder removed when dropped, unless handed on (emptied).
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// POST /v1/functions/{f}: (status, body).
