@@ -378,7 +378,7 @@ pub struct NodeMore {
     pub standalone: bool,
 }
 
-/// A node that joins a control plane: small (no warm pool, a 2 GiB disk, no network), on
+/// A node that joins a control plane: small (no warm pool, a 512 MiB disk, no network), on
 /// ports, a data directory and a cgroup folder of its own.
 pub struct Node {
     proc: Proc,
@@ -499,14 +499,16 @@ impl Node {
             "none",
             "--warm-pool",
             "0",
+            // A small disk (its blocks are reserved on the host: four nodes of each of four
+            // tests at once beside the build), promised sixteen times over: tests do not fill it.
             "--disk-image-bytes",
-            "2147483648",
+            "536870912",
             "--disk-bytes",
             "268435456",
             "--volume-bytes",
             "268435456",
             "--disk-overcommit",
-            "4",
+            "16",
             "--preview-listen",
             &self.preview,
             "--control",

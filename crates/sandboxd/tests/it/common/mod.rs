@@ -6,7 +6,7 @@
 //! lists what is left of the node's sandboxes on the host; dropping a node stops it and removes
 //! everything it may have left, so that a failing test leaves nothing behind.
 //!
-//! A node of the tests is small: no warm pool, a 2 GiB disk, no network (`--egress-default
+//! A node of the tests is small: no warm pool, a 512 MiB disk, no network (`--egress-default
 //! none`); a test that needs more asks for it with its arguments (`TestNode::start_with`).
 //!
 //! `node` is the node's lifecycle, `http` the requests and answers, `host` what is left on the

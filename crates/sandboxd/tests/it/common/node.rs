@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use super::host::{node_cgroup_dirs, own_net_range, send_signal, HostLock};
 
+/// The size of a test node's disk image (512 MiB), unless a test gives its own.
+const TEST_DISK_IMAGE_BYTES: &str = "536870912";
+
 static NEXT_NODE: AtomicUsize = AtomicUsize::new(0);
 static BUILD_LOCK: Mutex<()> = Mutex::new(());
 
@@ -223,16 +226,18 @@ impl TestNode {
             // No warm pool: a node's two warm sandboxes cost every test their making and their
             // ending (the tests of the pool, and of what runs on warm sandboxes, ask for one).
             // A small disk of its own (its blocks are reserved on the host: a node's default, 90%
-            // of what the host has free, would leave none for the next node), sandboxes' disks
-            // and volumes that fit in it, promised four times over (tests do not fill it;
-            // disk.rs and the attacks that do give their own).
+            // of what the host has free, would leave none for the next node; four tests at once,
+            // a fleet's of four nodes each, must fit beside the build on a CI machine with little
+            // room), sandboxes' disks and volumes that fit in it, promised 64 times over (tests do
+            // not fill it, and some run a hundred sandboxes at once; disk.rs and the attacks that
+            // fill it give their own).
             .args(
                 [
                     ["--warm-pool", "0"],
-                    ["--disk-image-bytes", "2147483648"],
+                    ["--disk-image-bytes", TEST_DISK_IMAGE_BYTES],
                     ["--disk-bytes", "268435456"],
                     ["--volume-bytes", "268435456"],
-                    ["--disk-overcommit", "4"],
+                    ["--disk-overcommit", "64"],
                 ]
                 .into_iter()
                 .filter(|[flag, _]| !self.args.iter().any(|a| a == flag))
