@@ -289,7 +289,14 @@ fn a_node_that_made_sandboxes_releases_its_disk_at_stop() {
 fn stop_and_assert_disk_released(node: &mut TestNode) {
     let status = node.stop().expect("the node was running");
     assert!(status.success(), "the node exited with {status}");
-    let left = disk_traces(node);
+    // The node's unmounts are lazy: the kernel drops the filesystem, then detaches the loop
+    // device (autoclear), once the last use of it is gone, a moment after the exit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut left = disk_traces(node);
+    while !left.is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        left = disk_traces(node);
+    }
     assert!(
         left.is_empty(),
         "left after the node stopped:\n  {}\n{}",

@@ -598,7 +598,12 @@ fn a_terminal_ends_with_sandbox_moved() {
     // fenced, and the sandbox runs on here.
     if status != 200 {
         assert_eq!(status, 500, "{body}");
-        assert!(body.contains("could not be put to sleep"), "{body}");
+        // (Or, under load, its processes were not all frozen in time for the checkpoint.)
+        assert!(
+            body.contains("could not be put to sleep")
+                || body.contains("could not be readied for a checkpoint"),
+            "{body}"
+        );
         let r = node.get(&format!("/v1/sandboxes/{id}"), &[]);
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.json()["status"], "running");
