@@ -168,6 +168,13 @@ pub fn margin(lease: Duration) -> Duration {
     (lease / 5).max(Duration::from_secs(1)).min(lease / 2)
 }
 
+/// How often the active copy renews: every third of the lease, and so that a renewal has as
+/// long to be answered as the one before it took to come due (half of what the margin leaves;
+/// a short lease's margin is half of it).
+pub fn renew_every(lease: Duration) -> Duration {
+    (lease / 3).min((lease - margin(lease)) / 2)
+}
+
 fn lease_ms(lease: Duration) -> i64 {
     i64::try_from(lease.as_millis()).unwrap_or(i64::MAX)
 }
@@ -241,10 +248,10 @@ pub async fn run(ctl: Arc<Ctl>, cfg: LeaseConfig, duties: Duties, mut first: Opt
     }
 }
 
-/// Holds the lease of `term` (taken by a call sent at `sent`): renews it every third of it,
-/// until it is lost. Says why it was.
+/// Holds the lease of `term` (taken by a call sent at `sent`): renews it every third of it
+/// (less for a short lease: [`renew_every`]), until it is lost. Says why it was.
 async fn hold(ctl: &Ctl, cfg: &LeaseConfig, term: i64, mut sent: Instant) -> &'static str {
-    let tick = cfg.lease / 3;
+    let tick = renew_every(cfg.lease);
     let margin = margin(cfg.lease);
     let mut next = sent + tick;
     loop {
@@ -397,6 +404,15 @@ mod tests {
         assert_eq!(margin(Duration::from_secs(2)), Duration::from_secs(1));
         assert_eq!(margin(Duration::from_secs(4)), Duration::from_secs(1));
         assert_eq!(margin(Duration::from_secs(1)), Duration::from_millis(500));
+        assert_eq!(
+            renew_every(Duration::from_secs(2)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(renew_every(Duration::from_secs(3)), Duration::from_secs(1));
+        assert_eq!(
+            renew_every(Duration::from_secs(30)),
+            Duration::from_secs(10)
+        );
     }
 
     /// GET `url`: its status, `Retry-After` and JSON body.

@@ -1,5 +1,5 @@
 //! The control plane's own failover (issue #29): two control planes on one PostgreSQL database
-//! (`--name`, `--control-lease-seconds 2`) and two nodes given both (`--control URL,URL`).
+//! (`--name`, `--control-lease-seconds 3`) and two nodes given both (`--control URL,URL`).
 //!
 //! - the standby answers 503 `standby` naming the active copy `{name, url, term}` (Retry-After:
 //!   1), its `/healthz` 200 with `role: standby`;
@@ -25,7 +25,7 @@ use crate::http::{Http, Reply};
 const LEASE: f64 = 2.0;
 
 fn control_plane(db: &PgDatabase, store: &FleetStore, name: &str) -> ControlPlane {
-    let extra: Vec<String> = ["--name", name, "--control-lease-seconds", "2"]
+    let extra: Vec<String> = ["--name", name, "--control-lease-seconds", "3"]
         .iter()
         .map(|s| s.to_string())
         .collect();

@@ -538,7 +538,7 @@ fn the_functions_follow_the_active_control_plane() {
             "--name",
             name,
             "--control-lease-seconds",
-            "2",
+            "3",
         ]
         .iter()
         .map(|s| s.to_string())

@@ -55,7 +55,7 @@ impl Fleet {
         let store = FleetStore::dir();
         let db_url = db.as_ref().map(|d| d.url.clone());
         let copy = |name: &str| {
-            let args: Vec<String> = ["--name", name, "--control-lease-seconds", "2"]
+            let args: Vec<String> = ["--name", name, "--control-lease-seconds", "3"]
                 .iter()
                 .map(|s| s.to_string())
                 .collect();
