@@ -1,6 +1,7 @@
 //! The node's images. For now one: the base image, a Debian (or Ubuntu, as the host is) root
-//! with python3 and nodejs, made by debootstrap from the machine's configured apt sources and
-//! kept under the images directory:
+//! with python3 (also as `python`), nodejs, and E2B's user `user`, who may sudo without a
+//! password, made by debootstrap from the machine's configured apt sources and kept under the
+//! images directory:
 //!
 //! ```text
 //! <images>/base/image.json   what the image is: env, user, workdir, the uid base it is stored at
@@ -215,26 +216,37 @@ pub(crate) const BASE_PACKAGES: &[&str] = &[
     "git",
     "python3-pip",
     "python3-venv",
+    "sudo",
+    "python-is-python3",
 ];
 
 /// The account the base image has beside root, as E2B's templates do (E2B's SDKs run
 /// commands as `user`, in `/home/user`, by default): uid and gid 1000, a login shell of bash.
+/// It may `sudo` without a password, as in E2B's base template ([`BASE_SUDOERS`]).
 pub(crate) const BASE_USER: (&str, u32) = ("user", 1000);
 
-/// The `source` an image.json of the base image has when it holds [`BASE_PACKAGES`] and
-/// [`BASE_USER`].
-/// (The user comes first: a node of before it, which checks the end, takes the image too.)
+/// `/etc/sudoers.d/<BASE_USER>` of the base image (mode 0440, root's).
+pub(crate) const BASE_SUDOERS: &str = "user ALL=(ALL:ALL) NOPASSWD: ALL\n";
+
+/// The version of what the base image is made of beyond its package list: the user, its
+/// sudoers file. Raise it with any change to [`add_base_user`] or [`BASE_SUDOERS`]: a base
+/// image of another version is built again at the next start.
+pub(crate) const BASE_RECIPE: u32 = 2;
+
+/// The `source` an image.json of the base image has when it holds [`BASE_PACKAGES`],
+/// [`BASE_USER`] and the rest of recipe [`BASE_RECIPE`].
 pub(crate) fn base_source(suite: &str) -> String {
     format!(
-        "user {}; debootstrap {suite} minbase + {}",
+        "recipe {BASE_RECIPE}; user {} (sudo); debootstrap {suite} minbase + {}",
         BASE_USER.0,
         BASE_PACKAGES.join(" ")
     )
 }
 
-/// Whether a base image's `source` says it holds [`BASE_PACKAGES`] and [`BASE_USER`].
+/// Whether a base image's `source` says it is of recipe [`BASE_RECIPE`] and holds
+/// [`BASE_PACKAGES`] (recipe 1, `user user; debootstrap …`, is not: it has no sudo).
 fn base_is_current(source: &str) -> bool {
-    source.starts_with(&format!("user {}; ", BASE_USER.0))
+    source.starts_with(&format!("recipe {BASE_RECIPE}; user {} ", BASE_USER.0))
         && source.ends_with(&format!("minbase + {}", BASE_PACKAGES.join(" ")))
 }
 
@@ -277,7 +289,16 @@ fn add_base_user(rootfs: &Path) -> std::io::Result<()> {
         }
     }
     std::os::unix::fs::chown(&home, Some(id), Some(id))?;
-    fs::set_permissions(&home, std::os::unix::fs::PermissionsExt::from_mode(0o750))
+    fs::set_permissions(&home, std::os::unix::fs::PermissionsExt::from_mode(0o750))?;
+    // The sudo package made /etc/sudoers.d (and the `@includedir` line that reads it); the
+    // file is root's (shifted with the rest), 0440 as sudo wants it.
+    let sudoers = rootfs.join("etc/sudoers.d").join(name);
+    fs::write(&sudoers, BASE_SUDOERS)?;
+    std::os::unix::fs::chown(&sudoers, Some(0), Some(0))?;
+    fs::set_permissions(
+        &sudoers,
+        std::os::unix::fs::PermissionsExt::from_mode(0o440),
+    )
 }
 
 #[derive(Clone)]
@@ -836,6 +857,62 @@ mod tests {
         let without_user = format!("debootstrap bookworm minbase + {}", BASE_PACKAGES.join(" "));
         assert!(!base_is_current(&without_user));
         assert!(!base_is_current("fake"));
+        // Recipe 1: the user, no sudo, no `python`.
+        assert!(!base_is_current(
+            "user user; debootstrap bookworm minbase + python3 nodejs procps ca-certificates curl git python3-pip python3-venv"
+        ));
+        // Recipe 1's shape with today's package list is not current either.
+        let recipe1 = format!(
+            "user user; debootstrap bookworm minbase + {}",
+            BASE_PACKAGES.join(" ")
+        );
+        assert!(!base_is_current(&recipe1));
+        let older_recipe = base_source("bookworm").replacen(
+            &format!("recipe {BASE_RECIPE};"),
+            &format!("recipe {};", BASE_RECIPE - 1),
+            1,
+        );
+        assert!(!base_is_current(&older_recipe));
+        assert!(BASE_PACKAGES.contains(&"sudo") && BASE_PACKAGES.contains(&"python-is-python3"));
+    }
+
+    #[test]
+    fn the_base_user_is_added_with_its_home_and_sudoers_file() {
+        use std::os::unix::fs::MetadataExt;
+        let root = std::env::temp_dir().join(format!("sbx-img-user-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        fs::create_dir_all(root.join("etc/sudoers.d")).unwrap();
+        fs::create_dir_all(root.join("etc/skel")).unwrap();
+        fs::write(root.join("etc/skel/.bashrc"), "# rc\n").unwrap();
+        fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/bash").unwrap();
+        fs::write(root.join("etc/group"), "root:x:0:\n").unwrap();
+        fs::write(root.join("etc/shadow"), "root:*:19000:0:99999:7:::\n").unwrap();
+        add_base_user(&root).unwrap();
+        // Twice: the lines are not doubled.
+        add_base_user(&root).unwrap();
+        let passwd = fs::read_to_string(root.join("etc/passwd")).unwrap();
+        assert_eq!(
+            passwd,
+            "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n"
+        );
+        let group = fs::read_to_string(root.join("etc/group")).unwrap();
+        assert_eq!(group.matches("user:x:1000:").count(), 1);
+        let sudoers = root.join("etc/sudoers.d/user");
+        assert_eq!(fs::read_to_string(&sudoers).unwrap(), BASE_SUDOERS);
+        assert!(BASE_SUDOERS.starts_with(&format!("{} ", BASE_USER.0)));
+        let m = fs::metadata(&sudoers).unwrap();
+        assert_eq!((m.mode() & 0o7777, m.uid(), m.gid()), (0o440, 0, 0));
+        let home = fs::metadata(root.join("home/user")).unwrap();
+        assert_eq!((home.mode() & 0o777, home.uid()), (0o750, 1000));
+        assert_eq!(
+            fs::metadata(root.join("home/user/.bashrc")).unwrap().uid(),
+            1000
+        );
+        // Without sudo installed (no /etc/sudoers.d), the build stops rather than leave a
+        // base image whose user cannot sudo.
+        fs::remove_dir_all(root.join("etc/sudoers.d")).unwrap();
+        assert!(add_base_user(&root).is_err());
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

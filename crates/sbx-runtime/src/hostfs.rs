@@ -119,8 +119,8 @@ pub fn make_private_dir(dir: &Path) -> Result<bool, HostFsError> {
 
 /// `dir` bound onto itself with `nosuid,nodev` while this value lives: nothing under it
 /// (sandboxes' upper directories, where a sandbox's root writes what it likes) runs setuid or
-/// opens as a device from the host. Inside a sandbox the overlay's own mount decides that (and
-/// no_new_privs already keeps setuid from raising anything there). Dropping it detaches the
+/// opens as a device from the host. Inside a sandbox the overlay's own mount decides that
+/// (setuid there raises a process to the sandbox's root only). Dropping it detaches the
 /// bind mount it made; sandboxes made meanwhile keep their overlays (their mounts live in their
 /// own namespaces).
 #[derive(Debug)]

@@ -13,10 +13,10 @@
 //! Stage 1 mounts /sys (it shows the mounter's network namespace) and unshares the PID
 //! namespace; its child, stage 2, is PID 1: it calls setsid(), mounts /proc, pivots into the
 //! root, binds the agent's listening socket (the abstract [`AGENT_SOCKET`] in the sandbox's
-//! network namespace), bounds its capabilities, sets no_new_privs, installs the seccomp
-//! filter, and execs the agent from [`AGENT_PATH`] with every descriptor but that socket
-//! closed. The agent makes itself not dumpable at once ([`agent_listener`]). Stage 0 prints the
-//! agent's host pid and exits.
+//! network namespace), bounds its capabilities, installs the seccomp filter (without
+//! no_new_privs: setuid files of the image work inside the sandbox), and execs the agent from
+//! [`AGENT_PATH`] with every descriptor but that socket closed. The agent makes itself not
+//! dumpable at once ([`agent_listener`]). Stage 0 prints the agent's host pid and exits.
 //!
 //! Every mount is made in the sandbox's own mount namespace: when its last process is gone, so
 //! are its mounts. Nothing is mounted in the host's namespace.
@@ -761,8 +761,8 @@ fn stage1(
 }
 
 /// Stage 2, PID 1 of the sandbox: a session of its own, /proc, the pivot into the root, the
-/// agent's listening socket, the capability bounding set, no_new_privs, the seccomp filter,
-/// then the exec of the agent. Returns only an error.
+/// agent's listening socket, the capability bounding set, the seccomp filter, then the exec of
+/// the agent. Returns only an error.
 // `in_process` never returns (its type is uninhabited): what follows its call is unreachable.
 #[allow(unreachable_code)]
 fn stage2(
@@ -815,18 +815,16 @@ fn stage2(
     }
     caps::clear(None, caps::CapSet::Inheritable)
         .map_err(|e| InitError::Other(format!("inheritable caps: {e}")))?;
+    // The filter goes in while CAP_SYS_ADMIN (of the sandbox's user namespace) is still
+    // effective, which the kernel takes instead of no_new_privs: no_new_privs is not set, so
+    // that a setuid file of the image (sudo, su, ping) raises a process of the sandbox to the
+    // sandbox's root, as in Docker's default; never past the bounding set above, and only in
+    // the sandbox's user namespace.
+    crate::seccomp::install().map_err(|e| InitError::Other(e.to_string()))?;
     caps::set(None, caps::CapSet::Effective, &keep)
         .map_err(|e| InitError::Other(format!("effective caps: {e}")))?;
     caps::set(None, caps::CapSet::Permitted, &keep)
         .map_err(|e| InitError::Other(format!("permitted caps: {e}")))?;
-    // SAFETY: PR_SET_NO_NEW_PRIVS takes integer arguments and touches no memory.
-    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(InitError::Io {
-            what: "no_new_privs".into(),
-            source: std::io::Error::last_os_error(),
-        });
-    }
-    crate::seccomp::install().map_err(|e| InitError::Other(e.to_string()))?;
 
     let devnull = fs::OpenOptions::new()
         .read(true)

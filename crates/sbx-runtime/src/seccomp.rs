@@ -554,10 +554,33 @@ pub fn programs() -> Result<&'static [BpfProgram], SeccompError> {
 }
 
 /// Installs the filters on this thread (inherited by everything it starts). Needs
-/// no_new_privs or CAP_SYS_ADMIN.
+/// no_new_privs or CAP_SYS_ADMIN in the thread's user namespace; sets no_new_privs itself
+/// never (seccompiler's `apply_filter` would), so that a sandbox's setuid files still work.
 pub fn install() -> Result<(), SeccompError> {
     for p in programs()? {
-        seccompiler::apply_filter(p).map_err(|e| SeccompError::Install(e.to_string()))?;
+        let len = u16::try_from(p.len())
+            .map_err(|_| SeccompError::Install(format!("a program of {} steps", p.len())))?;
+        let prog = libc::sock_fprog {
+            len,
+            // seccompiler's `sock_filter` is `#[repr(C)]` with the kernel's fields (code, jt,
+            // jf, k): the same layout as libc's. The kernel only reads it (copy_from_user).
+            filter: p.as_ptr().cast::<libc::sock_filter>().cast_mut(),
+        };
+        // SAFETY: seccomp(SECCOMP_SET_MODE_FILTER, 0, &prog): `prog` points at `p`'s steps,
+        // which live (in the static PROGRAMS) past the call; the kernel copies them.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_seccomp,
+                libc::SECCOMP_SET_MODE_FILTER,
+                0 as libc::c_ulong,
+                &prog as *const libc::sock_fprog,
+            )
+        };
+        if rc != 0 {
+            return Err(SeccompError::Install(
+                std::io::Error::last_os_error().to_string(),
+            ));
+        }
     }
     Ok(())
 }

@@ -712,3 +712,90 @@ fn an_image_without_a_start_command_fails_start_true_as_invalid_image() {
     node.delete_sandbox(&id);
     node.assert_clean(Duration::from_secs(10));
 }
+
+// ---------------------------------------------------------------------------------------------
+// The base image: what E2B's base template gives code (issue #30): `sudo` for `user`, without
+// a password, and `python` as python3.
+
+/// Runs `command` (sh) in `sandbox` as `user` and waits: the final exec object.
+fn run_as(node: &TestNode, sandbox: &str, user: &str, command: &str) -> Value {
+    let v = node.exec(
+        sandbox,
+        &json!({ "command": command, "user": user, "wait_seconds": 30 }),
+    );
+    let id = v["id"].as_str().expect("exec id").to_string();
+    node.exec_wait(sandbox, &id, Duration::from_secs(60))
+}
+
+#[test]
+fn the_base_image_s_user_may_sudo_and_python_is_python3() {
+    let node = TestNode::start();
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().expect("id").to_string();
+    // sudo is setuid root of the image: it raises `user` to the sandbox's root (uid 0 of the
+    // sandbox's user namespace), with no password (the image's /etc/sudoers.d/user), and no
+    // further: the capabilities are the sandbox root's bounded set and the seccomp filter stays.
+    let v = run_as(
+        &node,
+        &id,
+        "user",
+        "id -u; sudo -n id -u; sudo -n true && echo sudo-ok; python --version; \
+         sudo -n grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status",
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let out = v["stdout"].as_str().unwrap_or_default().to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 7, "{v}");
+    assert_eq!(&lines[..3], ["1000", "0", "sudo-ok"], "{v}");
+    assert!(lines[3].starts_with("Python 3."), "{v}");
+    assert_eq!(
+        &lines[4..],
+        ["CapEff:\t00000000a80425fb", "NoNewPrivs:\t0", "Seccomp:\t2"],
+        "{v}"
+    );
+    assert_eq!(v["stderr"].as_str().unwrap_or_default(), "", "{v}");
+    // What sudo made as root is root's; the sudoers file is not the user's to read.
+    let v = run_as(
+        &node,
+        &id,
+        "user",
+        "sudo -n touch /etc/made-by-sudo && stat -c '%u %a' /etc/made-by-sudo /etc/sudoers.d/user; \
+         cat /etc/sudoers.d/user",
+    );
+    assert_ne!(v["exit_code"], 0, "{v}");
+    assert_eq!(v["stdout"], "0 644\n0 440\n", "{v}");
+    assert!(
+        v["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Permission denied"),
+        "{v}"
+    );
+    // Only `user` is in sudoers: another account is asked for a password, which -n refuses.
+    let v = run_as(&node, &id, "nobody", "sudo -n id -u");
+    assert_eq!(v["exit_code"], 1, "{v}");
+    assert_eq!(v["stdout"], "", "{v}");
+    assert!(
+        v["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("a password is required"),
+        "{v}"
+    );
+    // A sandbox put to sleep (CRIU) and woken keeps it: the filter restored, sudo still works.
+    let c = node.client();
+    let v = c.sleep_sandbox(&id).expect("sleep");
+    assert_eq!(v.status, sbx_api::SandboxStatus::Sleeping, "{v:?}");
+    let v = c.wake_sandbox(&id).expect("wake");
+    assert_eq!(v.status, sbx_api::SandboxStatus::Running, "{v:?}");
+    let v = run_as(
+        &node,
+        &id,
+        "user",
+        "sudo -n id -u; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status",
+    );
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(v["stdout"], "0\nNoNewPrivs:\t0\nSeccomp:\t2\n", "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(Duration::from_secs(10));
+}

@@ -203,7 +203,7 @@ fn what_programs_need_still_works_under_the_filter() {
     assert_eq!(
         lines,
         [
-            "seccomp 2 2 1",
+            "seccomp 2 2 0",
             "fork 7",
             "exec hi",
             "thread",
