@@ -12,6 +12,9 @@ use crate::RuntimeError;
 
 /// How long a teardown keeps killing what is in a sandbox's cgroup before it reports it busy.
 const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
+/// How long a teardown waits for a killed sandbox's PID 1 to exit before it kills through
+/// the sandbox's cgroup (a sandbox ends in well under a millisecond when nothing starves it).
+const EXIT_WAIT: Duration = Duration::from_millis(200);
 
 /// What a sandbox is made of.
 #[derive(Debug, Clone)]
@@ -25,6 +28,11 @@ pub struct SandboxSpec {
     pub hostname: String,
     pub limits: Limits,
     pub tmp_memory: bool,
+    /// Its upper layer is thrown away with it and never mounted again (a run's sandbox, which
+    /// is never kept, slept or moved): the overlay is mounted `volatile`, so that no sync of
+    /// the sandbox reaches the disk, nor does the unmount at its end (which otherwise syncs the
+    /// node's whole disk, a btrfs transaction, for each sandbox: issue #31).
+    pub scratch: bool,
     pub image_env: Vec<(String, String)>,
     pub image_user: Option<String>,
     pub image_workdir: Option<String>,
@@ -330,6 +338,7 @@ impl NamespaceDriver {
             uid_count: self.uid_count,
             cgroup_procs: group.procs_files(),
             tmp_memory_bytes: spec.tmp_memory.then_some(spec.limits.memory_bytes / 2),
+            volatile_upper: spec.scratch,
             image_env: spec.image_env.clone(),
             image_user: spec.image_user.clone(),
             image_workdir: spec.image_workdir.clone(),
@@ -677,6 +686,15 @@ impl Driver for NamespaceDriver {
             // Killing PID 1 of the sandbox's PID namespace ends every process in it, and no
             // process can be made in it from then on.
             let _ = p.signal(libc::SIGKILL);
+            // PID 1 exits only once the kernel has killed and released every other process
+            // of its namespace: waiting for it (a poll, no CPU) lets the group's kill below
+            // find the group empty, instead of freezing and polling a group of exiting
+            // processes (CPU that grew with the machine's load, issue #31). A frozen
+            // sandbox does not take the signal, and a starved one may take long: the group's
+            // kill (which thaws and lifts the CPU quota) takes over after `EXIT_WAIT`.
+            if !sandbox.group.is_paused() {
+                p.wait_exit(EXIT_WAIT);
+            }
         }
         // Whatever is in the group is killed through it too: an agent that is frozen, or
         // starved by a fork bomb under the group's CPU quota, would take minutes to go.
@@ -827,6 +845,7 @@ mod bench {
                     pids: 256,
                 },
                 tmp_memory: false,
+                scratch: false,
                 image_env: Vec::new(),
                 image_user: None,
                 image_workdir: None,
@@ -851,5 +870,147 @@ mod bench {
             create.iter().sum::<Duration>() / n as u32,
             create[n - 1]
         );
+    }
+
+    /// CPU time (user + system) of this process and of its reaped children, in µs.
+    fn cpu_us() -> u64 {
+        use nix::sys::resource::{getrusage, UsageWho};
+        let us = |t: nix::sys::time::TimeVal| t.tv_sec() as u64 * 1_000_000 + t.tv_usec() as u64;
+        [UsageWho::RUSAGE_SELF, UsageWho::RUSAGE_CHILDREN]
+            .into_iter()
+            .filter_map(|w| getrusage(w).ok())
+            .map(|r| us(r.user_time()) + us(r.system_time()))
+            .sum()
+    }
+
+    /// The CPU cost of each step of a sandbox made and unmade by the driver (issue #31),
+    /// one at a time: `cargo test --release -p sbx-runtime step_costs -- --ignored
+    /// --nocapture`. The sandbox's own processes are reaped at its destroy: their CPU (the
+    /// agent's start inside) is counted there.
+    #[test]
+    #[ignore]
+    fn step_costs() {
+        let exe = std::env::current_exe().expect("exe");
+        let Some(agent) = exe
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("sbx-agent"))
+        else {
+            return;
+        };
+        let rootfs = PathBuf::from("/var/lib/sbx/images/base/rootfs");
+        if !agent.is_file() || !rootfs.is_dir() || !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root, the agent and the base image");
+            return;
+        }
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("sbx-steps-{pid}"));
+        let driver = NamespaceDriver::with_cgroup_name(
+            agent,
+            &format!("sbx-steps-{pid}"),
+            &dir.display().to_string(),
+            100_000,
+            65_536,
+        )
+        .expect("driver");
+        let n = 40u64;
+        let steps = [
+            "cgroup made",
+            "init + agent started",
+            "destroy",
+            "directory removed",
+            "destroy, group killed first",
+        ];
+        let mut cpu = [0u64; 5];
+        let mut wall = [Duration::ZERO; 5];
+        for i in 0..n {
+            let id = format!("step{i}");
+            let spec = SandboxSpec {
+                id: id.clone(),
+                lowers: vec![rootfs.clone()],
+                dir: dir.join(&id),
+                hostname: id.clone(),
+                limits: Limits {
+                    memory_bytes: 256 << 20,
+                    vcpus: 1,
+                    pids: 256,
+                },
+                tmp_memory: false,
+                scratch: false,
+                image_env: Vec::new(),
+                image_user: None,
+                image_workdir: None,
+                netns: None,
+                resolv_conf: None,
+                ca_bundle: None,
+                runtime: Default::default(),
+                volumes: Vec::new(),
+            };
+            let mut step = |k: usize, f: &mut dyn FnMut()| {
+                let (c, t) = (cpu_us(), std::time::Instant::now());
+                f();
+                wall[k] += t.elapsed();
+                cpu[k] += cpu_us() - c;
+            };
+            let mut group = None;
+            step(0, &mut || {
+                group = Some(
+                    driver
+                        .cgroups
+                        .create_group(&id, &spec.limits)
+                        .expect("group"),
+                )
+            });
+            let group = group.expect("group");
+            let mut pid = 0;
+            step(1, &mut || {
+                driver.make_dir(&spec.dir).expect("dir");
+                pid = driver.launch(&spec, &group).expect("launch");
+            });
+            let sb = Sandbox {
+                id: id.clone(),
+                pid,
+                start_time: None,
+                socket: spec.dir.join("agent.sock"),
+                dir: spec.dir.clone(),
+                group,
+                pidfd: PidFd::open(pid).ok(),
+            };
+            // The agent listens: what a run would wait for before its command.
+            for _ in 0..1000 {
+                if std::os::unix::net::UnixStream::connect(&sb.socket).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if i % 2 == 0 {
+                step(2, &mut || driver.destroy(&sb).expect("destroy"));
+            } else {
+                // The order of a teardown before issue #31: the group killed (frozen, listed,
+                // killed, thawed) while the sandbox's processes still exit.
+                step(4, &mut || {
+                    if let Some(p) = &sb.pidfd {
+                        let _ = p.signal(libc::SIGKILL);
+                    }
+                    sb.group.kill_all(TEARDOWN_WAIT).expect("kill");
+                    if let Some(p) = &sb.pidfd {
+                        p.wait_exit(Duration::from_secs(10));
+                    }
+                    sb.group.destroy(TEARDOWN_WAIT).expect("group");
+                });
+            }
+            step(3, &mut || remove_dir(&spec.dir).expect("remove"));
+        }
+        driver.release();
+        let _ = std::fs::remove_dir_all(&dir);
+        for (k, name) in steps.iter().enumerate() {
+            // The destroys alternate: each of the two is half of the rounds.
+            let m = if k == 2 || k == 4 { n / 2 } else { n };
+            eprintln!(
+                "{name:<30} CPU {:>6} µs   wall {:>6} µs",
+                cpu[k] / m,
+                wall[k].as_micros() as u64 / m
+            );
+        }
     }
 }

@@ -48,6 +48,9 @@ pub struct InitConfig {
     pub cgroup_procs: Vec<PathBuf>,
     /// Mount /tmp as a tmpfs of this size.
     pub tmp_memory_bytes: Option<u64>,
+    /// Mount the overlay `volatile` ([`crate::SandboxSpec::scratch`]).
+    #[serde(default)]
+    pub volatile_upper: bool,
     /// The image's environment, user and working directory: the agent's defaults for commands.
     #[serde(default)]
     pub image_env: Vec<(String, String)>,
@@ -534,10 +537,11 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
     let root = cfg.dir.join("rootfs");
     let lowers: Vec<String> = cfg.lowers.iter().map(|p| p.display().to_string()).collect();
     let data = format!(
-        "lowerdir={},upperdir={},workdir={}",
+        "lowerdir={},upperdir={},workdir={}{}",
         lowers.join(":"),
         upper.display(),
-        work.display()
+        work.display(),
+        if cfg.volatile_upper { ",volatile" } else { "" }
     );
     // The kernel takes one page of mount options.
     if data.len() >= 4096 {

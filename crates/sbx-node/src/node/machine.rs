@@ -292,6 +292,8 @@ impl Node {
                     hostname: plan.hostname.clone(),
                     limits: plan.limits,
                     tmp_memory: plan.tmp_memory,
+                    // A run's sandbox ends with its command: nothing of it is kept.
+                    scratch: true,
                     image_env: image.meta.env.clone(),
                     image_user: image.meta.user.clone(),
                     image_workdir: image.meta.workdir.clone(),

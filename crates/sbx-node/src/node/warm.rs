@@ -101,6 +101,8 @@ impl Node {
                     hostname: id.clone(),
                     limits,
                     tmp_memory: false,
+                    // A warm sandbox may become a kept one (`pop_warm`): its disk is synced.
+                    scratch: false,
                     image_env: image.meta.env.clone(),
                     image_user: image.meta.user.clone(),
                     image_workdir: image.meta.workdir.clone(),

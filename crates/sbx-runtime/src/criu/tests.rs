@@ -154,6 +154,7 @@ fn spec(rootfs: &Path, dir: &Path, netns: Option<PathBuf>) -> SandboxSpec {
             pids: 256,
         },
         tmp_memory: false,
+        scratch: false,
         image_env: Vec::new(),
         image_user: None,
         image_workdir: None,

@@ -867,6 +867,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
             pids: 256,
         },
         tmp_memory: false,
+        scratch: false,
         image_env: Vec::new(),
         image_user: None,
         image_workdir: None,

@@ -73,6 +73,7 @@ impl Node {
                 pids: self.cfg.pids_max,
             },
             tmp_memory: m.spec.tmp_memory,
+            scratch: false,
             image_env: image.meta.env.clone(),
             image_user: image.meta.user.clone(),
             image_workdir: image.meta.workdir.clone(),
