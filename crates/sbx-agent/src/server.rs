@@ -157,6 +157,7 @@ async fn connection(agent: Rc<Agent>, stream: tokio::net::UnixStream) {
         sbx_proto::FEATURE_FS.into(),
         sbx_proto::FEATURE_STDIN_NULL.into(),
         sbx_proto::FEATURE_WATCH.into(),
+        sbx_proto::FEATURE_XATTRS.into(),
     ];
     if agent.awake.is_some() {
         features.push(sbx_proto::FEATURE_AWAKE.into());

@@ -15,6 +15,8 @@
 //!
 //! Paths are the sandbox's own: the agent's `/` is the sandbox's root.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// The capability an agent announces in its hello when it serves file operations.
@@ -65,11 +67,18 @@ pub enum FsOp {
         #[serde(default)]
         owner: Option<String>,
         /// Writes into the file itself (truncated first) instead of a temporary file that
-        /// replaces it: a cut-off upload leaves it cut, but watchers of its directory see it
-        /// written, not renamed over (E2B's envd writes so). Only to an agent with
-        /// [`FEATURE_WATCH`] (an older one writes through a temporary file).
+        /// replaces it: watchers of its directory see it written, not renamed over (E2B's envd
+        /// writes so). A new file is written as the bytes come (a cut-off upload leaves it
+        /// cut); one that is there, by an agent with [`FEATURE_XATTRS`], once they are all
+        /// staged beside it (a cut-off upload leaves it as it was; an agent with only
+        /// [`FEATURE_WATCH`] leaves it cut). Only to an agent with [`FEATURE_WATCH`] (an older
+        /// one writes through a temporary file).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         in_place: bool,
+        /// Once the bytes are there, the file's extended attributes under a prefix become
+        /// these. Only to an agent with [`FEATURE_XATTRS`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        xattrs: Option<XattrSet>,
     },
     /// Reads a regular file (symlinks followed): `FsOpened`, data frames, then
     /// [`FsResult::Read`].
@@ -146,6 +155,21 @@ pub enum FsOp {
 /// The capability an agent announces when it serves [`crate::HostMsg::Watch`], `List`'s
 /// `depth`, `Write`'s `in_place` and [`FsOp::Users`].
 pub const FEATURE_WATCH: &str = "watch";
+
+/// The capability an agent announces when its entries carry their `user.` extended attributes
+/// and a symlink's resolved target (`FsEntry::xattrs`, `target_kind`, `resolved`), and it
+/// takes `Write`'s `xattrs`.
+pub const FEATURE_XATTRS: &str = "xattrs";
+
+/// Extended attributes a write leaves on its file: those named under `prefix` become exactly
+/// `values` (names in full, each under `prefix`, which is under `user.`); the others under
+/// it are removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XattrSet {
+    pub prefix: String,
+    #[serde(default)]
+    pub values: BTreeMap<String, String>,
+}
 
 /// A user of the sandbox (a line of its /etc/passwd).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -284,6 +308,16 @@ pub struct FsEntry {
     /// What a symlink points to.
     #[serde(default)]
     pub target: Option<String>,
+    /// A symlink's target, every link on the way followed: its kind and absolute path (none
+    /// when it dangles). From an agent with [`FEATURE_XATTRS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_kind: Option<FsKind>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<String>,
+    /// Its extended attributes of the `user.` namespace whose values are text (names in
+    /// full). From an agent with [`FEATURE_XATTRS`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, String>,
 }
 
 /// One matching line.

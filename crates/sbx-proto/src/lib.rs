@@ -21,7 +21,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 pub mod fs;
 pub use fs::{
     FsEntry, FsErrorCode, FsFailure, FsKind, FsOp, FsResult, GrepMatch, GrepSpec, GroupInfo,
-    SedFile, SedSpec, UserInfo, WatchEvent, WatchKind, FEATURE_FS, FEATURE_WATCH,
+    SedFile, SedSpec, UserInfo, WatchEvent, WatchKind, XattrSet, FEATURE_FS, FEATURE_WATCH,
+    FEATURE_XATTRS,
 };
 
 /// The feature (in the agent's hello) of [`ExecSpec::stdin_null`].
@@ -880,6 +881,7 @@ mod tests {
                 parents: true,
                 owner: None,
                 in_place: false,
+                xattrs: None,
             },
         })
         .unwrap();
@@ -915,6 +917,9 @@ mod tests {
             gid: 0,
             mtime_ns: 1,
             target: None,
+            target_kind: None,
+            resolved: None,
+            xattrs: Default::default(),
         };
         let done = serde_json::to_string(&AgentMsg::FsDone {
             id: "f1".into(),

@@ -32,6 +32,7 @@ pub mod seccomp;
 pub mod sock;
 pub mod tree;
 pub mod volume;
+pub mod xattr;
 
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};

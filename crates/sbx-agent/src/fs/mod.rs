@@ -90,10 +90,18 @@ impl Files {
                 parents,
                 owner,
                 in_place,
+                xattrs,
             } => {
                 let rx = self.upload(id);
                 spawn(ctx, move |c| {
-                    write_file(c, &path, mode, parents, owner.as_deref(), in_place, rx)
+                    let how = transfer::WriteHow {
+                        mode,
+                        parents,
+                        owner: owner.as_deref(),
+                        in_place,
+                        xattrs: xattrs.as_ref(),
+                    };
+                    write_file(c, &path, how, rx)
                 });
             }
             FsOp::TarExtract {

@@ -13,7 +13,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
-use sbx_proto::{AgentMsg, FsErrorCode, FsFailure, FsResult, Stream};
+use sbx_proto::{AgentMsg, FsErrorCode, FsFailure, FsResult, Stream, XattrSet};
 use tokio::sync::mpsc;
 
 use super::path::{aborted, fail, io_of, normalize};
@@ -52,7 +52,7 @@ impl Temp {
         let fd = nix::fcntl::openat(
             &dir,
             name.as_os_str(),
-            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             Mode::from_bits_truncate(0o600),
         )
         .map_err(io_of)?;
@@ -99,17 +99,62 @@ impl Drop for Temp {
     }
 }
 
+/// How an upload is written (`FsOp::Write`'s fields but its path).
+pub(super) struct WriteHow<'a> {
+    pub mode: Option<u32>,
+    pub parents: bool,
+    pub owner: Option<&'a str>,
+    pub in_place: bool,
+    pub xattrs: Option<&'a XattrSet>,
+}
+
+/// Checks the extended attributes a write is to leave: a prefix under `user.`, each name
+/// under it.
+fn check_xattrs(x: Option<&XattrSet>) -> Res<()> {
+    let Some(x) = x else { return Ok(()) };
+    let bad = |m: String| FsFailure::new(FsErrorCode::Invalid, m).param("xattrs");
+    if !x.prefix.starts_with("user.") || x.prefix.contains('\0') {
+        return Err(bad(format!(
+            "{:?}: only attributes of the user. namespace are written",
+            x.prefix
+        )));
+    }
+    for (k, v) in &x.values {
+        if !k.starts_with(&x.prefix) || k.len() == x.prefix.len() || k.contains('\0') {
+            return Err(bad(format!("{k:?} is not a name under {:?}", x.prefix)));
+        }
+        if v.len() > 64 << 10 {
+            return Err(bad(format!("the value of {k} is over 64 KiB")));
+        }
+    }
+    Ok(())
+}
+
+/// The attributes a write leaves, set on the file written.
+fn set_xattrs(x: Option<&XattrSet>, file: &Path, p: &Path) -> Res<()> {
+    match x {
+        Some(x) => sbx_runtime::xattr::replace(file, &x.prefix, &x.values)
+            .map_err(|e| fail(&e, p, "xattrs")),
+        None => Ok(()),
+    }
+}
+
 pub(super) fn write_file(
     c: &Ctx,
     path: &str,
-    mode: Option<u32>,
-    parents: bool,
-    owner: Option<&str>,
-    in_place: bool,
+    how: WriteHow<'_>,
     mut rx: mpsc::Receiver<Chunk>,
 ) -> Res<FsResult> {
+    let WriteHow {
+        mode,
+        parents,
+        owner,
+        in_place,
+        xattrs,
+    } = how;
     let p = normalize(path, "path")?;
     check_mode(mode)?;
+    check_xattrs(xattrs)?;
     let Some(dir) = p.parent() else {
         return Err(FsFailure::new(FsErrorCode::WrongType, "/ is a directory").param("path"));
     };
@@ -154,7 +199,19 @@ pub(super) fn write_file(
         Err(e) => return Err(fail(&e, &p, "path")),
     };
     if in_place {
-        return write_in_place(c, &p, &target, old, mode, owner, ids, rx);
+        let written = write_in_place(c, &p, &target, old, mode, owner, ids, rx)?;
+        set_xattrs(xattrs, &target, &p)?;
+        return Ok(match written {
+            FsResult::Written { bytes, created, .. } if xattrs.is_some() => {
+                let md = fs::metadata(&target).map_err(|e| fail(&e, &p, "path"))?;
+                FsResult::Written {
+                    entry: entry_of(&p, &md),
+                    bytes,
+                    created,
+                }
+            }
+            w => w,
+        });
     }
     let (temp, mut file) = Temp::create(&target).map_err(|e| fail(&e, &p, "path"))?;
     let mut bytes = 0u64;
@@ -186,6 +243,7 @@ pub(super) fn write_file(
     let md = temp
         .commit(file, &target, ids, mode)
         .map_err(|e| fail(&e, &p, "path"))?;
+    set_xattrs(xattrs, &target, &p)?;
     Ok(FsResult::Written {
         entry: entry_of(&p, &md),
         bytes,
@@ -193,8 +251,11 @@ pub(super) fn write_file(
     })
 }
 
-/// An upload written into the file itself, as E2B's envd writes: owned (and, when given,
-/// moded) before the first byte, truncated, then written; a cut-off upload leaves it cut.
+/// An upload written into the file itself, as E2B's envd writes (watchers see the file
+/// written, not renamed over): owned (and, when given, moded) before the first byte,
+/// truncated, then written. A new file is written as the bytes come (a cut-off upload leaves
+/// it cut); one that is there gets them once they are all staged beside it (a cut-off upload
+/// leaves it as it was).
 #[allow(clippy::too_many_arguments)]
 fn write_in_place(
     c: &Ctx,
@@ -211,6 +272,19 @@ fn write_in_place(
         (Some(_), _) | (None, None) => ids,
         (None, Some(m)) => Some((m.uid(), m.gid())),
     };
+    // A file that is there: its bytes staged beside it first, and copied in once all there
+    // (a cut-off upload leaves it as it was).
+    let staged = match &old {
+        Some(_) => {
+            let (temp, mut staged) = stage(target).map_err(|e| fail(&e, p, "path"))?;
+            let n = receive(c, p, &mut staged, &mut rx)?;
+            staged
+                .seek(SeekFrom::Start(0))
+                .map_err(|e| fail(&e, p, "path"))?;
+            Some((temp, staged, n))
+        }
+        None => None,
+    };
     let mut file = fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -226,6 +300,51 @@ fn write_in_place(
         file.set_permissions(Permissions::from_mode(m))
             .map_err(|e| fail(&e, p, "path"))?;
     }
+    let bytes = match staged {
+        Some((temp, mut staged, n)) => {
+            io::copy(&mut staged, &mut file).map_err(|e| fail(&e, p, "path"))?;
+            drop(temp);
+            n
+        }
+        None => receive(c, p, &mut file, &mut rx)?,
+    };
+    let md = file.metadata().map_err(|e| fail(&e, p, "path"))?;
+    Ok(FsResult::Written {
+        entry: entry_of(p, &md),
+        bytes,
+        created: old.is_none(),
+    })
+}
+
+/// A file to stage an upload's bytes in, on the filesystem of `target`: one without a name
+/// (`O_TMPFILE`: watchers of the directory see nothing of it), else a temporary file beside
+/// it (removed when its [`Temp`] is dropped).
+fn stage(target: &Path) -> io::Result<(Option<Temp>, File)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = target.parent().unwrap_or(Path::new("/"));
+    match fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags((OFlag::O_TMPFILE | OFlag::O_CLOEXEC).bits())
+        .open(dir)
+    {
+        Ok(f) => Ok((None, f)),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::EINVAL)
+            ) =>
+        {
+            let (t, f) = Temp::create(target)?;
+            Ok((Some(t), f))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// An upload's bytes into `file`, to their end: how many.
+fn receive(c: &Ctx, p: &Path, file: &mut File, rx: &mut mpsc::Receiver<Chunk>) -> Res<u64> {
     let mut bytes = 0u64;
     loop {
         match rx.blocking_recv() {
@@ -234,7 +353,7 @@ fn write_in_place(
                 bytes += b.len() as u64;
                 c.check()?;
             }
-            Some(Chunk::End) => break,
+            Some(Chunk::End) => return Ok(bytes),
             None => {
                 return Err(aborted(format!(
                     "the upload of {} was cut off after {bytes} bytes",
@@ -243,12 +362,6 @@ fn write_in_place(
             }
         }
     }
-    let md = file.metadata().map_err(|e| fail(&e, p, "path"))?;
-    Ok(FsResult::Written {
-        entry: entry_of(p, &md),
-        bytes,
-        created: old.is_none(),
-    })
 }
 
 pub(super) fn read_file(

@@ -35,9 +35,25 @@ fn kind_of(md: &Metadata) -> FsKind {
     }
 }
 
+/// The extended attributes an entry carries: those of the `user.` namespace.
+const ENTRY_XATTRS: &str = "user.";
+
 pub(super) fn entry_of(path: &Path, md: &Metadata) -> FsEntry {
     let kind = kind_of(md);
+    // What a symlink resolves to (every link followed); nothing when it dangles.
+    let (target_kind, resolved) = if kind == FsKind::Symlink {
+        match (fs::metadata(path), fs::canonicalize(path)) {
+            (Ok(t), Ok(r)) => (Some(kind_of(&t)), Some(r.to_string_lossy().into_owned())),
+            _ => (None, None),
+        }
+    } else {
+        (None, None)
+    };
     FsEntry {
+        target_kind,
+        resolved,
+        // A file whose attributes cannot be read (gone since) is described without them.
+        xattrs: sbx_runtime::xattr::read(path, ENTRY_XATTRS).unwrap_or_default(),
         name: path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())

@@ -103,6 +103,7 @@ pub struct AgentConn {
     fs: bool,
     /// The agent serves watches and the file operations of [`sbx_proto::FEATURE_WATCH`].
     watch: bool,
+    xattrs: bool,
     /// The agent serves `/run/sbx/awake` ([`sbx_proto::FEATURE_AWAKE`]).
     awake: bool,
     /// The agent watches the node's lease ([`sbx_proto::FEATURE_LEASE`]).
@@ -131,6 +132,7 @@ impl AgentConn {
             stdin_null: false,
             fs: false,
             watch: false,
+            xattrs: false,
             awake: false,
             lease: false,
         };
@@ -144,6 +146,7 @@ impl AgentConn {
                 conn.stdin_null = features.iter().any(|f| f == sbx_proto::FEATURE_STDIN_NULL);
                 conn.fs = features.iter().any(|f| f == sbx_proto::FEATURE_FS);
                 conn.watch = features.iter().any(|f| f == sbx_proto::FEATURE_WATCH);
+                conn.xattrs = features.iter().any(|f| f == sbx_proto::FEATURE_XATTRS);
                 conn.awake = features.iter().any(|f| f == sbx_proto::FEATURE_AWAKE);
                 conn.lease = features.iter().any(|f| f == sbx_proto::FEATURE_LEASE);
                 Ok(conn)
@@ -170,6 +173,12 @@ impl AgentConn {
     /// ([`sbx_proto::FEATURE_WATCH`]).
     pub(crate) fn serves_watch(&self) -> bool {
         self.watch
+    }
+
+    /// Whether the agent's entries carry extended attributes and resolved symlinks, and it
+    /// writes attributes ([`sbx_proto::FEATURE_XATTRS`]).
+    pub(crate) fn serves_xattrs(&self) -> bool {
+        self.xattrs
     }
 
     /// The connection's two halves, for a stream that reads and writes at once (an upload).

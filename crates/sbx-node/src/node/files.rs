@@ -46,6 +46,13 @@ pub struct FsEntry {
     pub mtime_ns: i64,
     /// What a symlink points to.
     pub target: Option<String>,
+    /// A symlink's target, every link on the way followed: its kind and absolute path (none
+    /// when it dangles, or from an older agent).
+    pub target_kind: Option<FileKind>,
+    pub resolved: Option<String>,
+    /// Its extended attributes of the `user.` namespace whose values are text (names in
+    /// full; none from an older agent).
+    pub xattrs: std::collections::BTreeMap<String, String>,
 }
 
 impl FsEntry {
@@ -94,6 +101,9 @@ impl From<sbx_proto::FsEntry> for FsEntry {
             gid: e.gid,
             mtime_ns: e.mtime_ns,
             target: e.target,
+            target_kind: e.target_kind.map(kind_of),
+            resolved: e.resolved,
+            xattrs: e.xattrs,
         }
     }
 }
@@ -185,10 +195,24 @@ impl FsRead {
 pub struct FsWrite {
     pub file: WriteRequest,
     /// Writes into the file itself (truncated first) instead of a temporary file that
-    /// replaces it once all the bytes are there: a cut-off upload leaves it cut, but watchers
-    /// of its directory see it written, not renamed over (E2B's envd writes so). An older
-    /// agent writes through a temporary file all the same.
+    /// replaces it once all the bytes are there: watchers of its directory see it written, not
+    /// renamed over (E2B's envd writes so). A new file is written as the bytes come (a cut-off
+    /// upload leaves it cut), one that is there once they are all staged beside it (a cut-off
+    /// upload leaves it as it was). An agent older than the node writes through a temporary
+    /// file all the same.
     pub in_place: bool,
+    /// Once the bytes are there, the file's extended attributes under a prefix (of `user.`)
+    /// become these: `unsupported` from an agent older than the node.
+    pub xattrs: Option<XattrSet>,
+}
+
+/// Extended attributes a write leaves on its file: those named under `prefix` (which is under
+/// `user.`) become exactly `values` (names in full, each under `prefix`); the others under it
+/// are removed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct XattrSet {
+    pub prefix: String,
+    pub values: std::collections::BTreeMap<String, String>,
 }
 
 impl From<WriteRequest> for FsWrite {
@@ -196,6 +220,7 @@ impl From<WriteRequest> for FsWrite {
         FsWrite {
             file,
             in_place: false,
+            xattrs: None,
         }
     }
 }
@@ -704,8 +729,40 @@ impl Node {
             parents: w.file.parents,
             owner: w.file.owner,
             in_place: w.in_place,
+            xattrs: w.xattrs.map(|x| sbx_proto::XattrSet {
+                prefix: x.prefix,
+                values: x.values,
+            }),
         };
         let conn = self.fs_conn(id).await?;
+        // An older agent writes none: none to clear (it never wrote any), none to set.
+        let op = match op {
+            FsOp::Write {
+                xattrs: Some(x), ..
+            } if !conn.serves_xattrs() && !x.values.is_empty() => {
+                return Err(ApiError::new(
+                    ErrorCode::Unsupported,
+                    "the sandbox's agent does not write extended attributes: restart the sandbox to update it",
+                ))
+            }
+            FsOp::Write {
+                path,
+                mode,
+                parents,
+                owner,
+                in_place,
+                xattrs,
+            } => FsOp::Write {
+                path,
+                mode,
+                parents,
+                owner,
+                // An agent with only FEATURE_WATCH would leave a file that is there cut.
+                in_place: in_place && conn.serves_xattrs(),
+                xattrs: xattrs.filter(|_| conn.serves_xattrs()),
+            },
+            other => other,
+        };
         match agent_files::upload(conn, op, bytes).await? {
             FsResult::Written {
                 entry,
@@ -791,6 +848,9 @@ mod tests {
             gid: 1000,
             mtime_ns: 1_700_000_000_123_000_000,
             target: None,
+            target_kind: None,
+            resolved: None,
+            xattrs: Default::default(),
         }
     }
 

@@ -186,6 +186,15 @@ impl Node {
         found
     }
 
+    /// The id of the kept sandbox whose token `signed` says made a signature (E2B's signed
+    /// file URLs): every sandbox's token is tried.
+    pub fn sandbox_of_signature(&self, signed: impl Fn(&SandboxToken) -> bool) -> Option<String> {
+        let all: Vec<Arc<Managed>> = self.managed.locked().values().cloned().collect();
+        all.into_iter()
+            .find(|m| m.spec.token.as_ref().is_some_and(&signed))
+            .map(|m| m.id.clone())
+    }
+
     /// What the preview listener needs to decide about a request to `port` of the sandbox
     /// `id_or_name` names. 404 sandbox_not_found for none.
     pub fn preview_target(&self, id_or_name: &str, port: u16) -> Result<PreviewTarget, ApiError> {
