@@ -1,9 +1,13 @@
 //! E2B's control plane over the node's core: sandboxes made (`POST /v2/sandboxes`, the older
-//! `POST /sandboxes`), connected to, listed (`GET /v2/sandboxes` with its metadata and state
-//! filters and `X-Next-Token` paging, the older `GET /sandboxes`), found, timed (`…/timeout`,
-//! `…/refreshes`), measured (`…/metrics`) and killed, with E2B's field names, statuses and
-//! error body `{code, message}`. What the node does not do (pause, snapshots, forks, volumes,
-//! MCP, IAM, templates built through the API) is refused with a message that says so.
+//! `POST /sandboxes`), connected to, listed (`GET /v2/sandboxes` with its metadata, state,
+//! template and `startedAfter` filters, `order` by start and `X-Next-Token` paging, the older
+//! `GET /sandboxes`), found, timed (`…/timeout`, `…/refreshes`), measured (`…/metrics`),
+//! paused (the node's sleep, held asleep: connect resumes it) and killed, with E2B's field
+//! names, statuses and error body `{code, message}`. Snapshots (`snapshots.rs`), forks
+//! (`fork.rs`), metrics over time (`metrics.rs`) and network updates (`network.rs`) are the
+//! node's snapshots, forks, cgroups and egress rules. What the node does not do (a
+//! filesystem-only pause, volumes, IAM, templates built through the API) is refused with a
+//! message that says so.
 
 // A refusal here is the answer itself (E2B's error body), made once per request: returned
 // as it is rather than boxed.
@@ -17,7 +21,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get, post};
+use axum::routing::{any, get, post, put};
 use axum::{Json, Router};
 use sbx_api::{ApiError, SandboxObject, SandboxStatus};
 use serde::Deserialize;
@@ -40,7 +44,13 @@ const MAX_PAGE: usize = 100;
 
 type St = State<Arc<Node>>;
 
+mod fork;
+mod metrics;
+mod network;
+mod snapshots;
+
 pub fn router(node: Arc<Node>) -> Router {
+    let (metrics_one, metrics_many) = metrics::routes(&node);
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/sandboxes", post(create).get(list_v1))
@@ -50,16 +60,18 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/refreshes", post(refresh))
-        .route("/sandboxes/{id}/metrics", get(metrics))
-        .route("/sandboxes/metrics", get(metrics_many))
+        .route("/sandboxes/{id}/metrics", metrics_one)
+        .route("/sandboxes/metrics", metrics_many)
+        .route("/sandboxes/{id}/network", put(network::update))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
-        .route("/sandboxes/{id}/snapshots", post(not_yet_snapshot))
-        .route("/sandboxes/{id}/fork", post(not_yet_snapshot))
+        .route("/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/snapshots", get(snapshots::list))
+        .route("/sandboxes/{id}/fork", post(fork::fork))
         .route("/sandboxes/{id}/logs", get(not_yet_logs))
         .route("/v2/sandboxes/{id}/logs", get(not_yet_logs))
         .route("/templates", any(not_yet_templates))
-        .route("/templates/{*rest}", any(not_yet_templates))
+        .route("/templates/{*rest}", snapshots::templates_route())
         .route("/v2/templates", any(not_yet_templates))
         .route("/v2/templates/{*rest}", any(not_yet_templates))
         .route("/v3/templates", any(not_yet_templates))
@@ -107,9 +119,16 @@ fn pausing_refused(node: &Node) -> Option<Response> {
 
 /// `POST /sandboxes/{id}/pause`: E2B's pause is the node's sleep, held asleep (a request to
 /// one of its ports does not wake it; connect does). 409 when it is paused already.
-async fn pause(State(node): St, Path(id): Path<String>) -> Response {
+async fn pause(State(node): St, Path(id): Path<String>, body: Bytes) -> Response {
     if let Some(r) = pausing_refused(&node) {
         return r;
+    }
+    let b: PauseBody = match parse_body(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    if b.memory == Some(false) {
+        return not_served_yet("a filesystem-only pause (memory: false)");
     }
     let o = match find(&node, &id) {
         Ok(o) => o,
@@ -122,10 +141,24 @@ async fn pause(State(node): St, Path(id): Path<String>) -> Response {
         );
     }
     match node.sleep_held(&o.id).await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        // A paused sandbox does not time out (E2B's): its end is set again when it resumes.
+        Ok(()) => match clear_end(&node, &o.id) {
+            Ok(()) => StatusCode::NO_CONTENT.into_response(),
+            Err(r) => r,
+        },
         Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => sandbox_not_found(&id),
         Err(e) => api_error(e),
     }
+}
+
+/// `POST /sandboxes/{id}/pause`'s body: `memory` false asks for a filesystem-only pause;
+/// `requireHealthyGuest` is taken and not checked (a sleep checkpoints the guest as it is).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PauseBody {
+    memory: Option<bool>,
+    #[allow(dead_code)]
+    require_healthy_guest: Option<bool>,
 }
 
 /// Wakes a paused (sleeping) sandbox and lifts its hold; true when it was paused.
@@ -135,6 +168,22 @@ async fn resume_if_paused(node: &Arc<Node>, id: &str) -> Result<bool, Response> 
         Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => Err(sandbox_not_found(id)),
         Err(e) => Err(api_error(e)),
     }
+}
+
+/// Takes away sandbox `id`'s end (a paused one does not time out).
+fn clear_end(node: &Arc<Node>, id: &str) -> Result<(), Response> {
+    let patch = sbx_api::SandboxPatch {
+        expires_at: Some(None),
+        ..Default::default()
+    };
+    node.patch_sandbox(id, patch).map(|_| ()).map_err(api_error)
+}
+
+/// A resume from a filesystem-only snapshot (`memory: false`, a cold boot), which the node
+/// does not do: refused rather than resumed with its memory.
+fn memory_refused(b: &TimeoutBody, o: &SandboxObject) -> Option<Response> {
+    (b.memory == Some(false) && o.status == SandboxStatus::Sleeping)
+        .then(|| not_served_yet("resuming with a reboot (memory: false)"))
 }
 
 /// `POST /sandboxes/{id}/resume` (the older call; connect does the same): 201 with the
@@ -150,22 +199,19 @@ async fn resume(State(node): St, Path(id): Path<String>, body: Bytes) -> Respons
     if o.status != SandboxStatus::Sleeping {
         return e2b_error(StatusCode::CONFLICT, format!("sandbox {id} is not paused"));
     }
+    if let Some(r) = memory_refused(&b, &o) {
+        return r;
+    }
     if let Err(r) = resume_if_paused(&node, &o.id).await {
         return r;
     }
-    if let Some(secs) = b.timeout {
-        if let Err(r) = set_end(&node, &o, secs, false) {
-            return r;
-        }
+    if let Err(r) = set_end(&node, &o, b.timeout.unwrap_or(DEFAULT_TIMEOUT_S), false) {
+        return r;
     }
     match find(&node, &id) {
         Ok(o) => (StatusCode::CREATED, Json(sandbox_json(&node, &o))).into_response(),
         Err(r) => r,
     }
-}
-
-async fn not_yet_snapshot() -> Response {
-    not_served_yet("snapshots and forks of a sandbox")
 }
 
 async fn not_yet_logs() -> Response {
@@ -217,6 +263,8 @@ struct NewSandbox {
     network: Option<NetworkConfig>,
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
+    /// Taken, for E2B's SDK starts the MCP gateway itself.
+    #[allow(dead_code)]
     mcp: Option<Value>,
     iam: Option<Value>,
     volume_mounts: Option<Vec<Value>>,
@@ -259,8 +307,10 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
             format!("{k} is not a field this node takes"),
         ));
     }
-    if set(&n.auto_pause_memory) {
-        return refuse("autoPauseMemory");
+    // autoPauseMemory: true (or unset) is the node's sleep, memory kept; false asks for a
+    // filesystem-only pause (a reboot over the same disk), which the node does not do.
+    if n.auto_pause_memory == Some(Value::Bool(false)) {
+        return refuse("autoPauseMemory: false (a filesystem-only pause)");
     }
     // autoPause: at its timeout the sandbox is paused (the node's sleep), not killed; held
     // asleep unless autoResume lets a request to it wake it.
@@ -268,9 +318,8 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
     if (auto_pause || set(&n.auto_resume)) && !can_pause {
         return refuse("autoPause / autoResume (this node has no CRIU to pause a sandbox)");
     }
-    if set(&n.mcp) {
-        return refuse("mcp (an MCP gateway in the sandbox)");
-    }
+    // mcp: E2B's SDK starts the gateway itself (`mcp-gateway` run in the sandbox once it
+    // is made, the sandbox killed when that fails): nothing of it is the node's.
     if set(&n.iam) {
         return refuse("iam");
     }
@@ -316,6 +365,17 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
             body.insert("start_command".into(), json!(interp::start_command()));
             body.insert("ready".into(), json!(interp::ready_check()));
         }
+        // A snapshot of the node (E2B's snapshots are templates): a sandbox that goes on
+        // from it.
+        t if snapshots::is_snapshot_id(t) => {
+            if n.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
+                return refuse(
+                    "envVars for a sandbox made from a snapshot (it goes on with the \
+                     snapshot's processes and their environment)",
+                );
+            }
+            body.insert("snapshot".into(), json!(t));
+        }
         t if t.starts_with("img-") => {
             body.insert("template".into(), json!(t));
         }
@@ -354,26 +414,12 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
     } else {
         body.insert("public_ports_except".into(), json!([ENVD_PORT]));
     }
-    // Egress: allow_internet_access false is default deny; denyOut's 0.0.0.0/0 too; the
-    // rest of allowOut and denyOut are the node's allow and deny (a more specific rule wins,
-    // allow at a tie: E2B's "allow over deny").
-    let mut deny: Vec<String> = net.and_then(|n| n.deny_out.clone()).unwrap_or_default();
-    let allow: Vec<String> = net.and_then(|n| n.allow_out.clone()).unwrap_or_default();
-    let all = deny.iter().any(|d| d == "0.0.0.0/0" || d == "*");
-    deny.retain(|d| d != "0.0.0.0/0" && d != "*");
-    let closed = n.allow_internet_access == Some(false) || all;
-    if closed || !allow.is_empty() || !deny.is_empty() {
-        let mut e = Map::new();
-        e.insert(
-            "default".into(),
-            json!(if closed { "deny" } else { "allow" }),
-        );
-        if !allow.is_empty() {
-            e.insert("allow".into(), json!(allow));
-        }
-        if !deny.is_empty() {
-            e.insert("deny".into(), json!(deny));
-        }
+    // Egress: E2B's rules as the node's (`network.rs`).
+    if let Some(e) = network::egress_keys(
+        n.allow_internet_access,
+        net.and_then(|n| n.allow_out.as_deref()).unwrap_or_default(),
+        net.and_then(|n| n.deny_out.as_deref()).unwrap_or_default(),
+    ) {
         body.insert("egress".into(), Value::Object(e));
     }
     Ok(Value::Object(body))
@@ -447,6 +493,23 @@ fn state_of(o: &SandboxObject) -> Option<&'static str> {
         SandboxStatus::Running | SandboxStatus::Starting => Some("running"),
         SandboxStatus::Sleeping => Some("paused"),
         _ => None,
+    }
+}
+
+/// Why a request for a port of sandbox `id` (envd's or another) cannot reach it: it is not
+/// on this node, not running (killed, ended, failed), or paused without autoResume (held
+/// asleep: connect resumes it). `None`: it runs, or sleeps and a request wakes it.
+pub fn not_reachable(node: &Node, id: &str) -> Option<&'static str> {
+    let Ok(o) = node.sandbox(id) else {
+        return Some("it is not on this node: killed, or past its timeout");
+    };
+    match o.status {
+        SandboxStatus::Running | SandboxStatus::Starting => None,
+        SandboxStatus::Sleeping if node.is_held_asleep(&o.id) => {
+            Some("it is paused: connect resumes it")
+        }
+        SandboxStatus::Sleeping => None,
+        _ => Some("it was killed or reached its timeout"),
     }
 }
 
@@ -593,6 +656,8 @@ struct TimeoutBody {
     timeout: Option<u64>,
     /// `…/refreshes`' name of it.
     duration: Option<u64>,
+    /// Connect's and resume's: false resumes a paused sandbox with a reboot.
+    memory: Option<bool>,
 }
 
 /// Sets the sandbox to end `secs` from now; `only_extend`: never earlier than it would.
@@ -664,15 +729,23 @@ async fn connect(State(node): St, Path(id): Path<String>, body: Bytes) -> Respon
         Ok(x) => x,
         Err(r) => return r,
     };
-    // A paused sandbox is resumed (201), a running one connected to (200).
+    if let Some(r) = memory_refused(&b, &o) {
+        return r;
+    }
+    // A paused sandbox is resumed (201) and times out afresh; a running one is connected to
+    // (200), its end only ever moved later.
     let resumed = match resume_if_paused(&node, &o.id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
-    if let Some(secs) = b.timeout {
-        if let Err(r) = set_end(&node, &o, secs, true) {
-            return r;
-        }
+    let end = if resumed {
+        set_end(&node, &o, b.timeout.unwrap_or(DEFAULT_TIMEOUT_S), false)
+    } else {
+        b.timeout
+            .map_or(Ok(()), |secs| set_end(&node, &o, secs, true))
+    };
+    if let Err(r) = end {
+        return r;
     }
     let o = match find(&node, &id) {
         Ok(o) => o,
@@ -700,12 +773,66 @@ fn metadata_filter(pairs: &[(String, String)]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Every sandbox of the node E2B's API shows (running or paused), through the node's own
+/// list with its metadata filter, page by page.
+fn all_listed(node: &Node, metadata: Vec<(String, String)>) -> Vec<SandboxObject> {
+    let mut out = Vec::new();
+    let mut cursor = None;
+    loop {
+        let q = ListQuery {
+            status: None,
+            metadata: metadata.clone(),
+            limit: MAX_PAGE,
+            cursor: cursor.take(),
+        };
+        let (list, next) = node.list_sandboxes(&q);
+        out.extend(list.into_iter().filter(|o| state_of(o).is_some()));
+        match next {
+            Some(n) => cursor = Some(n),
+            None => return out,
+        }
+    }
+}
+
+/// When a sandbox started (ns since the epoch), E2B's `startedAt`: the order of a list.
+fn started_ns(o: &SandboxObject) -> i128 {
+    o.started_at
+        .as_deref()
+        .and_then(sbx_api::parse_rfc3339)
+        .or_else(|| sbx_api::parse_rfc3339(&o.created_at))
+        .unwrap_or(0)
+}
+
+/// A list page's key of a sandbox (and the `nextToken` of the page that ends with it).
+fn page_key(o: &SandboxObject) -> (i128, String) {
+    (started_ns(o), o.id.clone())
+}
+
+fn token_of_key(k: &(i128, String)) -> String {
+    format!("{}.{}", k.0, k.1)
+}
+
+fn key_of_token(t: &str) -> Option<(i128, String)> {
+    let (ns, id) = t.split_once('.')?;
+    Some((ns.parse().ok()?, id.to_string()))
+}
+
+/// `GET /v2/sandboxes`: filtered by metadata, state, template and `startedAfter`, ordered by
+/// start (`order`: `desc`, the newest first, by default), paged by `limit` and `nextToken`.
 async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
     let pairs = query_pairs(q.as_deref());
+    let one = |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .filter(|v| !v.is_empty())
+    };
     let states: Vec<String> = pairs
         .iter()
         .filter(|(k, _)| k == "state")
         .flat_map(|(_, v)| v.split(',').map(|s| s.trim().to_string()))
+        .filter(|s| !s.is_empty())
         .collect();
     for s in &states {
         if s != "running" && s != "paused" {
@@ -715,9 +842,9 @@ async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
             );
         }
     }
-    let limit = match pairs.iter().find(|(k, _)| k == "limit") {
+    let limit = match one("limit") {
         None => MAX_PAGE,
-        Some((_, v)) => match v.parse::<usize>() {
+        Some(v) => match v.parse::<usize>() {
             Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
             _ => {
                 return e2b_error(
@@ -727,26 +854,69 @@ async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
             }
         },
     };
-
-    let cursor = pairs
-        .iter()
-        .find(|(k, _)| k == "nextToken")
-        .map(|(_, v)| v.clone())
-        .filter(|v| !v.is_empty());
-    let q = ListQuery {
-        status: None,
-        metadata: metadata_filter(&pairs),
-        limit,
-        cursor,
+    let asc = match one("order") {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(o) => {
+            return e2b_error(
+                StatusCode::BAD_REQUEST,
+                format!("order {o:?} is not asc or desc"),
+            )
+        }
     };
-    let (list, next) = node.list_sandboxes(&q);
-    let items: Vec<Value> = list
-        .iter()
+    let after = match one("startedAfter") {
+        None => None,
+        Some(v) => match sbx_api::parse_rfc3339(v) {
+            Some(ns) => Some(ns),
+            None => {
+                return e2b_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("startedAfter {v:?} is not an RFC 3339 time"),
+                )
+            }
+        },
+    };
+    let template = one("template");
+    let cursor = match one("nextToken") {
+        None => None,
+        Some(t) => match key_of_token(t) {
+            Some(k) => Some(k),
+            None => {
+                return e2b_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("nextToken {t:?} is not one this node gave"),
+                )
+            }
+        },
+    };
+    let mut list: Vec<SandboxObject> = all_listed(&node, metadata_filter(&pairs))
+        .into_iter()
         .filter(|o| {
             state_of(o).is_some_and(|st| states.is_empty() || states.iter().any(|s| s == st))
         })
-        .map(|o| listed_json(&node, o, false))
+        .filter(|o| template.is_none_or(|t| template_of(o) == t))
+        .filter(|o| after.is_none_or(|a| started_ns(o) >= a))
+        .filter(|o| {
+            cursor.as_ref().is_none_or(|c| {
+                let k = page_key(o);
+                if asc {
+                    k > *c
+                } else {
+                    k < *c
+                }
+            })
+        })
         .collect();
+    list.sort_by_key(page_key);
+    if !asc {
+        list.reverse();
+    }
+    let more = list.len() > limit;
+    list.truncate(limit);
+    let next = more
+        .then(|| list.last().map(|o| token_of_key(&page_key(o))))
+        .flatten();
+    let items: Vec<Value> = list.iter().map(|o| listed_json(&node, o, false)).collect();
     let mut r = Json(Value::Array(items)).into_response();
     if let Some(Ok(v)) = next.map(|n| HeaderValue::from_str(&n)) {
         r.headers_mut().insert("x-next-token", v);
@@ -756,77 +926,11 @@ async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
 
 async fn list_v1(State(node): St, RawQuery(q): RawQuery) -> Response {
     let pairs = query_pairs(q.as_deref());
-    let mut items = Vec::new();
-    let mut cursor = None;
-    loop {
-        let q = ListQuery {
-            status: None,
-            metadata: metadata_filter(&pairs),
-            limit: MAX_PAGE,
-            cursor: cursor.take(),
-        };
-        let (list, next) = node.list_sandboxes(&q);
-        items.extend(
-            list.iter()
-                .filter(|o| state_of(o).is_some())
-                .map(|o| listed_json(&node, o, false)),
-        );
-        match next {
-            Some(n) => cursor = Some(n),
-            None => break,
-        }
-    }
-    Json(Value::Array(items)).into_response()
-}
-
-/// One sample of a sandbox's use now (E2B's `SandboxMetric`).
-fn metric_of(node: &Node, o: &SandboxObject) -> Value {
-    let now = crate::image::now_ns();
-    let (mem_used, cpu_ns) = node.sandbox_usage(&o.id).unwrap_or((0, 0));
-    let cpus = o.limits.vcpus.max(1);
-    // The share of its CPUs it has used since it started (one sample: no window).
-    let up_ns = o
-        .started_at
-        .as_deref()
-        .and_then(sbx_api::parse_rfc3339)
-        .map(|s| (now - s).max(1))
-        .unwrap_or(1);
-    let pct = (cpu_ns as f64 / (up_ns as f64 * f64::from(cpus)) * 100.0).clamp(0.0, 100.0);
-    json!({
-        "timestamp": sbx_api::format_rfc3339_millis(now),
-        "timestampUnix": (now / 1_000_000_000) as i64,
-        "cpuCount": cpus,
-        "cpuUsedPct": (pct * 100.0).round() / 100.0,
-        "memUsed": mem_used,
-        "memTotal": o.limits.memory_bytes,
-        // Not measured (yet): the page cache apart, and disk (sandboxes have no disk of a
-        // fixed size yet).
-        "memCache": 0,
-        "diskUsed": 0,
-        "diskTotal": 0,
-    })
-}
-
-async fn metrics(State(node): St, Path(id): Path<String>) -> Response {
-    match find(&node, &id) {
-        Ok(o) => Json(json!([metric_of(&node, &o)])).into_response(),
-        Err(r) => r,
-    }
-}
-
-async fn metrics_many(State(node): St, RawQuery(q): RawQuery) -> Response {
-    let pairs = query_pairs(q.as_deref());
-    let mut out = Map::new();
-    for id in pairs
+    let items: Vec<Value> = all_listed(&node, metadata_filter(&pairs))
         .iter()
-        .filter(|(k, _)| k == "sandbox_ids")
-        .flat_map(|(_, v)| v.split(',').map(|s| s.trim().to_string()))
-    {
-        if let Ok(o) = find(&node, &id) {
-            out.insert(id, metric_of(&node, &o));
-        }
-    }
-    Json(json!({ "sandboxes": out })).into_response()
+        .map(|o| listed_json(&node, o, false))
+        .collect();
+    Json(Value::Array(items)).into_response()
 }
 
 #[cfg(test)]
@@ -882,7 +986,6 @@ mod tests {
     fn what_the_node_does_not_do_is_refused_not_ignored() {
         for body in [
             json!({"templateID": "base", "autoPause": true}),
-            json!({"templateID": "base", "mcp": {"x": {}}}),
             json!({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/v"}]}),
             json!({"templateID": "base", "network": {"maskRequestHost": "x"}}),
             json!({"templateID": "base", "brandNew": 1}),
@@ -913,6 +1016,28 @@ mod tests {
         )
         .unwrap();
         assert_eq!(b["on_expiry"], "sleep");
+    }
+
+    #[test]
+    fn auto_pause_memory_false_is_refused_and_true_is_the_node_s_sleep() {
+        let with =
+            |m: Value| new(json!({"templateID": "base", "autoPause": true, "autoPauseMemory": m}));
+        assert!(node_create_body(&with(json!(false)), 0, true).is_err());
+        for m in [json!(true), Value::Null] {
+            let b = node_create_body(&with(m.clone()), 0, true).unwrap();
+            assert_eq!(b["on_expiry"], "hold", "{m}");
+        }
+        // mcp is the SDK's to start: taken.
+        let b = new(json!({"templateID": "base", "mcp": {"x": {}}}));
+        assert!(node_create_body(&b, 0, false).is_ok());
+    }
+
+    #[test]
+    fn a_list_s_token_is_the_key_of_its_page_s_last_sandbox() {
+        let k = (1_700_000_000_123_000_000i128, "sbx-abc".to_string());
+        assert_eq!(key_of_token(&token_of_key(&k)), Some(k));
+        assert_eq!(key_of_token("sbx-abc"), None);
+        assert_eq!(key_of_token("x.sbx-abc"), None);
     }
 
     #[test]

@@ -42,8 +42,10 @@ use crate::node::Node;
 pub const ENVD_PORT: u16 = 49983;
 
 /// The version of envd the node claims (the SDK switches features on it): the features
-/// served here and no more. See `envd/mod.rs`.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// served here and no more. See `envd/mod.rs`. 0.6.2: file metadata (`user.e2b.*` extended
+/// attributes); 0.6.3: watch events with their entry (`includeEntry`); 0.6.4: watches that may
+/// be on network mounts (`allowNetworkMounts`).
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The most connections the listener serves at once.
 const MAX_CONNECTIONS: usize = 1024;
@@ -299,6 +301,20 @@ async fn route(req: Request<Body>, peer: SocketAddr, shared: Arc<Shared>) -> Res
         };
         return sandbox_side(req, peer, &shared, &id, port).await;
     }
+    // A signed URL of envd's `/files` (the SDK's `download_url`/`upload_url` of a secured
+    // sandbox) names no sandbox: the one whose token signed it.
+    if req.uri().path() == "/files" {
+        if let Some(signed) = envd::files::Signed::of(&req) {
+            let signed = match signed {
+                Ok(s) => s,
+                Err(why) => return e2b_error(StatusCode::BAD_REQUEST, why),
+            };
+            return match shared.node.sandbox_of_signature(|t| signed.made_with(t)) {
+                Some(id) => sandbox_side(req, peer, &shared, &id, ENVD_PORT).await,
+                None => e2b_error(StatusCode::UNAUTHORIZED, "invalid signature"),
+            };
+        }
+    }
     if !caller_may(&shared, req.headers(), peer) {
         let msg = if shared.api_keys.is_some() {
             "send one of the node's API keys in X-API-KEY (E2B_API_KEY)"
@@ -346,9 +362,23 @@ async fn sandbox_side(
         browser_simple,
     };
     let req = Request::from_parts(parts, body);
+    // A sandbox that is not running (killed, ended, unknown) or paused without autoResume
+    // answers as E2B's proxy does: 502 "… was not found" (the SDK's `is_running()` false).
+    if let Some(why) = api::not_reachable(&shared.node, id) {
+        return e2b_error(
+            StatusCode::BAD_GATEWAY,
+            format!("The sandbox {id} was not found ({why})"),
+        );
+    }
     // A request for the sandbox thaws it if it is paused, and holds it awake until answered.
-    let held = match shared.node.use_sandbox(id).await {
+    let held = match shared.node.use_sandbox_port(id).await {
         Some(Ok(h)) => Some(h),
+        Some(Err(e)) if e.code == sbx_api::ErrorCode::SandboxPaused => {
+            return e2b_error(
+                StatusCode::BAD_GATEWAY,
+                format!("The sandbox {id} was not found (it is paused: connect resumes it)"),
+            )
+        }
         Some(Err(e)) => return e2b_error(StatusCode::INTERNAL_SERVER_ERROR, e.message),
         None => None,
     };

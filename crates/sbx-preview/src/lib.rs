@@ -314,8 +314,8 @@ async fn handle(req: Request<Body>, peer: SocketAddr, shared: &Shared) -> Respon
         ));
     }
     // A paused sandbox is thawed for the request (a sleeping one woken), and kept awake until
-    // it is answered.
-    let held = match shared.node.use_sandbox(&target.id).await {
+    // it is answered; one held asleep meanwhile is not woken.
+    let held = match shared.node.use_sandbox_port(&target.id).await {
         Some(Ok(h)) => Some(h),
         Some(Err(e)) => return fail(e),
         None => None,

@@ -159,7 +159,7 @@ fn keys_tokens_and_errors_are_e2b_s() {
     let id = sb["sandboxID"].as_str().unwrap().to_string();
     let token = sb["envdAccessToken"].as_str().unwrap().to_string();
     assert!(token.starts_with("sbt_"), "{sb}");
-    assert_eq!(sb["envdVersion"], "0.5.7", "{sb}");
+    assert_eq!(sb["envdVersion"], "0.6.4", "{sb}");
     // Paging: X-Next-Token, then nextToken.
     let (status, body) = call(
         "POST",
@@ -210,7 +210,7 @@ fn keys_tokens_and_errors_are_e2b_s() {
         "POST",
         &format!("{base}/v2/sandboxes"),
         &key,
-        Some(r#"{"templateID":"base","mcp":{"x":{}}}"#),
+        Some(r#"{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}"#),
     );
     assert_eq!(status, 501, "{body}");
     assert!(body.contains("not served"), "{body}");
@@ -793,6 +793,94 @@ fn e2b_start_failures_are_told_by_their_kind() {
         None,
     );
     assert_eq!(status, 204, "{body}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- E2B's snapshots, forks, metrics and network updates (helper E3, issue #30) ----
+
+/// A node with the E2B listener, one key and `args`; its E2B address.
+fn node_with(args: &[&str]) -> (TestNode, String, PathBuf) {
+    let dir = std::env::temp_dir().join(unique("sbx-test-e2b-snap"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, format!("{KEY}\n")).unwrap();
+    let e2b = format!("127.0.0.1:{}", free_port());
+    let mut all = vec!["--api-keys", keys.to_str().unwrap(), "--e2b-listen", &e2b];
+    all.extend_from_slice(args);
+    let mut node = TestNode::start_with(&all);
+    node.auth = Some(format!("Bearer {KEY}"));
+    (node, e2b, dir)
+}
+
+/// Snapshots (named, listed by sandbox and name and paged, made into sandboxes that go on
+/// with the processes, deleted), forks with their own timeout, metrics over a time range:
+/// E2B's SDK on the node's snapshots, forks and cgroups.
+#[test]
+fn e2b_snapshots_forks_and_metrics_are_the_node_s() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "snap_snapshots.py");
+    eprintln!("{out}");
+    // What the script made is gone: its sandboxes and snapshots (a fork's own too).
+    let bearer = format!("Bearer {KEY}");
+    let r = node.get("/v1/snapshots", &[("Authorization", &bearer)]);
+    let (status, body) = (r.status, r.json());
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"].as_array().map(Vec::len), Some(0), "{body}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `update_network` of a running sandbox and the rules of a create, held by the node's
+/// egress rules against the test internet's server (203.0.113.10:8080).
+#[test]
+fn e2b_network_updates_are_the_node_s_egress_rules() {
+    let mut net = crate::network::TestInternet::start();
+    net.spawn(&["python3", "-m", "http.server", "8080", "--bind", "0.0.0.0"]);
+    crate::network::wait_tcp("203.0.113.10:8080");
+    let range = format!("10.251.{}.0/24", std::process::id() % 250);
+    let (node, e2b, dir) = node_with(&["--egress-default", "allow", "--net-range", &range]);
+    let out = run_script(&e2b, "snap_network.py");
+    eprintln!("{out}");
+    node.assert_clean(Duration::from_secs(20));
+    drop(node);
+    drop(net);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// E2B's lists through its SDK: paging of running, paused and mixed sandboxes, `order`,
+/// `started_after`, the template filter, kill.
+#[test]
+fn e2b_lists_page_order_and_filter_running_and_paused_sandboxes() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "lifecycle_list.py");
+    eprintln!("{out}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A sandbox's life through E2B's SDK: pause is the node's sleep held asleep (not running,
+/// `paused`, no timeout while paused), connect resumes it, timeouts end it (`is_running()`
+/// false), a killed sandbox's command, `lifecycle` autoPause, what is refused.
+#[test]
+fn e2b_pause_connect_timeouts_and_kills_are_the_node_s_sleep_and_ends() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "lifecycle_pause.py");
+    eprintln!("{out}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// What an envd of 0.6.4 serves of files, through E2B's SDK: metadata as the files' `user.e2b.*`
+/// extended attributes (written, read by stat, list and rename, cleared by an overwrite, set
+/// out of band), a symlink as envd describes it, watch events with their entry and an
+/// overwrite seen as a write, signed download and upload URLs of a secured sandbox (expired,
+/// for another path or operation, or wrong: 401).
+#[test]
+fn e2b_file_metadata_symlinks_watch_entries_and_signed_urls() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "files_meta.py");
+    eprintln!("{out}");
     node.assert_clean(Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(dir);
 }

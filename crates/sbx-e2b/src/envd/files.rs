@@ -1,10 +1,13 @@
 //! `GET /files` and `POST /files`: a file's bytes down and up, as envd serves them. Paths
 //! are envd's (relative to the user's home: `?username=`, else the request's user, else
 //! envd's default user; a name the sandbox does not know is refused, 401); an upload makes
-//! the missing directories and the file, the user's. A new file is written into itself as
-//! envd does (its directory's watchers see it written), and removed when the upload fails;
-//! an existing one is replaced through a temporary file once all its bytes are there: an
-//! upload that fails leaves the target as it was. Nothing is held whole: the bytes stream
+//! the missing directories and the file, the user's. A file is written into itself as envd
+//! does (its directory's watchers see it written, not renamed over): a new one as the bytes
+//! come (removed when the upload fails), one that is there once all its bytes are staged
+//! beside it (an upload that fails leaves it as it was). Its metadata (`X-Metadata-<key>`
+//! headers) become its `user.e2b.<key>` extended attributes, replacing those it had; reads
+//! answer them as `metadata`. A signed URL (`?signature=`, `signature_expiration`) stands for
+//! the sandbox's token (`signature.rs`). Nothing is held whole: the bytes stream
 //! through the node's upload and download paths (`Node::fs_upload`, `Node::fs_download`), a
 //! multipart body is parsed as it comes, gzip is decoded (at most [`MAX_GUNZIPPED`] bytes)
 //! and encoded chunk by chunk.
@@ -20,10 +23,11 @@ use sbx_api::files::WriteRequest;
 use sbx_api::{ApiError, ErrorCode};
 use serde_json::{json, Value};
 
-use super::filesystem::entry::{resolve, users_for, Users};
+use super::filesystem::entry::{metadata_of, resolve, users_for, Users, METADATA_XATTRS};
 use super::Ctx;
 use crate::e2b_error;
-use crate::node::files::{FsRead, FsWrite};
+use crate::node::files::{FsRead, FsWrite, XattrSet};
+use crate::node::sandbox::SandboxToken;
 
 /// A stream of body bytes whose errors are text.
 type Bytestream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, String>> + Send>>;
@@ -49,6 +53,81 @@ fn query(req: &Request<Body>) -> Vec<(String, String)> {
 
 fn param(q: &[(String, String)], k: &str) -> Option<String> {
     q.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+}
+
+/// A signed URL of `/files` (`?signature=v1_…`, maybe `signature_expiration`): E2B's SDK
+/// signs `{path}:{read|write}:{username}:{token}[:{expiration}]` with the sandbox's token
+/// (sha256, base64 without padding), so that a URL alone reads or writes one file.
+pub struct Signed {
+    message: String,
+    signature: String,
+    /// Unix seconds.
+    expiration: Option<i64>,
+}
+
+impl Signed {
+    /// The signature of a request of `/files` (an error: why it cannot be one, envd answers
+    /// it 400); `None` without one.
+    pub fn of(req: &Request<Body>) -> Option<Result<Signed, &'static str>> {
+        let q = query(req);
+        let signature = param(&q, "signature")?;
+        let op = if req.method() == axum::http::Method::POST {
+            "write"
+        } else {
+            "read"
+        };
+        let path = param(&q, "path").unwrap_or_default();
+        let user = param(&q, "username").unwrap_or_default();
+        let expiration = match param(&q, "signature_expiration").filter(|e| !e.is_empty()) {
+            None => None,
+            Some(e) => match e.parse::<i64>() {
+                Ok(e) => Some(e),
+                Err(_) => return Some(Err("signature_expiration is not a number of seconds")),
+            },
+        };
+        Some(Ok(Signed {
+            message: format!("{path}:{op}:{user}"),
+            signature,
+            expiration,
+        }))
+    }
+
+    /// Whether `token` made this signature (compared in constant time).
+    pub fn made_with(&self, token: &SandboxToken) -> bool {
+        let want = sign(&self.message, token.reveal(), self.expiration);
+        let (a, b) = (want.as_bytes(), self.signature.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    /// A signature made with `token` and not expired, or why not (envd answers it 401).
+    pub fn check(&self, token: Option<&SandboxToken>) -> Result<(), &'static str> {
+        if !token.is_some_and(|t| self.made_with(t)) {
+            return Err("invalid signature");
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        match self.expiration {
+            Some(e) if e < now => Err("signature is already expired"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// E2B's v1 signature of `{path}:{operation}:{user}` (`message`) with `token`.
+fn sign(message: &str, token: &str, expiration: Option<i64>) -> String {
+    use base64::Engine;
+    use sha2::Digest;
+    let mut raw = format!("{message}:{token}");
+    if let Some(e) = expiration {
+        raw.push_str(&format!(":{e}"));
+    }
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }
 
 /// The node's error as envd's: `{code, message}` with the status of its kind.
@@ -272,6 +351,10 @@ pub async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
             )
         }
     };
+    let meta = match metadata(req.headers()) {
+        Ok(m) => m,
+        Err(m) => return e2b_error(StatusCode::BAD_REQUEST, m),
+    };
     let (media, boundary) = media_type(req.headers());
     let query_path = param(&q, "path").filter(|p| !p.is_empty());
     let body = body_stream(req.into_body(), gzip, MAX_GUNZIPPED);
@@ -283,7 +366,7 @@ pub async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
             );
         };
         match resolve(&p, &home) {
-            Ok(path) => write_one(ctx, &path, owner.clone(), body)
+            Ok(path) => write_one(ctx, &path, owner.clone(), &meta, body)
                 .await
                 .map(|e| vec![e]),
             Err(e) => return e2b_error(StatusCode::BAD_REQUEST, e.message),
@@ -295,7 +378,7 @@ pub async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
                 "a multipart body without its boundary",
             );
         };
-        write_parts(ctx, &home, owner, query_path, body, &boundary).await
+        write_parts(ctx, &home, owner, &meta, query_path, body, &boundary).await
     } else {
         return e2b_error(
             StatusCode::BAD_REQUEST,
@@ -308,14 +391,45 @@ pub async fn upload(ctx: &Ctx, req: Request<Body>) -> Response {
     }
 }
 
-/// Writes one file from `bytes`: its entry as envd answers it. A file that is there is
-/// replaced only once all the bytes are (through a temporary file); a new one is written into
-/// itself, as envd writes (watchers of its directory see it written, not renamed over), and
-/// removed when the upload fails.
+/// The prefix of the headers that carry an upload's metadata: `X-Metadata-<key>: <value>`.
+const METADATA_HEADER: &str = "x-metadata-";
+
+/// An upload's metadata (its `X-Metadata-*` headers, keys lowercased) as the extended
+/// attributes its files get: `user.e2b.<key>`. Every upload of envd sets them: a file written
+/// without metadata loses what it had. A key must be a header's name (a token), a value
+/// printable US-ASCII.
+fn metadata(headers: &HeaderMap) -> Result<XattrSet, String> {
+    let mut values = std::collections::BTreeMap::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
+            continue;
+        };
+        if key.is_empty() {
+            return Err("a metadata header without its key (X-Metadata-<key>)".into());
+        }
+        let v = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..=0x7e).contains(&b)))
+            .ok_or_else(|| format!("the value of metadata {key:?} is not printable US-ASCII"))?;
+        values.insert(format!("{METADATA_XATTRS}{key}"), v.to_string());
+    }
+    Ok(XattrSet {
+        prefix: METADATA_XATTRS.to_string(),
+        values,
+    })
+}
+
+/// Writes one file from `bytes`, with the extended attributes of `meta`: its entry as envd
+/// answers it. It is written into itself, as envd writes (watchers of its directory see it
+/// written, not renamed over): a file that is there once all the bytes are (staged beside it:
+/// a failed upload leaves it as it was), a new one as they come (removed when the upload
+/// fails).
 async fn write_one<S>(
     ctx: &Ctx,
     path: &str,
     owner: Option<String>,
+    meta: &XattrSet,
     bytes: S,
 ) -> Result<Value, Response>
 where
@@ -333,7 +447,8 @@ where
             parents: true,
             owner,
         },
-        in_place: is_new,
+        in_place: true,
+        xattrs: Some(meta.clone()),
     };
     let written = ctx.node().fs_write(&ctx.sandbox, w, bytes).await;
     if written.is_err() && is_new {
@@ -347,11 +462,17 @@ where
         }
     }
     match written {
-        Ok(w) => Ok(json!({
-            "name": w.entry.name,
-            "type": "file",
-            "path": path,
-        })),
+        Ok(w) => {
+            let mut v = json!({
+                "name": w.entry.name,
+                "type": "file",
+                "path": path,
+            });
+            if let Some(m) = metadata_of(&w.entry) {
+                v["metadata"] = Value::Object(m);
+            }
+            Ok(v)
+        }
         Err(e) if e.code == ErrorCode::WrongType => Err(e2b_error(
             StatusCode::BAD_REQUEST,
             format!("path is a directory: {path} ({})", e.message),
@@ -365,6 +486,7 @@ async fn write_parts(
     ctx: &Ctx,
     home: &str,
     owner: Option<String>,
+    meta: &XattrSet,
     query_path: Option<String>,
     body: Bytestream,
     boundary: &str,
@@ -399,7 +521,7 @@ async fn write_parts(
                 Err(e) => Some((Err(e), mp)),
             }
         }));
-        out.push(write_one(ctx, &path, owner.clone(), chunks).await?);
+        out.push(write_one(ctx, &path, owner.clone(), meta, chunks).await?);
         paths.push(path);
     }
     Ok(out)
@@ -739,6 +861,68 @@ mod tests {
         assert_eq!(
             media_type(&h),
             ("multipart/form-data".to_string(), Some("abc".to_string()))
+        );
+    }
+
+    #[test]
+    fn metadata_headers_become_user_e2b_attributes() {
+        let mut h = HeaderMap::new();
+        h.insert("X-Metadata-Author", HeaderValue::from_static("mish"));
+        h.insert("x-metadata-purpose", HeaderValue::from_static("up load"));
+        h.insert("x-other", HeaderValue::from_static("no"));
+        let m = metadata(&h).unwrap();
+        assert_eq!(m.prefix, "user.e2b.");
+        let want: Vec<(String, String)> = vec![
+            ("user.e2b.author".into(), "mish".into()),
+            ("user.e2b.purpose".into(), "up load".into()),
+        ];
+        assert_eq!(m.values.into_iter().collect::<Vec<_>>(), want);
+        // None: an empty set (what the file had is cleared).
+        assert!(metadata(&HeaderMap::new()).unwrap().values.is_empty());
+        let mut h = HeaderMap::new();
+        h.insert("x-metadata-", HeaderValue::from_static("v"));
+        assert!(metadata(&h).is_err());
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-metadata-k",
+            HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+        );
+        assert!(metadata(&h).is_err());
+    }
+
+    #[test]
+    fn signatures_are_the_sdk_s() {
+        // What E2B's SDK (`e2b.sandbox.signature.get_signature`) makes of the same.
+        assert_eq!(
+            sign("a.txt:read:user", "sbt_00", None),
+            "v1_spDsPEsi4YvliPXB5EP1MOep+cc6Nm+lBNmX7r8Jby0"
+        );
+        assert_eq!(
+            sign("a.txt:write:", "sbt_00", Some(1_700_000_000)),
+            "v1_mgSRi3keSgB5Ig6DJpj5MuezRmvATheoSvPqeypp5G4"
+        );
+        let req = |m: &str, q: &str| {
+            Request::builder()
+                .method(m)
+                .uri(format!("/files?{q}"))
+                .body(Body::empty())
+                .unwrap()
+        };
+        assert!(Signed::of(&req("GET", "path=a.txt")).is_none());
+        let s = Signed::of(&req(
+            "POST",
+            "path=a.txt&signature=v1_x&signature_expiration=1700000000",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.message, "a.txt:write:");
+        assert_eq!(s.expiration, Some(1_700_000_000));
+        // Made with no token, expired or not: refused.
+        assert_eq!(s.check(None), Err("invalid signature"));
+        assert!(
+            Signed::of(&req("GET", "path=a&signature=v1_x&signature_expiration=x"))
+                .unwrap()
+                .is_err()
         );
     }
 

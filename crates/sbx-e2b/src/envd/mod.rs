@@ -88,13 +88,24 @@ pub async fn handle(
     let Some(sandbox) = shared.node.sandbox_id(id) else {
         return RpcError::not_found(format!("sandbox {id} is not on this node")).response();
     };
-    let token_ok = match shared.node.sandbox_token(&sandbox) {
-        Ok(Some(t)) => access
+    let token = shared.node.sandbox_token(&sandbox).ok().flatten();
+    let mut token_ok = token.as_ref().is_some_and(|t| {
+        access
             .creds
             .token_in(&["x-access-token"])
-            .any(|given| t.matches(given)),
-        _ => false,
-    };
+            .any(|given| t.matches(given))
+    });
+    // A signed URL of `/files` stands for the token (for that file and operation only).
+    if !token_ok && req.uri().path() == "/files" {
+        match files::Signed::of(&req) {
+            Some(Ok(signed)) => match signed.check(token.as_ref()) {
+                Ok(()) => token_ok = true,
+                Err(why) => return crate::e2b_error(StatusCode::UNAUTHORIZED, why),
+            },
+            Some(Err(why)) => return crate::e2b_error(StatusCode::BAD_REQUEST, why),
+            None => {}
+        }
+    }
     if !token_ok && !access.caller {
         return RpcError::new(
             super::connect::Code::Unauthenticated,

@@ -203,11 +203,33 @@ pub fn file_type(kind: FsKind) -> &'static str {
     }
 }
 
-/// An agent's entry as proto JSON `EntryInfo`.
+/// The extended attributes that hold a file's E2B metadata: `user.e2b.<key>`.
+pub const METADATA_XATTRS: &str = "user.e2b.";
+
+/// A file's E2B metadata: its `user.e2b.*` attributes, the prefix taken off (`None`: none).
+pub fn metadata_of(e: &FsEntry) -> Option<Map<String, Value>> {
+    let m: Map<String, Value> = e
+        .xattrs
+        .iter()
+        .filter_map(|(k, v)| {
+            let key = k.strip_prefix(METADATA_XATTRS)?;
+            (!key.is_empty()).then(|| (key.to_string(), json!(v)))
+        })
+        .collect();
+    (!m.is_empty()).then_some(m)
+}
+
+/// An agent's entry as proto JSON `EntryInfo`. A symlink is described as envd describes it:
+/// the type of what it resolves to, and the absolute path of that as its target (a dangling
+/// one: `FILE_TYPE_SYMLINK` and the link's text).
 pub fn entry_info(e: &FsEntry, users: &Users) -> Value {
     let mut m = Map::new();
+    let kind = match (e.kind, e.target_kind) {
+        (FsKind::Symlink, Some(t)) => t,
+        (k, _) => k,
+    };
     m.insert("name".into(), json!(e.name));
-    m.insert("type".into(), json!(file_type(e.kind)));
+    m.insert("type".into(), json!(file_type(kind)));
     m.insert("path".into(), json!(e.path));
     m.insert("size".into(), json!(e.size.to_string()));
     m.insert("mode".into(), json!(e.mode & 0o777));
@@ -219,10 +241,12 @@ pub fn entry_info(e: &FsEntry, users: &Users) -> Value {
         json!(sbx_api::format_rfc3339_millis(i128::from(e.mtime_ns))),
     );
     if e.kind == FsKind::Symlink {
-        m.insert("isSymlink".into(), json!(true));
-        if let Some(t) = &e.target {
+        if let Some(t) = e.resolved.as_ref().or(e.target.as_ref()) {
             m.insert("symlinkTarget".into(), json!(t));
         }
+    }
+    if let Some(meta) = metadata_of(e) {
+        m.insert("metadata".into(), Value::Object(meta));
     }
     Value::Object(m)
 }
@@ -325,6 +349,14 @@ mod tests {
             gid: 1000,
             mtime_ns: 1_700_000_000_123_000_000,
             target: None,
+            target_kind: None,
+            resolved: None,
+            xattrs: [
+                ("user.e2b.author".to_string(), "mish".to_string()),
+                ("user.other".to_string(), "x".to_string()),
+            ]
+            .into_iter()
+            .collect(),
         };
         let v = entry_info(&e, &users());
         assert_eq!(v["type"], "FILE_TYPE_FILE");
@@ -335,16 +367,28 @@ mod tests {
         assert_eq!(v["group"], "user");
         assert_eq!(v["modifiedTime"], "2023-11-14T22:13:20.123Z");
         assert!(v.get("symlinkTarget").is_none());
+        assert_eq!(v["metadata"], json!({"author": "mish"}));
         let l = FsEntry {
             kind: FsKind::Symlink,
             uid: 7,
             gid: 8,
-            target: Some("/etc".into()),
+            target: Some("../etc".into()),
+            xattrs: Default::default(),
             ..e
         };
+        // Dangling: a symlink, its text.
         let v = entry_info(&l, &users());
         assert_eq!(v["type"], "FILE_TYPE_SYMLINK");
-        assert_eq!(v["isSymlink"], true);
+        assert_eq!(v["symlinkTarget"], "../etc");
+        assert!(v.get("metadata").is_none());
+        // Resolved: what it resolves to.
+        let l = FsEntry {
+            target_kind: Some(FsKind::Dir),
+            resolved: Some("/etc".into()),
+            ..l
+        };
+        let v = entry_info(&l, &users());
+        assert_eq!(v["type"], "FILE_TYPE_DIRECTORY");
         assert_eq!(v["symlinkTarget"], "/etc");
         assert_eq!(
             (v["owner"].as_str(), v["group"].as_str()),

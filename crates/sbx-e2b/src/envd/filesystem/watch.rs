@@ -13,7 +13,7 @@ use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::entry::{resolve, users_for};
+use super::entry::{entry_info, resolve, users_for, Users};
 use crate::connect::{
     keepalive_interval, read_stream_request, read_unary, stream_error, stream_reply, unary_reply,
     Code, RpcError,
@@ -34,6 +34,42 @@ pub const MAX_WATCHERS: usize = 1024;
 struct WatchReq {
     path: String,
     recursive: bool,
+    /// Each event with the `EntryInfo` of what changed, when it is still there.
+    #[serde(alias = "include_entry", rename = "includeEntry")]
+    include_entry: bool,
+    /// envd refuses a directory of a network filesystem (NFS, CIFS, FUSE) unless this is set.
+    /// A sandbox here has none (its volumes are the node's directories): taken, nothing to
+    /// lift.
+    #[serde(alias = "allow_network_mounts", rename = "allowNetworkMounts")]
+    #[allow(dead_code)]
+    allow_network_mounts: bool,
+}
+
+/// What an event's entry is read with (`includeEntry`): the watched directory, resolved.
+struct Entries {
+    node: Arc<crate::node::Node>,
+    sandbox: String,
+    dir: String,
+    users: Arc<Users>,
+}
+
+impl Entries {
+    /// The event as proto JSON `FilesystemEvent`, with the entry of what changed when asked
+    /// for and it is still there.
+    async fn event(this: &Option<Entries>, e: &WatchEvent) -> Option<Value> {
+        let mut v = event_json(e)?;
+        if let Some(en) = this {
+            let path = if e.name == "." {
+                en.dir.clone()
+            } else {
+                format!("{}/{}", en.dir.trim_end_matches('/'), e.name)
+            };
+            if let Ok(entry) = en.node.fs_stat(&en.sandbox, &path).await {
+                v["entry"] = entry_info(&entry, &en.users);
+            }
+        }
+        Some(v)
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -61,17 +97,26 @@ fn event_json(e: &WatchEvent) -> Option<Value> {
     Some(json!({ "name": e.name, "type": event_type(e.kind)? }))
 }
 
-/// Starts the node's watch of the request's directory.
-async fn start(ctx: &Ctx, r: WatchReq) -> Result<Watch, RpcError> {
+/// Starts the node's watch of the request's directory (and what its events' entries are read
+/// with, when asked for).
+async fn start(ctx: &Ctx, r: WatchReq) -> Result<(Watch, Option<Entries>), RpcError> {
     let users = users_for(ctx, ctx.user()).await?;
     let path = resolve(&r.path, &users.home(ctx.user()))?;
-    ctx.node()
-        .fs_watch(&ctx.sandbox, path, r.recursive)
+    let watch = ctx
+        .node()
+        .fs_watch(&ctx.sandbox, path.clone(), r.recursive)
         .await
         .map_err(|e| match e.code {
             sbx_api::ErrorCode::WrongType => RpcError::invalid(e.message),
             _ => e.into(),
-        })
+        })?;
+    let entries = r.include_entry.then(|| Entries {
+        node: ctx.node().clone(),
+        sandbox: ctx.sandbox.clone(),
+        dir: path,
+        users,
+    });
+    Ok((watch, entries))
 }
 
 pub(super) async fn watch_dir(ctx: Ctx, req: Request<Body>) -> Response {
@@ -80,7 +125,7 @@ pub(super) async fn watch_dir(ctx: Ctx, req: Request<Body>) -> Response {
         Ok(r) => r,
         Err(e) => return stream_error(e),
     };
-    let watch = match start(&ctx, r).await {
+    let (watch, entries) = match start(&ctx, r).await {
         Ok(w) => w,
         Err(e) => return stream_error(e),
     };
@@ -102,7 +147,10 @@ pub(super) async fn watch_dir(ctx: Ctx, req: Request<Body>) -> Response {
                     if overflow {
                         tracing::info!(sandbox = %ctx.sandbox, "WatchDir: the kernel's queue overflowed; changes were lost");
                     }
-                    for e in events.iter().filter_map(event_json) {
+                    for e in &events {
+                        let Some(e) = Entries::event(&entries, e).await else {
+                            continue;
+                        };
                         if !out.send(&json!({ "filesystem": e })).await {
                             return Ok(());
                         }
@@ -118,6 +166,8 @@ pub(super) async fn watch_dir(ctx: Ctx, req: Request<Body>) -> Response {
 /// What a watcher holds between polls.
 struct Held {
     events: VecDeque<Value>,
+    /// When the latest change came.
+    last: Option<Instant>,
     /// Why it ended (answered once its events are taken).
     error: Option<RpcError>,
     dropped: u64,
@@ -154,6 +204,7 @@ fn new_id() -> String {
 /// [`WATCHER_IDLE`] (then the watcher is removed).
 async fn collect(
     mut watch: Watch,
+    entries: Option<Entries>,
     held: Arc<Mutex<Held>>,
     by_id: Arc<Mutex<HashMap<String, Watcher>>>,
     id: String,
@@ -174,22 +225,34 @@ async fn collect(
                 continue;
             }
         };
+        // The entries read before the lock is taken.
+        let item = match item {
+            Some(WatchItem::Events { events, .. }) => {
+                let mut out = Vec::with_capacity(events.len());
+                for e in &events {
+                    out.extend(Entries::event(&entries, e).await);
+                }
+                Ok(out)
+            }
+            other => Err(other),
+        };
         let mut h = held.locked();
         match item {
-            Some(WatchItem::Events { events, .. }) => {
-                for e in events.iter().filter_map(event_json) {
+            Ok(events) => {
+                for e in events {
                     if h.events.len() >= WATCHER_EVENTS {
                         h.dropped += 1;
                     } else {
                         h.events.push_back(e);
+                        h.last = Some(Instant::now());
                     }
                 }
             }
-            Some(WatchItem::Ended(e)) => {
+            Err(Some(WatchItem::Ended(e))) => {
                 h.error = Some(e.into());
                 return;
             }
-            None => {
+            Err(_) => {
                 h.error = Some(RpcError::internal("the watch ended"));
                 return;
             }
@@ -206,7 +269,7 @@ pub(super) async fn unary(ctx: Ctx, name: &str, req: Request<Body>) -> Response 
             Err(e) => Err(e),
         },
         "GetWatcherEvents" => match read_unary::<WatcherReq>(&parts.headers, body).await {
-            Ok(r) => events(&ctx, watchers, r),
+            Ok(r) => events(&ctx, watchers, r).await,
             Err(e) => Err(e),
         },
         _ => match read_unary::<WatcherReq>(&parts.headers, body).await {
@@ -224,17 +287,19 @@ async fn create(ctx: &Ctx, watchers: &Watchers, r: WatchReq) -> Result<Value, Rp
             format!("the node holds {MAX_WATCHERS} watchers: remove some (RemoveWatcher)"),
         ));
     }
-    let watch = start(ctx, r).await?;
+    let (watch, entries) = start(ctx, r).await?;
     let id = new_id();
     let held = Arc::new(Mutex::new(Held {
         events: VecDeque::new(),
         error: None,
         dropped: 0,
         polled: Instant::now(),
+        last: None,
     }));
     let mut map = watchers.by_id.locked();
     let task = tokio::spawn(collect(
         watch,
+        entries,
         held.clone(),
         watchers.by_id.clone(),
         id.clone(),
@@ -254,11 +319,33 @@ fn no_watcher(id: &str) -> RpcError {
     RpcError::not_found(format!("watcher with id {id} not found"))
 }
 
-fn events(ctx: &Ctx, watchers: &Watchers, r: WatcherReq) -> Result<Value, RpcError> {
+/// A poll takes the changes already made, which reach the node a moment after they are made
+/// (the agent reads them from the kernel and sends them over): it waits [`SETTLE`] at least,
+/// and while changes keep coming until none has come for [`SETTLE`], at most [`POLL_WAIT`].
+const SETTLE: Duration = Duration::from_millis(40);
+const POLL_WAIT: Duration = Duration::from_millis(500);
+
+async fn events(ctx: &Ctx, watchers: &Watchers, r: WatcherReq) -> Result<Value, RpcError> {
     let held = match watchers.by_id.locked().get(&r.watcher_id) {
         Some(w) if w.sandbox == ctx.sandbox => w.held.clone(),
         _ => return Err(no_watcher(&r.watcher_id)),
     };
+    let start = Instant::now();
+    loop {
+        let (last, ended) = {
+            let h = held.locked();
+            (h.last, h.error.is_some())
+        };
+        let now = Instant::now();
+        let quiet = last.is_none_or(|l| now.duration_since(l) >= SETTLE);
+        if ended
+            || now.duration_since(start) >= POLL_WAIT
+            || (quiet && now.duration_since(start) >= SETTLE)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let mut h = held.locked();
     h.polled = Instant::now();
     if h.dropped > 0 {

@@ -288,7 +288,8 @@ fn lost(ctx: &Ctx, e: ApiError) -> RpcError {
         RpcError::new(
             Code::Unavailable,
             format!(
-                "the sandbox {} was not found: it stopped while the command ran",
+                "the connection to sandbox {} ended before the stream completed: it \
+                 stopped while the command ran",
                 ctx.sandbox
             ),
         )

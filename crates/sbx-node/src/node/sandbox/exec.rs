@@ -498,15 +498,31 @@ impl Node {
     /// its sandbox is not running or its agent goes (the sandbox stopped, restarted, deleted).
     pub async fn exec_wait(&self, id: &str, exec_id: &str) -> Result<ExecState, ApiError> {
         let m = self.managed(id)?;
-        let sb = self.running_machine(&m)?;
+        let mut sb = self.running_machine(&m)?;
         let wait = HostMsg::Wait {
             exec_id: exec_id.into(),
         };
-        // A release ends the wait: the command goes on where the sandbox goes.
-        let got = tokio::select! {
-            got = one_shot(&sb.socket, &wait) => got,
-            e = self.moved_signal(&m.id) => {
-                return Err(e.with_beside("exec_id", serde_json::json!(exec_id)));
+        let mut asleep = m.asleep.subscribe();
+        let got = loop {
+            let attached = Attached::new(&m);
+            // A release ends the wait: the command goes on where the sandbox goes.
+            tokio::select! {
+                got = one_shot(&sb.socket, &wait) => break got,
+                e = self.moved_signal(&m.id) => {
+                    return Err(e.with_beside("exec_id", serde_json::json!(exec_id)));
+                }
+                // A checkpoint (a sleep, a snapshot, a fork): its agent let go of (a
+                // connection open to it cannot be checkpointed), asked again once it runs.
+                _ = async { asleep.wait_for(|a| *a).await.map(|_| ()) } => {
+                    drop(attached);
+                    if asleep.wait_for(|a| !*a).await.is_err() {
+                        return Err(ApiError::new(
+                            ErrorCode::SandboxNotFound,
+                            format!("sandbox {id} is gone"),
+                        ));
+                    }
+                    sb = self.running_machine(&m)?;
+                }
             }
         };
         match got.map_err(agent_lost)? {

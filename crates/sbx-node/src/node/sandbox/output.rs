@@ -160,6 +160,9 @@ impl Node {
         .await
         .map_err(agent_lost)?;
         let moved = self.moved_signal(&m.id);
+        // Counted while it is open: a checkpoint waits for it to let go of the agent.
+        let attached = Attached::new(&m);
+        let mut asleep = m.asleep.subscribe();
         tokio::spawn(async move {
             tokio::pin!(moved);
             loop {
@@ -167,6 +170,20 @@ impl Node {
                     // A release ends the stream (the event stream adds where it was).
                     e = &mut moved => {
                         let _ = tx.send(RunEvent::Failed(e)).await;
+                        return;
+                    }
+                    // A checkpoint (a sleep, a snapshot, a fork): the agent let go of at once
+                    // (a connection open to it cannot be checkpointed), and the stream ends;
+                    // the command goes on, its output read again from where this ended.
+                    _ = async { asleep.wait_for(|a| *a).await.map(|_| ()) } => {
+                        drop(conn);
+                        drop(attached);
+                        let _ = tx.try_send(RunEvent::Failed(ApiError::new(
+                            ErrorCode::Unavailable,
+                            "the sandbox was checkpointed (a pause, a snapshot or a fork) \
+                             while its output was followed: follow it again from where this \
+                             ended",
+                        )));
                         return;
                     }
                     f = conn.recv() => match f {

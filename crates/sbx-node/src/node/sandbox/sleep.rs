@@ -193,9 +193,35 @@ impl Node {
         Some(self.use_managed(&m).await)
     }
 
+    /// Like [`Node::use_sandbox`], for a request to one of the sandbox's ports: one held
+    /// asleep (E2B's pause) is not woken, also when it was put to sleep while this waited:
+    /// 409 `sandbox_paused`.
+    pub async fn use_sandbox_port(
+        self: &Arc<Self>,
+        id_or_name: &str,
+    ) -> Option<Result<InUse, ApiError>> {
+        let m = self.managed(id_or_name).ok()?;
+        Some(self.use_managed_as(&m, false).await)
+    }
+
     pub(crate) async fn use_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<InUse, ApiError> {
+        self.use_managed_as(m, true).await
+    }
+
+    /// `wake_held`: a sandbox held asleep is woken too (a call of the API), or refused.
+    async fn use_managed_as(
+        self: &Arc<Self>,
+        m: &Arc<Managed>,
+        wake_held: bool,
+    ) -> Result<InUse, ApiError> {
         loop {
             if m.status() == SandboxStatus::Sleeping {
+                if !wake_held && m.held.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(ApiError::new(
+                        ErrorCode::SandboxPaused,
+                        format!("sandbox {} is paused: a call of the API wakes it", m.id),
+                    ));
+                }
                 self.wake_managed(m).await?;
             }
             {
