@@ -153,20 +153,8 @@ struct Cli {
     /// origins than the node's own are refused (403 origin_not_allowed).
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     cors_origins: Vec<String>,
-    /// A request head not complete this long after its first byte closes its connection.
-    #[arg(long, default_value_t = 10_000, value_name = "MS")]
-    header_timeout_ms: u64,
-    /// A request body the node waits for that sends nothing this long fails, and its
-    /// connection closes.
-    #[arg(long, default_value_t = 30_000, value_name = "MS")]
-    body_idle_timeout_ms: u64,
-    /// A connection with no request for this long is closed.
-    #[arg(long, default_value_t = 60_000, value_name = "MS")]
-    keepalive_timeout_ms: u64,
-    /// Connections open at once; one more is answered 503 and closed, with a log line.
-    /// Default: 512, or a quarter of the open files limit when that is less.
-    #[arg(long)]
-    max_connections: Option<usize>,
+    #[command(flatten)]
+    conns: ListenFlags,
     /// What the HTTP API's sandboxes reach: `allow`, the internet (through NAT; the host,
     /// other sandboxes, loopback, link-local and private ranges are always refused), `deny`,
     /// nothing but what a sandbox's own egress rules allow (its `default` decides where it
@@ -262,6 +250,8 @@ struct ControlArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:7701")]
     listen: SocketAddr,
+    #[command(flatten)]
+    conns: ListenFlags,
     /// Where the control plane keeps its state.
     #[arg(long, default_value = "/var/lib/sbx-control")]
     data_dir: PathBuf,
@@ -762,12 +752,7 @@ fn run() -> anyhow::Result<()> {
             .iter()
             .map(|o| o.trim().trim_end_matches('/').to_ascii_lowercase())
             .collect();
-        let limits = listen::Limits {
-            header: Duration::from_millis(cli.header_timeout_ms.max(1)),
-            body_idle: Duration::from_millis(cli.body_idle_timeout_ms.max(1)),
-            keepalive: Duration::from_millis(cli.keepalive_timeout_ms.max(1)),
-            max_connections: max_connections(cli.max_connections),
-        };
+        let limits = cli.conns.limits();
         // A listener that cannot start stops the node as a stop would (its disk released,
         // its runs ended, kept sandboxes left running for the next node).
         let started = async {
@@ -866,6 +851,36 @@ fn default_range(cgroup_name: &str) -> ipnet::Ipv4Net {
     let h = sha2::Sha256::digest(cgroup_name.as_bytes());
     let third = (h[0] & 0x0f) << 4;
     ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 251, third, 0), 20).unwrap_or(fallback)
+}
+
+/// The timeouts and the cap of a listener's connections (the node's API; the control plane's).
+#[derive(clap::Args, Debug, Clone)]
+struct ListenFlags {
+    /// A request head not complete this long after its first byte closes its connection.
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    header_timeout_ms: u64,
+    /// A request body the node waits for that sends nothing this long fails, and its
+    /// connection closes.
+    #[arg(long, default_value_t = 30_000, value_name = "MS")]
+    body_idle_timeout_ms: u64,
+    /// A connection with no request for this long is closed.
+    #[arg(long, default_value_t = 60_000, value_name = "MS")]
+    keepalive_timeout_ms: u64,
+    /// Connections open at once; one more is answered 503 and closed, with a log line.
+    /// Default: 512, or a quarter of the open files limit when that is less.
+    #[arg(long)]
+    max_connections: Option<usize>,
+}
+
+impl ListenFlags {
+    fn limits(&self) -> listen::Limits {
+        listen::Limits {
+            header: Duration::from_millis(self.header_timeout_ms.max(1)),
+            body_idle: Duration::from_millis(self.body_idle_timeout_ms.max(1)),
+            keepalive: Duration::from_millis(self.keepalive_timeout_ms.max(1)),
+            max_connections: max_connections(self.max_connections),
+        }
+    }
 }
 
 fn max_connections(given: Option<usize>) -> usize {
@@ -1019,6 +1034,7 @@ fn run_control(args: ControlArgs) -> anyhow::Result<()> {
     let cfg = sbx_control::ControlConfig {
         name,
         advertise_url,
+        limits: args.conns.limits(),
         control_lease: Duration::from_secs_f64(args.control_lease_seconds),
         listen: args.listen,
         db_url: args

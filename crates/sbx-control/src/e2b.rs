@@ -69,12 +69,13 @@ pub fn spawn(
     ctl: Arc<Ctl>,
     domain: Value,
 ) -> tokio::task::JoinHandle<()> {
-    let app = router(ctl, domain).into_make_service_with_connect_info::<SocketAddr>();
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "the E2B listener stopped");
-        }
-    })
+    let app = router(ctl, domain);
+    tokio::spawn(sbx_listen::serve_streams(
+        listener,
+        "control plane's E2B listener",
+        app,
+        sbx_listen::MAX_STREAM_CONNECTIONS,
+    ))
 }
 
 /// The `domain` of E2B's answers for a preview listener on `listen` with `domain`: the port

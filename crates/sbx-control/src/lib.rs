@@ -49,7 +49,7 @@ pub mod server;
 mod server_tests;
 
 use std::collections::HashSet;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -59,6 +59,10 @@ use std::time::Duration;
 #[derive(Debug, Clone)]
 pub struct ControlConfig {
     pub listen: SocketAddr,
+    /// The timeouts and the cap of its API listener's connections (the node's flags:
+    /// `--header-timeout-ms`, `--body-idle-timeout-ms`, `--keepalive-timeout-ms`,
+    /// `--max-connections`).
+    pub limits: sbx_listen::Limits,
     /// Where it keeps its state (the SQLite database by default).
     pub data_dir: PathBuf,
     /// `sqlite:/abs/path.db`, `postgres://…` or `postgresql://…`.
@@ -146,8 +150,6 @@ pub enum ControlError {
         #[source]
         source: std::io::Error,
     },
-    #[error("serving")]
-    Serve(#[source] std::io::Error),
 }
 
 /// A database URL with its password hidden, for logs and errors.
@@ -271,16 +273,13 @@ pub async fn serve(
     };
     let role = tokio::spawn(active::run(ctl.clone(), lease, duties, first));
     let db = ctl.db.clone();
-    let app = server::router(ctl).into_make_service_with_connect_info::<SocketAddr>();
+    let app = server::router(ctl);
     // A stop ends the control plane at once: its streams (a command's output, a terminal)
     // are the nodes', and a caller goes on with them through another control plane or the
     // same one started again.
-    let served = tokio::select! {
-        r = axum::serve(listener, app).into_future() => r.map_err(ControlError::Serve),
-        () = stop => {
-            tracing::info!("the control plane stops");
-            Ok(())
-        }
+    tokio::select! {
+        () = sbx_listen::serve(listener, app, cfg.limits, std::future::pending()) => {}
+        () = stop => tracing::info!("the control plane stops"),
     };
     // Its duties stop with the loop; the lease is given up, so that a standby takes over at
     // its next try.
@@ -295,7 +294,7 @@ pub async fn serve(
     for l in listeners {
         l.abort();
     }
-    served
+    Ok(())
 }
 
 #[cfg(test)]

@@ -12,7 +12,6 @@
 //! `unavailable` (retryable, `Retry-After: 1`) while the sandbox is being moved, when its node
 //! is lost or serves no preview listener.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
@@ -109,12 +108,13 @@ pub fn spawn(
     ctl: Arc<Ctl>,
     domain: String,
 ) -> tokio::task::JoinHandle<()> {
-    let app = router(ctl, domain).into_make_service_with_connect_info::<SocketAddr>();
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "the preview listener stopped");
-        }
-    })
+    let app = router(ctl, domain);
+    tokio::spawn(sbx_listen::serve_streams(
+        listener,
+        "control plane's preview listener",
+        app,
+        sbx_listen::MAX_STREAM_CONNECTIONS,
+    ))
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 
 pub mod guard;
 pub mod held;
-pub mod listen;
+/// The accept loop and connection serving, shared with the control plane (`sbx-listen`).
+pub use sbx_listen as listen;
 pub mod upstream;
 
 use std::future::Future;

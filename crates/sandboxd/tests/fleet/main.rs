@@ -15,6 +15,7 @@ mod harness;
 mod http;
 mod iii;
 mod lease;
+mod listen;
 mod moves;
 mod recover;
 

@@ -21,9 +21,18 @@ const ALLOWED: &[(&str, &[&str])] = &[
         &["sbx-api", "sbx-proto", "sbx-runtime", "sbx-image"],
     ),
     ("sbx-net", &["sbx-api", "sbx-node", "sbx-runtime"]),
+    // The accept loop and connection serving of every listener, the node's and the control
+    // plane's.
+    ("sbx-listen", &["sbx-api"]),
     (
         "sbx-front",
-        &["sbx-api", "sbx-node", "sbx-net", "sbx-runtime"],
+        &[
+            "sbx-api",
+            "sbx-listen",
+            "sbx-node",
+            "sbx-net",
+            "sbx-runtime",
+        ],
     ),
     // The front ends: each on the core and what they share, never on another front end.
     (
@@ -55,7 +64,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // The fleet: the object store of sleeps and snapshots, and the control plane (a client of
     // the nodes).
     ("sbx-blob", &[]),
-    ("sbx-control", &["sbx-api", "sbx-client", "sbx-blob"]),
+    (
+        "sbx-control",
+        &["sbx-api", "sbx-client", "sbx-blob", "sbx-listen"],
+    ),
     ("sbx-cli", &["sbx-api", "sbx-client"]),
     (
         "sandboxd",

@@ -1,7 +1,8 @@
-//! The node's listeners: an accept loop ([`accept_loop`]) and the serving of each connection
-//! ([`serve_conn`]: hyper's HTTP/1.1, or HTTP/1.1 and HTTP/2, upgrades kept for WebSockets),
-//! with what `axum::serve` and hyper's builders lack, for every listener alike (the API, E2B's,
-//! the preview listener):
+//! `sbx-listen`: the listeners of the node and of the control plane. An accept loop
+//! ([`accept_loop`]) and the serving of each connection ([`serve_conn`]: hyper's HTTP/1.1, or
+//! HTTP/1.1 and HTTP/2, upgrades kept for WebSockets), with what `axum::serve` and hyper's
+//! builders lack, for every listener alike (the node's API, E2B's, the preview listener; the
+//! control plane's API, E2B's and preview listeners):
 //!
 //! - a cap on open connections (`--max-connections` for the API): one over it is answered 503
 //!   `unavailable` (retryable) and closed, with a log line;
@@ -26,7 +27,6 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use sbx_node::sync::LockExt;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -137,7 +137,11 @@ impl Conn {
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Activity) -> T) -> T {
-        let mut a = self.activity.locked();
+        // A panic while it was held leaves nothing half-done in it: its fields are times.
+        let mut a = self
+            .activity
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         f(&mut a)
     }
 
@@ -386,6 +390,46 @@ pub async fn serve(
                 timeouts,
                 Protocol::Http1,
                 Some(stopping.subscribe()),
+                move |req| {
+                    let app = app.clone();
+                    async move {
+                        match app.oneshot(req).await {
+                            Ok(r) => r,
+                            Err(never) => match never {},
+                        }
+                    }
+                },
+            )
+        },
+    )
+    .await;
+}
+
+/// The connections a listener that carries streams (E2B's, a preview listener) takes at once.
+pub const MAX_STREAM_CONNECTIONS: usize = 1024;
+
+/// Serves `app` on `listener` as a listener that carries streams both ways (E2B's, a preview
+/// listener): HTTP/1.1 or HTTP/2, [`Timeouts::STREAMS`], at most `max_connections` at once,
+/// until the future is dropped. `name` is the log's.
+pub async fn serve_streams(
+    listener: TcpListener,
+    name: &'static str,
+    app: Router,
+    max_connections: usize,
+) {
+    accept_loop(
+        listener,
+        name,
+        max_connections,
+        std::future::pending(),
+        move |stream, peer| {
+            let app = app.clone();
+            serve_conn(
+                stream,
+                peer,
+                Timeouts::STREAMS,
+                Protocol::Http1And2,
+                None,
                 move |req| {
                     let app = app.clone();
                     async move {
