@@ -240,6 +240,12 @@ struct Cli {
     /// snapshots that moves take (kept in the node's settings; moves come later).
     #[arg(long, value_name = "URL")]
     store: Option<String>,
+    /// The key that seals what the node puts in the store that is secret (a sandbox's record:
+    /// its token and secret variables): 32 bytes, made (mode 0600) if the file is missing.
+    /// Every node of a fleet needs the same file (a takeover opens the record with it).
+    /// Default: `DATA_DIR/store.key`.
+    #[arg(long, value_name = "FILE", requires = "store")]
+    store_key: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -615,6 +621,14 @@ fn run() -> anyhow::Result<()> {
     };
     store.idem_tidy().context("tidy idempotency records")?;
     node::credentials::init(&cli.data_dir, &store).context("the node key and the secrets table")?;
+    if cli.store.is_some() {
+        let path = cli
+            .store_key
+            .clone()
+            .unwrap_or_else(|| cli.data_dir.join("store.key"));
+        node::credentials::init_store_key(&path)
+            .with_context(|| format!("the store key (--store-key {})", path.display()))?;
+    }
     let templates = node::templates::Templates::open(&store).context("the templates table")?;
     let driver = Arc::new(driver);
     let checkpoints = node::checkpoint::detect(&cli.criu, driver.clone());

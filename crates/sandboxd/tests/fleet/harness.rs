@@ -167,6 +167,8 @@ fn wait_healthy(proc: &mut Proc, url: &str, timeout: Duration) -> Result<(), Str
 pub struct FleetStore {
     pub url: String,
     pub env: Vec<(String, String)>,
+    /// The fleet's store key (`--store-key`), one file for every node of the test.
+    pub key: PathBuf,
     dir: Option<PathBuf>,
     _weed: Option<sbx_blob::testing::Weed>,
 }
@@ -180,6 +182,7 @@ impl FleetStore {
         FleetStore {
             url: format!("file://{}", dir.display()),
             env: Vec::new(),
+            key: store_key_file(),
             dir: Some(dir),
             _weed: None,
         }
@@ -197,6 +200,7 @@ impl FleetStore {
         Some(FleetStore {
             url: "s3://sbx-fleet/moves".to_string(),
             env: weed.env(),
+            key: store_key_file(),
             dir: None,
             _weed: Some(weed),
         })
@@ -209,8 +213,21 @@ impl FleetStore {
     }
 }
 
+/// A store key of 32 random bytes in a file of the test's own (made before any node starts:
+/// nodes started at once would each make one).
+fn store_key_file() -> PathBuf {
+    let path = std::env::temp_dir().join(unique("sbx-fleet-store-key"));
+    let mut key = [0u8; 32];
+    fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key))
+        .expect("random bytes");
+    fs::write(&path, key).expect("write the store key");
+    path
+}
+
 impl Drop for FleetStore {
     fn drop(&mut self) {
+        let _ = fs::remove_file(&self.key);
         if let Some(dir) = &self.dir {
             let _ = fs::remove_dir_all(dir);
         }
@@ -390,6 +407,8 @@ pub struct Node {
     data_dir: PathBuf,
     cgroup_name: String,
     store_url: String,
+    /// The fleet's store key (its own default, `DATA_DIR/store.key`, without a fleet store).
+    store_key: Option<PathBuf>,
     env: Vec<(String, String)>,
     agent: PathBuf,
     extra: Vec<String>,
@@ -439,11 +458,12 @@ impl Node {
         } else {
             agent_bin()
         };
-        let (store_url, env) = match opts.store {
-            Some(s) => (s.url.clone(), s.env.clone()),
+        let (store_url, env, store_key) = match opts.store {
+            Some(s) => (s.url.clone(), s.env.clone(), Some(s.key.clone())),
             None => (
                 format!("file://{}", root.join("store").display()),
                 Vec::new(),
+                None,
             ),
         };
         let mut node = Node {
@@ -459,6 +479,7 @@ impl Node {
             data_dir,
             cgroup_name,
             store_url,
+            store_key,
             env,
             agent,
             extra: more.args,
@@ -522,12 +543,18 @@ impl Node {
         .map(|s| s.to_string())
         .collect();
         let mut args = args;
+        if let Some(key) = &self.store_key {
+            args.extend(["--store-key".to_string(), key.display().to_string()]);
+        }
         if self.standalone {
             // Without `--control URL`, `--node-name NAME` and `--store URL`.
             let mut kept = Vec::new();
             let mut it = args.into_iter();
             while let Some(a) = it.next() {
-                if matches!(a.as_str(), "--control" | "--node-name" | "--store") {
+                if matches!(
+                    a.as_str(),
+                    "--control" | "--node-name" | "--store" | "--store-key"
+                ) {
                     it.next();
                 } else {
                     kept.push(a);

@@ -40,12 +40,27 @@ fn file_store(tag: &str) -> (PathBuf, String, sbx_blob::Store) {
     (dir, url, store)
 }
 
+/// The store key of the nodes on the store in `dir`, beside it (made before they start: two
+/// nodes started at once would each make one).
+fn store_key(dir: &std::path::Path) -> PathBuf {
+    let path = dir.with_extension("key");
+    let mut key = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key))
+        .expect("random bytes");
+    std::fs::write(&path, key).expect("write the store key");
+    path
+}
+
 /// Two nodes on one store.
 fn two_nodes(tag: &str) -> (TestNode, TestNode, PathBuf, sbx_blob::Store) {
     let (dir, url, store) = file_store(tag);
-    let mut a = TestNode::start_with(&["--store", &url]);
-    let b = TestNode::start_with(&["--store", &url]);
+    let key_file = store_key(&dir);
+    let key = key_file.display().to_string();
+    let mut a = TestNode::start_with(&["--store", &url, "--store-key", &key]);
+    let b = TestNode::start_with(&["--store", &url, "--store-key", &key]);
     a.owns(dir.clone());
+    a.owns(key_file);
     (a, b, dir, store)
 }
 
@@ -197,6 +212,40 @@ fn a_sandbox_is_taken_over_from_the_store_and_goes_on() {
     let (a, b, _dir, store) = two_nodes("store");
     let before = asleep_on_a(&a, &store, None);
     let id = before.id.clone();
+    // The record in the store is sealed with the fleet's store key: no token in clear.
+    let m = wait_stored(&store, &id, Duration::from_secs(10));
+    let part = m
+        .parts
+        .iter()
+        .find(|p| p.name.starts_with("record-"))
+        .expect("a record part")
+        .name
+        .clone();
+    let (sealed, _) = rt()
+        .block_on(store.get_part_writer(&m, &part, Vec::new()))
+        .expect("the record part");
+    let token = before.token.as_str().expect("a token").to_string();
+    assert!(token.len() > 8, "{token}");
+    assert!(
+        !sealed.windows(token.len()).any(|w| w == token.as_bytes()),
+        "the token is in clear in the store"
+    );
+    assert!(serde_json::from_slice::<Value>(&sealed).is_err());
+    // A node with another store key cannot open it: refused, nothing taken.
+    let url = format!("file://{}", _dir.display());
+    let stranger = TestNode::start_with(&["--store", &url]);
+    let (status, refused) = takeover(&stranger, &id, &takeover_body(2, None, true));
+    assert!(status >= 400, "{refused}");
+    assert_eq!(refused["error"]["code"], "takeover_failed", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("store key")),
+        "{refused}"
+    );
+    let (status, _) = get(&stranger, &format!("/v1/sandboxes/{id}"));
+    assert_eq!(status, 404);
+    drop(stranger);
     let body = takeover_body(2, None, true);
     let (status, answer) = takeover(&b, &id, &body);
     assert_eq!(status, 200, "{answer}");
@@ -417,9 +466,20 @@ fn range_of(node: &TestNode) -> String {
 #[test]
 fn a_sandbox_on_the_network_gets_an_address_of_the_new_node() {
     let (dir, url, store) = file_store("net");
-    let mut a = TestNode::start_with(&["--store", &url, "--egress-default", "allow"]);
-    let b = TestNode::start_with(&["--store", &url, "--egress-default", "allow"]);
+    let key_file = store_key(&dir);
+    let key = key_file.display().to_string();
+    let args = [
+        "--store",
+        &url,
+        "--store-key",
+        &key,
+        "--egress-default",
+        "allow",
+    ];
+    let mut a = TestNode::start_with(&args);
+    let b = TestNode::start_with(&args);
     a.owns(dir);
+    a.owns(key_file);
     let before = asleep_on_a(&a, &store, None);
     let id = before.id.clone();
     let (status, answer) = takeover(&b, &id, &takeover_body(2, None, true));

@@ -45,6 +45,12 @@ CREATE TABLE IF NOT EXISTS secrets (
 
 /// The node key, once loaded ([`init`]).
 static NODE_KEY: OnceLock<NodeKey> = OnceLock::new();
+/// The key of the fleet's object store ([`init_store_key`]): seals what a node stores there
+/// that is secret (a sandbox's record: its token and secret variables), so that the store's
+/// readers learn nothing of them. Every node of a fleet has the same one.
+static STORE_KEY: OnceLock<NodeKey> = OnceLock::new();
+/// What binds a sealed record to its sandbox.
+const RECORD_AAD: &str = "sbx-record:v1:";
 
 /// The key that seals what the node keeps of secrets. Its bytes are never printed.
 #[derive(Clone)]
@@ -81,7 +87,18 @@ impl NodeKey {
     /// Reads `<data_dir>/node.key`, making it first (32 random bytes, mode 0600) when there is
     /// none. A key file readable by others is made 0600.
     pub fn load_or_create(data_dir: &Path) -> Result<NodeKey, KeyError> {
-        let path = data_dir.join(KEY_FILE);
+        NodeKey::load_or_create_at(&data_dir.join(KEY_FILE))
+    }
+
+    /// Reads the key file `path` (32 bytes), making it first (random, mode 0600) when there
+    /// is none. A key file readable by others is made 0600.
+    pub fn load_or_create_at(path: &Path) -> Result<NodeKey, KeyError> {
+        let path = path.to_path_buf();
+        let data_dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let key_file = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| KEY_FILE.to_string());
         let io = |source| KeyError::Io {
             path: path.display().to_string(),
             source,
@@ -101,7 +118,7 @@ impl NodeKey {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let bytes: [u8; KEY_LEN] = random_bytes().map_err(KeyError::Random)?;
                 // Written beside it and renamed: a node that dies meanwhile leaves no half key.
-                let tmp = data_dir.join(format!("{KEY_FILE}.tmp-{}", std::process::id()));
+                let tmp = data_dir.join(format!("{key_file}.tmp-{}", std::process::id()));
                 let tmp_io = |source| KeyError::Io {
                     path: tmp.display().to_string(),
                     source,
@@ -122,7 +139,7 @@ impl NodeKey {
                 if let Ok(dir) = std::fs::File::open(data_dir) {
                     let _ = dir.sync_all();
                 }
-                tracing::info!(path = %path.display(), "made the node key");
+                tracing::info!(path = %path.display(), "made a key");
                 Ok(NodeKey(*Key::from_slice(&bytes)))
             }
             Err(e) => Err(io(e)),
@@ -168,6 +185,34 @@ pub fn init(data_dir: &Path, store: &Store) -> Result<(), KeyError> {
     let _ = NODE_KEY.set(key);
     store.with_conn(|c| c.execute_batch(SCHEMA))?;
     Ok(())
+}
+
+/// At the start of a node with a store: loads (or makes) the store's key file `path`
+/// (`--store-key`, default `DATA_DIR/store.key`).
+pub fn init_store_key(path: &Path) -> Result<(), KeyError> {
+    let key = NodeKey::load_or_create_at(path)?;
+    let _ = STORE_KEY.set(key);
+    Ok(())
+}
+
+fn store_key() -> Result<&'static NodeKey, ApiError> {
+    STORE_KEY.get().ok_or_else(|| {
+        tracing::error!("the store key is not loaded");
+        ApiError::internal()
+    })
+}
+
+/// Sandbox `id`'s record (`plain`) sealed with the store key, as the store keeps it.
+pub(crate) fn seal_record(id: &str, plain: &[u8]) -> Result<Vec<u8>, ApiError> {
+    store_key()?.seal(plain, format!("{RECORD_AAD}{id}").as_bytes())
+}
+
+/// What [`seal_record`] sealed for sandbox `id`; `None` when it does not open (sealed with
+/// another store key, for another sandbox, or not sealed: a record in clear is refused).
+pub(crate) fn open_record(id: &str, sealed: &[u8]) -> Option<Vec<u8>> {
+    store_key()
+        .ok()?
+        .open(sealed, format!("{RECORD_AAD}{id}").as_bytes())
 }
 
 /// The node key ([`init`] loads it).

@@ -16,9 +16,10 @@
 //!   delete does not cut an upload short. Staging goes once its upload ends.
 //! - **Record.** Each sleep carries the sandbox's record ([`SandboxRecord`]: its row, its
 //!   spec with its token and secret variables in clear (another node's key seals them again),
-//!   its commands' rows, its epoch), taken with the staging (the state of that sleep) into
-//!   `record.json` (mode 0600) and stored as the part `record-<g>`: what a node that takes
-//!   the sandbox over (`sandbox/move_in.rs`) makes it of.
+//!   its commands' rows, its epoch), taken with the staging (the state of that sleep), sealed
+//!   with the fleet's store key (`credentials::seal_record`) into `record.json` (mode 0600)
+//!   and stored as the part `record-<g>`: what a node that takes the sandbox over
+//!   (`sandbox/move_in.rs`, which opens it with the same key) makes it of.
 //! - **Background.** The sleep's answer does not wait. One upload per sandbox at a time; a
 //!   newer sleep supersedes one queued and not started; at most [`CONCURRENT`] uploads run at
 //!   once. A failed upload is logged and tried again with a backoff (1 s doubling to 60 s) until
@@ -569,12 +570,20 @@ fn link_or_copy(src: &Path, dst: &Path) -> Result<(), ReplicaError> {
 
 /// Writes `value` as JSON into the new file `path`, readable by its owner alone (a record
 /// holds a sandbox's token).
-fn write_private<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), ReplicaError> {
+/// `record` sealed with the store key ([`credentials::seal_record`]) into `path` (0600): its
+/// token and secret variables are never in clear in the store.
+fn write_sealed_record(path: &Path, record: &SandboxRecord) -> Result<(), ReplicaError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let body = serde_json::to_vec(value).map_err(|e| ReplicaError::Io {
+    let plain = serde_json::to_vec(record).map_err(|e| ReplicaError::Io {
         path: path.to_path_buf(),
         source: std::io::Error::other(e),
+    })?;
+    let sealed = crate::node::credentials::seal_record(&record.id, &plain).map_err(|e| {
+        ReplicaError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e.message),
+        }
     })?;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -583,7 +592,7 @@ fn write_private<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), Repl
         .mode(0o600)
         .open(path)
         .map_err(io_err(path))?;
-    f.write_all(&body).map_err(io_err(path))
+    f.write_all(&sealed).map_err(io_err(path))
 }
 
 /// What staging a sleep made.
@@ -767,7 +776,7 @@ impl Node {
         match self.sleep_record(id, epoch) {
             Ok(record) => {
                 let path = stage.staging.join(RECORD_FILE);
-                match write_private(&path, &record) {
+                match write_sealed_record(&path, &record) {
                     Ok(()) => files.push((RECORD_PART.to_string(), path)),
                     Err(e) => {
                         tracing::error!(sandbox = %id, error = %e, "a sleep's record not staged: the sleep is stored without it")

@@ -268,8 +268,8 @@ impl TestNode {
 
     /// Removes `dir` (the test's: a config file the node reads at every start, files a
     /// server of the test serves) when the node is dropped.
-    pub fn owns(&mut self, dir: PathBuf) {
-        self.owned.push(dir);
+    pub fn owns(&mut self, path: PathBuf) {
+        self.owned.push(path);
     }
 
     /// The arguments the node is started with from its next (re)start on.
@@ -392,8 +392,12 @@ impl Drop for TestNode {
         }
         self.force_clean();
         let _ = fs::remove_dir_all(&self.root);
-        for dir in &self.owned {
-            let _ = fs::remove_dir_all(dir);
+        for path in &self.owned {
+            if path.is_dir() {
+                let _ = fs::remove_dir_all(path);
+            } else {
+                let _ = fs::remove_file(path);
+            }
         }
     }
 }

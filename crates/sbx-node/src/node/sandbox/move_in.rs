@@ -403,7 +403,13 @@ impl Node {
                 sleep.epoch
             )));
         }
-        let bytes = store.fetch_record(&sleep).await.map_err(failed)?;
+        let sealed = store.fetch_record(&sleep).await.map_err(failed)?;
+        let bytes = crate::node::credentials::open_record(id, &sealed).ok_or_else(|| {
+            takeover_failed(format!(
+                "the record of sandbox {id} does not open with this node's store key \
+                 (--store-key): every node of a fleet needs the same key file"
+            ))
+        })?;
         let record: SandboxRecord = serde_json::from_slice(&bytes)
             .map_err(|e| takeover_failed(format!("the sandbox's record: {e}")))?;
         if record.id != id {
