@@ -35,6 +35,8 @@ use crate::node::Node;
 const CLIENT_ID: &str = "sbx";
 /// E2B's default timeout of a sandbox, in seconds, when a create gives none.
 const DEFAULT_TIMEOUT_S: u64 = 15;
+/// The least timeout an auto-resumed sandbox is given (E2B's: its create's, at least this).
+const AUTO_RESUME_MIN_S: u64 = 300;
 /// The longest timeout a call may set (E2B's Pro plan's: 24 hours).
 const MAX_TIMEOUT_S: u64 = 24 * 3600;
 /// How long a create waits for its sandbox to run (a pull, a ready check).
@@ -50,14 +52,16 @@ mod network;
 mod snapshots;
 
 pub fn router(node: Arc<Node>) -> Router {
-    // An auto-resumed sandbox (woken by a request) times out again, as it did at its create.
+    // An auto-resumed sandbox (woken by a request) times out again: E2B's timeout after an
+    // auto-resume, its create's timeout but at least 5 minutes, from the wake.
     node.set_wake_hook(Box::new(|node, id| {
         let Ok(o) = node.sandbox(id) else { return };
         let secs = o
             .metadata
             .get(RESUME_TIMEOUT_KEY)
-            .and_then(|v| v.parse().ok());
+            .and_then(|v| v.parse::<u64>().ok());
         if let (None, Some(secs)) = (&o.expires_at, secs) {
+            let secs = secs.max(AUTO_RESUME_MIN_S);
             if set_end(node, &o, secs, false).is_err() {
                 tracing::warn!(sandbox = %id, "an auto-resumed sandbox's end not set again");
             }
