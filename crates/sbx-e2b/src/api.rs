@@ -2,12 +2,12 @@
 //! `POST /sandboxes`), connected to, listed (`GET /v2/sandboxes` with its metadata, state,
 //! template and `startedAfter` filters, `order` by start and `X-Next-Token` paging, the older
 //! `GET /sandboxes`), found, timed (`…/timeout`, `…/refreshes`), measured (`…/metrics`),
-//! paused (the node's sleep, held asleep: connect resumes it) and killed, with E2B's field
-//! names, statuses and error body `{code, message}`. Snapshots (`snapshots.rs`), forks
+//! paused (the node's sleep, held asleep: connect resumes it; a filesystem-only pause is the
+//! node's restart then its sleep, and a resume of one the node's restart) and killed, with
+//! E2B's field names, statuses and error body `{code, message}`. Snapshots (`snapshots.rs`), forks
 //! (`fork.rs`), metrics over time (`metrics.rs`) and network updates (`network.rs`) are the
-//! node's snapshots, forks, cgroups and egress rules. What the node does not do (a
-//! filesystem-only pause, volumes, IAM, templates built through the API) is refused with a
-//! message that says so.
+//! node's snapshots, forks, cgroups and egress rules. What the node does not do (volumes,
+//! IAM, templates built through the API) is refused with a message that says so.
 
 // A refusal here is the answer itself (E2B's error body), made once per request: returned
 // as it is rather than boxed.
@@ -35,6 +35,8 @@ use crate::node::Node;
 const CLIENT_ID: &str = "sbx";
 /// E2B's default timeout of a sandbox, in seconds, when a create gives none.
 const DEFAULT_TIMEOUT_S: u64 = 15;
+/// The least timeout an auto-resumed sandbox is given (E2B's: its create's, at least this).
+const AUTO_RESUME_MIN_S: u64 = 300;
 /// The longest timeout a call may set (E2B's Pro plan's: 24 hours).
 const MAX_TIMEOUT_S: u64 = 24 * 3600;
 /// How long a create waits for its sandbox to run (a pull, a ready check).
@@ -50,6 +52,21 @@ mod network;
 mod snapshots;
 
 pub fn router(node: Arc<Node>) -> Router {
+    // An auto-resumed sandbox (woken by a request) times out again: E2B's timeout after an
+    // auto-resume, its create's timeout but at least 5 minutes, from the wake.
+    node.set_wake_hook(Box::new(|node, id| {
+        let Ok(o) = node.sandbox(id) else { return };
+        let secs = o
+            .metadata
+            .get(RESUME_TIMEOUT_KEY)
+            .and_then(|v| v.parse::<u64>().ok());
+        if let (None, Some(secs)) = (&o.expires_at, secs) {
+            let secs = secs.max(AUTO_RESUME_MIN_S);
+            if set_end(node, &o, secs, false).is_err() {
+                tracing::warn!(sandbox = %id, "an auto-resumed sandbox's end not set again");
+            }
+        }
+    }));
     let (metrics_one, metrics_many) = metrics::routes(&node);
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
@@ -127,9 +144,6 @@ async fn pause(State(node): St, Path(id): Path<String>, body: Bytes) -> Response
         Ok(b) => b,
         Err(r) => return r,
     };
-    if b.memory == Some(false) {
-        return not_served_yet("a filesystem-only pause (memory: false)");
-    }
     let o = match find(&node, &id) {
         Ok(o) => o,
         Err(r) => return r,
@@ -139,6 +153,14 @@ async fn pause(State(node): St, Path(id): Path<String>, body: Bytes) -> Response
             StatusCode::CONFLICT,
             format!("sandbox {id} is already paused"),
         );
+    }
+    // A filesystem-only pause: the node's restart ends what runs in it and boots it again
+    // over its disk, and that fresh machine is what sleeps: a resume finds its files and none
+    // of the processes that ran before the pause.
+    if b.memory == Some(false) {
+        if let Err(r) = reboot(&node, &o.id, false).await {
+            return r;
+        }
     }
     match node.sleep_held(&o.id).await {
         // A paused sandbox does not time out (E2B's): its end is set again when it resumes.
@@ -151,7 +173,8 @@ async fn pause(State(node): St, Path(id): Path<String>, body: Bytes) -> Response
     }
 }
 
-/// `POST /sandboxes/{id}/pause`'s body: `memory` false asks for a filesystem-only pause;
+/// `POST /sandboxes/{id}/pause`'s body: `memory` false asks for a filesystem-only pause
+/// (E2B's `mode: "filesystem"`);
 /// `requireHealthyGuest` is taken and not checked (a sleep checkpoints the guest as it is).
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -161,13 +184,48 @@ struct PauseBody {
     require_healthy_guest: Option<bool>,
 }
 
-/// Wakes a paused (sleeping) sandbox and lifts its hold; true when it was paused.
-async fn resume_if_paused(node: &Arc<Node>, id: &str) -> Result<bool, Response> {
-    match node.wake_and_release(id).await {
+/// Resumes a paused (sleeping) sandbox and lifts its hold; true when it was paused. With
+/// `memory` false (E2B's `on_resume: "reboot"`), or one whose timeout pauses it
+/// filesystem-only (`autoPauseMemory: false`), it is booted again over its disk (the node's
+/// restart of a sleeping sandbox: its saved processes dropped) rather than woken.
+async fn resume_if_paused(
+    node: &Arc<Node>,
+    o: &SandboxObject,
+    memory: Option<bool>,
+) -> Result<bool, Response> {
+    let fs_only = o.metadata.get(AUTO_PAUSE_KEY).map(String::as_str) == Some(FILESYSTEM);
+    if o.status == SandboxStatus::Sleeping && (memory == Some(false) || fs_only) {
+        reboot(node, &o.id, true).await?;
+        return Ok(true);
+    }
+    match node.wake_and_release(&o.id).await {
         Ok(asleep) => Ok(asleep),
-        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => Err(sandbox_not_found(id)),
+        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => Err(sandbox_not_found(&o.id)),
         Err(e) => Err(api_error(e)),
     }
+}
+
+/// The node's restart of sandbox `id` (`release`: and its hold lifted), waited for until it
+/// runs again.
+async fn reboot(node: &Arc<Node>, id: &str, release: bool) -> Result<(), Response> {
+    let done = if release {
+        node.reboot_and_release(id).await
+    } else {
+        node.restart_sandbox(id).await
+    };
+    match done {
+        Ok(_) => {}
+        Err(e) if e.code == sbx_api::ErrorCode::SandboxNotFound => {
+            return Err(sandbox_not_found(id))
+        }
+        Err(e) => return Err(api_error(e)),
+    }
+    wait_running(node, id).await.map(|_| ()).map_err(|why| {
+        e2b_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("sandbox {id} did not boot again: {why}"),
+        )
+    })
 }
 
 /// Takes away sandbox `id`'s end (a paused one does not time out).
@@ -177,13 +235,6 @@ fn clear_end(node: &Arc<Node>, id: &str) -> Result<(), Response> {
         ..Default::default()
     };
     node.patch_sandbox(id, patch).map(|_| ()).map_err(api_error)
-}
-
-/// A resume from a filesystem-only snapshot (`memory: false`, a cold boot), which the node
-/// does not do: refused rather than resumed with its memory.
-fn memory_refused(b: &TimeoutBody, o: &SandboxObject) -> Option<Response> {
-    (b.memory == Some(false) && o.status == SandboxStatus::Sleeping)
-        .then(|| not_served_yet("resuming with a reboot (memory: false)"))
 }
 
 /// `POST /sandboxes/{id}/resume` (the older call; connect does the same): 201 with the
@@ -199,10 +250,7 @@ async fn resume(State(node): St, Path(id): Path<String>, body: Bytes) -> Respons
     if o.status != SandboxStatus::Sleeping {
         return e2b_error(StatusCode::CONFLICT, format!("sandbox {id} is not paused"));
     }
-    if let Some(r) = memory_refused(&b, &o) {
-        return r;
-    }
-    if let Err(r) = resume_if_paused(&node, &o.id).await {
+    if let Err(r) = resume_if_paused(&node, &o, b.memory).await {
         return r;
     }
     if let Err(r) = set_end(&node, &o, b.timeout.unwrap_or(DEFAULT_TIMEOUT_S), false) {
@@ -307,16 +355,21 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
             format!("{k} is not a field this node takes"),
         ));
     }
-    // autoPauseMemory: true (or unset) is the node's sleep, memory kept; false asks for a
-    // filesystem-only pause (a reboot over the same disk), which the node does not do.
-    if n.auto_pause_memory == Some(Value::Bool(false)) {
-        return refuse("autoPauseMemory: false (a filesystem-only pause)");
-    }
     // autoPause: at its timeout the sandbox is paused (the node's sleep), not killed; held
     // asleep unless autoResume lets a request to it wake it.
     let auto_pause = n.auto_pause == Some(true);
     if (auto_pause || set(&n.auto_resume)) && !can_pause {
         return refuse("autoPause / autoResume (this node has no CRIU to pause a sandbox)");
+    }
+    // autoPauseMemory: true (or unset) is the node's sleep, memory kept; false a
+    // filesystem-only pause: asleep all the same, and booted again over its disk by the
+    // connect that resumes it (marked in its metadata). A request cannot resume it (E2B's).
+    let fs_only = auto_pause && n.auto_pause_memory == Some(Value::Bool(false));
+    if fs_only && set(&n.auto_resume) {
+        return Err(e2b_error(
+            StatusCode::BAD_REQUEST,
+            "autoPauseMemory: false (a filesystem-only pause) cannot be combined with autoResume",
+        ));
     }
     // mcp: E2B's SDK starts the gateway itself (`mcp-gateway` run in the sandbox once it
     // is made, the sandbox killed when that fails): nothing of it is the node's.
@@ -334,12 +387,18 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
                 format!("network.{k} is not a field this node takes"),
             ));
         }
-        if net
-            .mask_request_host
-            .as_deref()
-            .is_some_and(|s| !s.is_empty())
-        {
-            return refuse("network.maskRequestHost");
+        if let Some(m) = net.mask_request_host.as_deref().filter(|s| !s.is_empty()) {
+            let sample = m.replace("${PORT}", "65535");
+            let ok = sample.len() <= 255
+                && sample
+                    .bytes()
+                    .all(|b| b.is_ascii_graphic() && !matches!(b, b'/' | b'@' | b'?' | b'#'));
+            if !ok {
+                return Err(e2b_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("network.maskRequestHost {m:?} is not a host (and ${{PORT}})"),
+                ));
+            }
         }
         if set(&net.rules) {
             return refuse(
@@ -392,10 +451,30 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
     if !env.is_empty() {
         body.insert("env".into(), json!(env));
     }
-    if let Some(m) = &n.metadata {
-        if !m.is_empty() {
-            body.insert("metadata".into(), json!(m));
-        }
+    // The caller's metadata, and what E2B's settings keep with the sandbox (hidden from
+    // E2B's answers): the Host its ports are sent (maskRequestHost, the preview proxy's), a
+    // filesystem-only auto-pause, the timeout an auto-resume gives it again.
+    let mut meta = n.metadata.clone().unwrap_or_default();
+    if let Some(k) = meta.keys().find(|k| KEPT_KEYS.contains(&k.as_str())) {
+        return Err(e2b_error(
+            StatusCode::BAD_REQUEST,
+            format!("metadata key {k:?} is this node's own"),
+        ));
+    }
+    if let Some(m) = net
+        .and_then(|n| n.mask_request_host.as_deref())
+        .filter(|s| !s.is_empty())
+    {
+        meta.insert(PREVIEW_HOST_KEY.into(), m.into());
+    }
+    if fs_only {
+        meta.insert(AUTO_PAUSE_KEY.into(), FILESYSTEM.into());
+    }
+    if auto_pause && set(&n.auto_resume) {
+        meta.insert(RESUME_TIMEOUT_KEY.into(), timeout.to_string());
+    }
+    if !meta.is_empty() {
+        body.insert("metadata".into(), json!(meta));
     }
     if auto_pause {
         let on = if set(&n.auto_resume) { "sleep" } else { "hold" };
@@ -447,11 +526,25 @@ fn template_of(o: &SandboxObject) -> String {
 /// The metadata key where the E2B template id of a sandbox is kept (not shown to E2B's
 /// callers).
 const TEMPLATE_KEY: &str = "e2b.template";
+/// The metadata key of a sandbox whose timeout pauses it filesystem-only (`FILESYSTEM`).
+const AUTO_PAUSE_KEY: &str = "e2b.auto_pause";
+const FILESYSTEM: &str = "filesystem";
+/// The metadata key of an autoResume sandbox's timeout (seconds): what it is given again
+/// when a request wakes it.
+const RESUME_TIMEOUT_KEY: &str = "e2b.resume_timeout";
+use crate::node::sandbox::PREVIEW_HOST_KEY;
+/// The metadata keys E2B's settings keep with a sandbox: not the caller's, not shown.
+const KEPT_KEYS: [&str; 4] = [
+    TEMPLATE_KEY,
+    AUTO_PAUSE_KEY,
+    RESUME_TIMEOUT_KEY,
+    PREVIEW_HOST_KEY,
+];
 
 fn user_metadata(o: &SandboxObject) -> BTreeMap<String, String> {
     o.metadata
         .iter()
-        .filter(|(k, _)| k.as_str() != TEMPLATE_KEY)
+        .filter(|(k, _)| !KEPT_KEYS.contains(&k.as_str()))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
@@ -729,12 +822,9 @@ async fn connect(State(node): St, Path(id): Path<String>, body: Bytes) -> Respon
         Ok(x) => x,
         Err(r) => return r,
     };
-    if let Some(r) = memory_refused(&b, &o) {
-        return r;
-    }
     // A paused sandbox is resumed (201) and times out afresh; a running one is connected to
-    // (200), its end only ever moved later.
-    let resumed = match resume_if_paused(&node, &o.id).await {
+    // (200), its end only ever moved later (`memory: false` is nothing to it).
+    let resumed = match resume_if_paused(&node, &o, b.memory).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -987,7 +1077,9 @@ mod tests {
         for body in [
             json!({"templateID": "base", "autoPause": true}),
             json!({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/v"}]}),
-            json!({"templateID": "base", "network": {"maskRequestHost": "x"}}),
+            json!({"templateID": "base", "network": {"maskRequestHost": "a b:${PORT}"}}),
+            json!({"templateID": "base", "network": {"maskRequestHost": "h/p"}}),
+            json!({"templateID": "base", "metadata": {"sbx.preview_host": "x"}}),
             json!({"templateID": "base", "brandNew": 1}),
             json!({"templateID": "base", "timeout": 0}),
         ] {
@@ -1019,14 +1111,41 @@ mod tests {
     }
 
     #[test]
-    fn auto_pause_memory_false_is_refused_and_true_is_the_node_s_sleep() {
+    fn auto_pause_memory_false_is_marked_and_true_is_the_node_s_sleep() {
         let with =
             |m: Value| new(json!({"templateID": "base", "autoPause": true, "autoPauseMemory": m}));
-        assert!(node_create_body(&with(json!(false)), 0, true).is_err());
+        let b = node_create_body(&with(json!(false)), 0, true).unwrap();
+        assert_eq!(b["on_expiry"], "hold");
+        assert_eq!(b["metadata"][AUTO_PAUSE_KEY], FILESYSTEM);
         for m in [json!(true), Value::Null] {
             let b = node_create_body(&with(m.clone()), 0, true).unwrap();
             assert_eq!(b["on_expiry"], "hold", "{m}");
+            assert!(b.get("metadata").is_none(), "{m}");
         }
+        // A filesystem-only pause is resumed by connect alone (E2B's): not with autoResume.
+        let both = new(
+            json!({"templateID": "base", "autoPause": true, "autoPauseMemory": false,
+                              "autoResume": {"enabled": true}}),
+        );
+        let r = node_create_body(&both, 0, true).unwrap_err();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        // autoResume keeps the timeout an auto-resume gives again; maskRequestHost the Host.
+        let b = node_create_body(
+            &new(
+                json!({"templateID": "base", "timeout": 42, "autoPause": true,
+                        "autoResume": {"enabled": true},
+                        "network": {"maskRequestHost": "custom.example.com:${PORT}"}}),
+            ),
+            0,
+            true,
+        )
+        .unwrap();
+        assert_eq!(b["metadata"][RESUME_TIMEOUT_KEY], "42");
+        assert_eq!(
+            b["metadata"][PREVIEW_HOST_KEY],
+            "custom.example.com:${PORT}"
+        );
+        sbx_api::parse_sandbox_create(b.to_string().as_bytes()).unwrap();
         // mcp is the SDK's to start: taken.
         let b = new(json!({"templateID": "base", "mcp": {"x": {}}}));
         assert!(node_create_body(&b, 0, false).is_ok());

@@ -429,7 +429,9 @@ async fn proxy(
         Err(e) => return e2b_error(StatusCode::BAD_GATEWAY, e.message),
     };
     let host = header_str(&req, "host").unwrap_or("localhost").to_string();
-    match sbx_front::upstream::forward_to(req, ns, port, peer, host, None).await {
+    match sbx_front::upstream::forward_to(req, ns, port, peer, host, target.host.clone(), None)
+        .await
+    {
         Ok(r) => r,
         Err(e) => e2b_error(
             StatusCode::BAD_GATEWAY,

@@ -77,6 +77,9 @@ pub struct Forwarded {
     pub client: SocketAddr,
     /// The preview host the client asked for.
     pub host: String,
+    /// The `Host` the service is sent instead (the sandbox's `PreviewTarget::host`); the
+    /// client's stays in `X-Forwarded-Host`.
+    pub masked_host: Option<String>,
     pub proto: &'static str,
     /// Holds the sandbox awake until the answer is sent (or the upgraded connection ends).
     pub held: Option<sbx_node::node::sandbox::sleep::InUse>,
@@ -133,6 +136,9 @@ where
     if let Ok(v) = HeaderValue::from_str(&fwd.host) {
         parts.headers.insert(header::HOST, v.clone());
         parts.headers.insert("x-forwarded-host", v);
+    }
+    if let Some(Ok(v)) = fwd.masked_host.as_deref().map(HeaderValue::from_str) {
+        parts.headers.insert(header::HOST, v);
     }
     let ip = fwd.client.ip().to_string();
     let xff = match parts
@@ -191,13 +197,14 @@ where
 }
 
 /// Forwards `req` to port `port` in the network namespace `ns` names (for the E2B front
-/// end's requests of a sandbox's port).
+/// end's requests of a sandbox's port), with `Host: masked_host` when it is given.
 pub async fn forward_to<B>(
     req: Request<B>,
     ns: std::os::fd::OwnedFd,
     port: u16,
     client: SocketAddr,
     host: String,
+    masked_host: Option<String>,
     held: Option<sbx_node::node::sandbox::sleep::InUse>,
 ) -> Result<Response<Body>, String>
 where
@@ -209,6 +216,7 @@ where
     let fwd = Forwarded {
         client,
         host,
+        masked_host,
         proto: "http",
         held,
     };

@@ -331,6 +331,7 @@ async fn handle(req: Request<Body>, peer: SocketAddr, shared: &Shared) -> Respon
     let fwd = upstream::Forwarded {
         client: peer,
         host,
+        masked_host: target.host.clone(),
         proto: if shared.https { "https" } else { "http" },
         held,
     };

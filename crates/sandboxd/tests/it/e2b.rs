@@ -861,7 +861,10 @@ fn e2b_lists_page_order_and_filter_running_and_paused_sandboxes() {
 
 /// A sandbox's life through E2B's SDK: pause is the node's sleep held asleep (not running,
 /// `paused`, no timeout while paused), connect resumes it, timeouts end it (`is_running()`
-/// false), a killed sandbox's command, `lifecycle` autoPause, what is refused.
+/// false), a killed sandbox's command, `lifecycle` autoPause, a filesystem-only pause (explicit
+/// and at the timeout: files kept, processes gone), `on_resume="reboot"`, an auto-resumed
+/// sandbox that times out and pauses again, `maskRequestHost` (the Host a port is sent through
+/// the preview listener and E2B's sandbox URL), what is refused.
 #[test]
 fn e2b_pause_connect_timeouts_and_kills_are_the_node_s_sleep_and_ends() {
     let (node, e2b, dir) = node();
@@ -881,6 +884,24 @@ fn e2b_file_metadata_symlinks_watch_entries_and_signed_urls() {
     let (node, e2b, dir) = node();
     let out = run_script(&e2b, "files_meta.py");
     eprintln!("{out}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// E2B's npm SDK's own examples of pause and resume (`betaPause`, `pause`, a filesystem-only
+/// `pause({keepMemory: false})`, `connect`), snapshots (`createSnapshot`, a sandbox made from
+/// one, listed, deleted) and forks: a file and a process survive a pause, a filesystem-only
+/// pause keeps the file only, a snapshot's file and process are in the sandbox made from it.
+#[test]
+fn e2b_s_npm_sdk_pauses_snapshots_and_forks_as_its_examples_do() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "lifecycle.mjs");
+    eprintln!("{out}");
+    let bearer = format!("Bearer {KEY}");
+    let r = node.get("/v1/snapshots", &[("Authorization", &bearer)]);
+    let (status, body) = (r.status, r.json());
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"].as_array().map(Vec::len), Some(0), "{body}");
     node.assert_clean(Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -2,6 +2,11 @@
 //! `allow_internet_access`) and while it runs (`PUT /sandboxes/{id}/network`, which replaces
 //! them all: what it leaves out is cleared), put in force by the node's egress rules (a PATCH
 //! of its `egress`: in force for its next connection).
+//!
+//! `network.rules` (E2B's header transforms) stay refused: E2B's carry each header's value
+//! itself, while the node's `egress.inject` takes a named secret of the node (its value holds
+//! `{secret}`, its host checked against the secret's `allowed_hosts`), so serving them would
+//! mean secrets this layer makes and must delete for each sandbox, however it ends.
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};

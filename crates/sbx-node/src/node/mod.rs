@@ -130,7 +130,13 @@ pub struct Node {
     replicas: Option<replica::ReplicaQueue>,
     /// The node's lease with its control plane, and its fence (`lease.rs`).
     lease: lease::NodeLease,
+    /// What a front end does after a request woke a sleeping sandbox (set once: E2B's sets
+    /// the end of an auto-resumed sandbox again).
+    wake_hook: std::sync::OnceLock<WakeHook>,
 }
+
+/// Called with a sandbox's id after a use of it woke it from its sleep (`Node::set_wake_hook`).
+pub type WakeHook = Box<dyn Fn(&Arc<Node>, &str) + Send + Sync>;
 
 pub(crate) fn stopping_error() -> ApiError {
     ApiError::new(
@@ -249,11 +255,25 @@ impl NodeBuilder {
             volumes,
             replicas: self.replicas.map(replica::ReplicaQueue::new),
             lease: lease::NodeLease::new(self.leased),
+            wake_hook: std::sync::OnceLock::new(),
         }))
     }
 }
 
 impl Node {
+    /// Sets what is done after a use of a sandbox (a request to one of its ports, a call of
+    /// the API) woke it from its sleep; false when one was set already.
+    pub fn set_wake_hook(&self, hook: WakeHook) -> bool {
+        self.wake_hook.set(hook).is_ok()
+    }
+
+    /// Runs the wake hook, if any, for sandbox `id`.
+    pub(crate) fn woken_by_use(self: &Arc<Self>, id: &str) {
+        if let Some(h) = self.wake_hook.get() {
+            h(self, id);
+        }
+    }
+
     /// Gives back sandbox `id`'s network namespace, if it has one (after its processes are
     /// gone).
     pub(crate) fn release_net(&self, id: &str) {

@@ -141,8 +141,15 @@ pub struct PreviewTarget {
     pub id: String,
     /// The port is public: no credential is needed.
     pub public: bool,
+    /// The `Host` the sandbox's port is sent instead of the request's: its metadata
+    /// `sbx.preview_host`, `${PORT}` replaced by the port (E2B's `maskRequestHost`).
+    pub host: Option<String>,
     token: Option<SandboxToken>,
 }
+
+/// The metadata key of a sandbox whose ports are sent another `Host` than the request's
+/// ([`PreviewTarget::host`]).
+pub const PREVIEW_HOST_KEY: &str = "sbx.preview_host";
 
 impl PreviewTarget {
     /// Whether `given` is the sandbox's token (constant time; a sandbox of an older node has
@@ -202,6 +209,11 @@ impl Node {
         Ok(PreviewTarget {
             id: m.id.clone(),
             public: port_is_public(&m.spec, port),
+            host: m
+                .spec
+                .metadata
+                .get(PREVIEW_HOST_KEY)
+                .map(|h| h.replace("${PORT}", &port.to_string())),
             token: m.spec.token.clone(),
         })
     }

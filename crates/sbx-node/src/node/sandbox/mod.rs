@@ -13,7 +13,7 @@ mod output;
 pub mod sleep;
 mod snapshot;
 
-pub use access::{PreviewSettings, PreviewTarget, SandboxToken, TOKEN_PREFIX};
+pub use access::{PreviewSettings, PreviewTarget, SandboxToken, PREVIEW_HOST_KEY, TOKEN_PREFIX};
 pub(crate) use egress::egress_of;
 pub use exec::Attached;
 use exec::*;

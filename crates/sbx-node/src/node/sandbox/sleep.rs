@@ -222,7 +222,9 @@ impl Node {
                         format!("sandbox {} is paused: a call of the API wakes it", m.id),
                     ));
                 }
-                self.wake_managed(m).await?;
+                if self.wake_managed(m).await? {
+                    self.woken_by_use(&m.id);
+                }
             }
             {
                 let mut idle = m.idle.locked();
@@ -524,11 +526,11 @@ impl Node {
         }
     }
 
-    /// Wakes `m` where it was (nothing if it does not sleep).
-    pub(crate) async fn wake_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<(), ApiError> {
+    /// Wakes `m` where it was (nothing if it does not sleep); true when this woke it.
+    pub(crate) async fn wake_managed(self: &Arc<Self>, m: &Arc<Managed>) -> Result<bool, ApiError> {
         let _op = m.op.lock().await;
         if m.status() != SandboxStatus::Sleeping {
-            return Ok(());
+            return Ok(false);
         }
         // Released (or being released) to another node: not woken here.
         self.refuse_wake_if_moving(m)?;
@@ -536,7 +538,7 @@ impl Node {
         m.idle.locked().changing = true;
         let r = self.wake_locked(m, ck).await;
         m.idle.locked().changing = false;
-        r
+        r.map(|()| true)
     }
 
     async fn wake_locked(
@@ -673,6 +675,15 @@ impl Node {
         }
         self.set_held(&m, false)?;
         Ok(asleep)
+    }
+
+    /// Boots sandbox `id` again over its disk (the node's restart: what ran in it, or what
+    /// its sleep saved, is gone) and lifts its hold: E2B's resume of a filesystem-only pause.
+    pub async fn reboot_and_release(self: &Arc<Self>, id: &str) -> Result<SandboxObject, ApiError> {
+        let o = self.restart_sandbox(id).await?;
+        let m = self.managed(id)?;
+        self.set_held(&m, false)?;
+        Ok(o)
     }
 
     /// Sets `held_asleep` of `m`, kept across restarts.
