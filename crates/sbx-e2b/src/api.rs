@@ -7,7 +7,8 @@
 //! (`fork.rs`), metrics over time (`metrics.rs`) and network updates (`network.rs`) are the
 //! node's snapshots, forks, cgroups and egress rules. What the node does not do (a
 //! filesystem-only pause, volumes, IAM, templates built through the API) is refused with a
-//! message that says so.
+//! message that says so. Templates built through E2B's API (`templates.rs`) are snapshots
+//! of a build's sandbox.
 
 // A refusal here is the answer itself (E2B's error body), made once per request: returned
 // as it is rather than boxed.
@@ -48,6 +49,10 @@ mod fork;
 mod metrics;
 mod network;
 mod snapshots;
+mod templates;
+
+pub use templates::Builds;
+pub(crate) use templates::Defaults as TemplateDefaults;
 
 pub fn router(node: Arc<Node>) -> Router {
     let (metrics_one, metrics_many) = metrics::routes(&node);
@@ -71,12 +76,17 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/sandboxes/{id}/logs", get(not_yet_logs))
         .route("/v2/sandboxes/{id}/logs", get(not_yet_logs))
         .route("/templates", any(not_yet_templates))
-        .route("/templates/{*rest}", snapshots::templates_route())
+        .route("/templates/{*rest}", any(templates::dispatch))
         .route("/v2/templates", any(not_yet_templates))
-        .route("/v2/templates/{*rest}", any(not_yet_templates))
-        .route("/v3/templates", any(not_yet_templates))
+        .route("/v2/templates/{*rest}", any(templates::v2))
+        .route(
+            "/v3/templates",
+            post(templates::request_build).fallback(not_yet_templates),
+        )
         .route("/v3/templates/{*rest}", any(not_yet_templates))
+        .route("/e2b-uploads/{hash}", put(templates::upload))
         .fallback(not_served)
+        .layer(axum::Extension(Arc::new(Builds::new())))
         .with_state(node)
 }
 
@@ -220,8 +230,8 @@ async fn not_yet_logs() -> Response {
 
 async fn not_yet_templates() -> Response {
     not_served_yet(
-        "building templates through E2B's API (a templateID is an OCI image reference or \
-         a template key of the node: POST /internal/templates of its own API builds one)",
+        "this call about templates (a node builds them, gives their status and tags, and \
+         deletes them; it does not list or update them)",
     )
 }
 
@@ -451,7 +461,15 @@ const TEMPLATE_KEY: &str = "e2b.template";
 fn user_metadata(o: &SandboxObject) -> BTreeMap<String, String> {
     o.metadata
         .iter()
-        .filter(|(k, _)| k.as_str() != TEMPLATE_KEY)
+        .filter(|(k, _)| {
+            ![
+                TEMPLATE_KEY,
+                templates::USER_KEY,
+                templates::WORKDIR_KEY,
+                templates::ENV_KEY,
+            ]
+            .contains(&k.as_str())
+        })
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
@@ -570,24 +588,34 @@ async fn wait_running(node: &Arc<Node>, id: &str) -> Result<SandboxObject, Strin
 }
 
 async fn create(State(node): St, body: Bytes) -> Response {
-    let n: NewSandbox = match parse_body(&body) {
+    let mut n: NewSandbox = match parse_body(&body) {
         Ok(n) => n,
         Err(r) => return r,
     };
     let can_pause = node.checkpointer().is_ok();
+    // A template built through E2B's API (by name, `name:tag` or id): its snapshot, and the
+    // defaults its steps set for envd's commands.
+    let asked = n.template_id.trim().to_string();
+    let built = templates::resolve(&node, &asked);
+    if let Some(r) = &built {
+        n.template_id = r.snapshot_id.clone();
+    }
     let mut create_body = match node_create_body(&n, crate::image::now_ns(), can_pause) {
         Ok(b) => b,
         Err(r) => return r,
     };
     // The template as E2B named it, for the answers (kept with the sandbox).
     if let Some(obj) = create_body.as_object_mut() {
-        let t = n.template_id.trim();
+        let t = asked.as_str();
         if !matches!(t, "" | "base") {
             let meta = obj
                 .entry("metadata")
                 .or_insert_with(|| Value::Object(Map::new()));
             if let Some(m) = meta.as_object_mut() {
                 m.insert(TEMPLATE_KEY.into(), json!(t));
+                for (k, v) in built.iter().flat_map(|r| r.defaults.metadata()) {
+                    m.insert(k, json!(v));
+                }
             }
         }
     }
