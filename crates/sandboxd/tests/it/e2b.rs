@@ -910,6 +910,31 @@ fn e2b_templates_build_on_the_node_s_sandboxes_and_snapshots() {
         Some(2),
         "one snapshot per built template"
     );
+    // Names and tags are the node's store's: a restarted node still makes sandboxes of them.
+    let mut node = node;
+    node.stop();
+    node.restart();
+    let alias = format!("http://{e2b}/templates/aliases/{}", names[0]);
+    let (status, body) = call("GET", &alias, &[("X-API-KEY", KEY)], None);
+    assert_eq!(status, 200, "{body}");
+    let create = format!(r#"{{"templateID": "{}:prod", "timeout": 60}}"#, names[1]);
+    let (status, body) = call(
+        "POST",
+        &format!("http://{e2b}/v2/sandboxes"),
+        &[("X-API-KEY", KEY), ("Content-Type", "application/json")],
+        Some(&create),
+    );
+    assert_eq!(status, 201, "{body}");
+    let made: Value = serde_json::from_str(&body).unwrap();
+    let id = made["sandboxID"].as_str().unwrap();
+    assert_eq!(made["templateID"], format!("{}:prod", names[1]), "{body}");
+    let (status, body) = call(
+        "DELETE",
+        &format!("http://{e2b}/sandboxes/{id}"),
+        &[("X-API-KEY", KEY)],
+        None,
+    );
+    assert_eq!(status, 204, "{body}");
     for n in &names {
         let url = format!("http://{e2b}/templates/{n}");
         let (status, body) = call("DELETE", &url, &[("X-API-KEY", KEY)], None);
