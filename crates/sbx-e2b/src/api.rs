@@ -814,7 +814,12 @@ fn all_listed(node: &Node, metadata: Vec<(String, String)>) -> Vec<SandboxObject
             cursor: cursor.take(),
         };
         let (list, next) = node.list_sandboxes(&q);
-        out.extend(list.into_iter().filter(|o| state_of(o).is_some()));
+        // A template's build sandbox is the build's, not listed.
+        out.extend(
+            list.into_iter().filter(|o| {
+                state_of(o).is_some() && !o.metadata.contains_key(templates::BUILD_KEY)
+            }),
+        );
         match next {
             Some(n) => cursor = Some(n),
             None => return out,

@@ -106,6 +106,13 @@ try:
     binfo = Template.build_in_background(bg, f"{bg_name}:v1")
     st = Template.get_build_status(binfo)
     check("a background build is building", st.status.value == "building", str(st.status))
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(
+        "[builder" in e.message for e in Template.get_build_status(binfo, logs_offset=0).log_entries
+    ):
+        time.sleep(0.2)
+    listed = Sandbox.list().next_items()
+    check("its sandbox, running its steps, is not listed", listed == [], str(listed))
     deadline = time.time() + 120
     while st.status.value == "building" and time.time() < deadline:
         time.sleep(0.5)

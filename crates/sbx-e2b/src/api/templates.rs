@@ -43,8 +43,14 @@ pub(super) const DEFAULT_TAG: &str = "default";
 pub(crate) const USER_KEY: &str = "e2b.user";
 pub(crate) const WORKDIR_KEY: &str = "e2b.workdir";
 pub(crate) const ENV_KEY: &str = "e2b.env";
+/// The metadata key of a build's sandbox (its build id): not listed by E2B's lists.
+pub(crate) const BUILD_KEY: &str = "e2b.build";
 /// The most log entries a status answer holds (E2B's page).
 const LOG_PAGE: usize = 100;
+/// The most log entries a build keeps (then one saying so, and no more).
+const MAX_LOGS: usize = 20_000;
+/// The most builds kept in memory: the oldest ended ones are forgotten past it.
+const MAX_BUILDS: usize = 256;
 /// The largest upload of a `copy`'s files.
 const MAX_UPLOAD: u64 = 4 << 30;
 /// Names that are the node's own templates, never a build's.
@@ -180,19 +186,28 @@ pub(super) struct Build {
     pub template_id: String,
     pub name: String,
     pub tags: Vec<String>,
+    asked_ns: i128,
     state: Mutex<BuildState>,
 }
 
 impl Build {
     /// A line of the build's log.
     pub(super) fn log(&self, level: &'static str, step: Option<&str>, message: impl Into<String>) {
-        let e = LogEntry {
+        let mut s = self.state.locked();
+        let (level, message) = match s.logs.len() {
+            n if n < MAX_LOGS => (level, message.into()),
+            n if n == MAX_LOGS => (
+                "warn",
+                format!("more than {MAX_LOGS} lines of log: the rest is not kept"),
+            ),
+            _ => return,
+        };
+        s.logs.push(LogEntry {
             at_ns: crate::image::now_ns(),
             level,
-            message: message.into(),
+            message,
             step: step.map(str::to_string),
-        };
-        self.state.locked().logs.push(e);
+        });
     }
 
     fn set(&self, status: Status, reason: Option<Reason>) {
@@ -441,13 +456,28 @@ pub(super) async fn request_build(State(_node): St, Extension(b): Shared, body: 
         template_id: template_id_of(name),
         name: name.to_string(),
         tags: tags.clone(),
+        asked_ns: crate::image::now_ns(),
         state: Mutex::new(BuildState {
             status: Status::Waiting,
             logs: Vec::new(),
             reason: None,
         }),
     });
-    b.builds.locked().insert(build.id.clone(), build.clone());
+    {
+        let mut all = b.builds.locked();
+        if all.len() >= MAX_BUILDS {
+            let mut ended: Vec<(i128, String)> = all
+                .values()
+                .filter(|x| matches!(x.state.locked().status, Status::Ready | Status::Error))
+                .map(|x| (x.asked_ns, x.id.clone()))
+                .collect();
+            ended.sort();
+            for (_, id) in ended.iter().take(all.len() + 1 - MAX_BUILDS) {
+                all.remove(id);
+            }
+        }
+        all.insert(build.id.clone(), build.clone());
+    }
     (
         StatusCode::ACCEPTED,
         Json(json!({

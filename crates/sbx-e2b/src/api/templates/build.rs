@@ -108,7 +108,7 @@ pub(super) async fn run(
             ),
         ));
     }
-    let (body, inherited) = source(node, &spec)?;
+    let (body, inherited) = source(node, build, &spec)?;
     let from = spec
         .from_template
         .as_deref()
@@ -233,7 +233,7 @@ pub(super) async fn run(
 
 /// The node's create of the build's sandbox, and the defaults of the template it goes on
 /// from (`None`: an image, E2B's defaults).
-fn source(node: &Node, spec: &Start) -> Result<(Value, Option<Defaults>), Failure> {
+fn source(node: &Node, build: &Build, spec: &Start) -> Result<(Value, Option<Defaults>), Failure> {
     let mut body = Map::new();
     let mut inherited = None;
     if spec
@@ -283,7 +283,7 @@ fn source(node: &Node, spec: &Start) -> Result<(Value, Option<Defaults>), Failur
             crate::image::now_ns() + SANDBOX_LIFE.as_nanos() as i128
         )),
     );
-    body.insert("metadata".into(), json!({ "e2b.build": "true" }));
+    body.insert("metadata".into(), json!({ super::BUILD_KEY: build.id }));
     Ok((Value::Object(body), inherited))
 }
 
