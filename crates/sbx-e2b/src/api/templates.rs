@@ -13,7 +13,8 @@
 //! `copy` uploads: `GET /templates/{id}/files/{hash}` answers a URL of this listener
 //! (`PUT /e2b-uploads/{hash}?token=…`, the token a hash of the listener's secret and the files'
 //! hash: the SDK sends no key there), the tar kept in `<data>/e2b-uploads/<hash>` and said
-//! `present` to a later build of the same files: the one cache the node has.
+//! `present` to a later build of the same files (the one cache the node has) for a day after
+//! it was last written or used.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -422,13 +423,38 @@ struct BuildRequest {
     min_free_disk_mb: Option<u64>,
 }
 
+/// How long an upload is kept after it was last written or used.
+const UPLOAD_KEPT: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// Removes the uploads not written or used for [`UPLOAD_KEPT`] (and uploads cut off).
+async fn tidy_uploads(dir: std::path::PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > UPLOAD_KEPT);
+            if old {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    })
+    .await;
+}
+
 /// `POST /v3/templates {name, tags}`: a build of `name` (`name:tag` names its tag), 202 with
 /// its ids. The steps come with `POST /v2/templates/{id}/builds/{buildID}`.
-pub(super) async fn request_build(State(_node): St, Extension(b): Shared, body: Bytes) -> Response {
+pub(super) async fn request_build(State(node): St, Extension(b): Shared, body: Bytes) -> Response {
     let r: BuildRequest = match parse_body(&body) {
         Ok(r) => r,
         Err(resp) => return resp,
     };
+    tidy_uploads(node.cfg.data_dir.join(UPLOADS)).await;
     let Some(full) = r.name.or(r.alias).filter(|n| !n.trim().is_empty()) else {
         return e2b_error(StatusCode::BAD_REQUEST, "name: name the template");
     };
@@ -681,7 +707,13 @@ fn upload_link(
         .get(axum::http::header::HOST)
         .and_then(|h| h.to_str().ok())
         .unwrap_or("127.0.0.1");
-    let present = node.cfg.data_dir.join(UPLOADS).join(hash).is_file();
+    // A use keeps it another day.
+    let path = node.cfg.data_dir.join(UPLOADS).join(hash);
+    let present = std::fs::File::options()
+        .append(true)
+        .open(&path)
+        .and_then(|f| f.set_modified(std::time::SystemTime::now()))
+        .is_ok();
     (
         StatusCode::CREATED,
         Json(json!({
