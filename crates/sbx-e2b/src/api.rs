@@ -461,15 +461,7 @@ const TEMPLATE_KEY: &str = "e2b.template";
 fn user_metadata(o: &SandboxObject) -> BTreeMap<String, String> {
     o.metadata
         .iter()
-        .filter(|(k, _)| {
-            ![
-                TEMPLATE_KEY,
-                templates::USER_KEY,
-                templates::WORKDIR_KEY,
-                templates::ENV_KEY,
-            ]
-            .contains(&k.as_str())
-        })
+        .filter(|(k, _)| k.as_str() != TEMPLATE_KEY && !templates::Defaults::is_key(k))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
@@ -596,9 +588,12 @@ async fn create(State(node): St, body: Bytes) -> Response {
     // A template built through E2B's API (by name, `name:tag` or id): its snapshot, and the
     // defaults its steps set for envd's commands.
     let asked = n.template_id.trim().to_string();
-    let built = templates::resolve(&node, &asked);
-    if let Some(r) = &built {
+    let mut built = templates::resolve(&node, &asked);
+    if let Some(r) = &mut built {
         n.template_id = r.snapshot_id.clone();
+        // The create's envVars are those of its commands (E2B's: the start command runs
+        // already), over the template's.
+        r.defaults.env.extend(n.env_vars.take().unwrap_or_default());
     }
     let mut create_body = match node_create_body(&n, crate::image::now_ns(), can_pause) {
         Ok(b) => b,

@@ -43,7 +43,7 @@ try:
         .from_base_image()
         .copy("data/*", "data/")
         .run_cmd("cat data/hello.txt && echo built-$((6*7))")
-        .set_envs({"GREETING": "hi there"})
+        .set_envs({"GREETING": "hi there", "LONG": "y" * 3000})
         .set_workdir("/app")
         .run_cmd("echo served > marker.txt && pwd")
         .set_start_cmd(
@@ -61,7 +61,7 @@ try:
     check("base exists", Template.exists("base"))
     check("an unknown name does not", not Template.exists(f"nope-{suffix}"))
 
-    s = Sandbox.create(name, timeout=120)
+    s = Sandbox.create(name, timeout=120, envs={"EXTRA": "from the create"})
     made.append(s)
     copied = s.files.read("/home/user/data/hello.txt")
     check("a sandbox of it has the copied file", copied == f"hello from the context {suffix}\n", copied)
@@ -69,6 +69,10 @@ try:
     check("its commands run in the template's workdir", r.stdout.strip() == "/app", r.stdout)
     r = s.commands.run('echo "$GREETING"')
     check("with the template's env", r.stdout.strip() == "hi there", r.stdout)
+    r = s.commands.run('printf %s "$LONG" | wc -c')
+    check("a long one too", r.stdout.strip() == "3000", r.stdout)
+    r = s.commands.run('echo "$EXTRA"')
+    check("and the create's", r.stdout.strip() == "from the create", r.stdout)
     r = s.commands.run("curl -s http://127.0.0.1:8123/marker.txt")
     check("the start command runs in it", r.stdout.strip() == "served", r.stdout)
     r = s.commands.run("whoami")

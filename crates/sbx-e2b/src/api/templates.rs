@@ -46,6 +46,8 @@ pub(crate) const WORKDIR_KEY: &str = "e2b.workdir";
 pub(crate) const ENV_KEY: &str = "e2b.env";
 /// The metadata key of a build's sandbox (its build id): not listed by E2B's lists.
 pub(crate) const BUILD_KEY: &str = "e2b.build";
+/// The longest value of a sandbox's metadata the node takes (sbx-api's limit).
+const MAX_VALUE_CHARS: usize = 1024;
 /// The most log entries a status answer holds (E2B's page).
 const LOG_PAGE: usize = 100;
 /// The most log entries a build keeps (then one saying so, and no more).
@@ -89,11 +91,35 @@ impl Defaults {
         Defaults {
             user: m.get(USER_KEY).cloned(),
             workdir: m.get(WORKDIR_KEY).cloned(),
-            env: m
-                .get(ENV_KEY)
-                .and_then(|e| serde_json::from_str(e).ok())
-                .unwrap_or_default(),
+            env: serde_json::from_str(&Defaults::env_text(m)).unwrap_or_default(),
         }
+    }
+
+    /// The env's JSON as the metadata keeps it: `e2b.env`, then `e2b.env.1`, `e2b.env.2`…
+    /// (a value is at most [`MAX_VALUE_CHARS`] characters).
+    fn env_text(m: &BTreeMap<String, String>) -> String {
+        let mut text = match m.get(ENV_KEY) {
+            Some(t) => t.clone(),
+            None => return String::new(),
+        };
+        for i in 1.. {
+            match m.get(&format!("{ENV_KEY}.{i}")) {
+                Some(t) => text.push_str(t),
+                None => break,
+            }
+        }
+        text
+    }
+
+    /// Whether `key` is one of the metadata keys of a template's defaults.
+    pub(crate) fn is_key(key: &str) -> bool {
+        key == USER_KEY
+            || key == WORKDIR_KEY
+            || key == ENV_KEY
+            || key
+                .strip_prefix(ENV_KEY)
+                .and_then(|r| r.strip_prefix('.'))
+                .is_some_and(|n| n.parse::<u32>().is_ok())
     }
 
     /// As metadata of a sandbox made from the template.
@@ -106,7 +132,14 @@ impl Defaults {
             m.push((WORKDIR_KEY.to_string(), w.clone()));
         }
         if !self.env.is_empty() {
-            m.push((ENV_KEY.to_string(), json!(self.env).to_string()));
+            let text: Vec<char> = json!(self.env).to_string().chars().collect();
+            for (i, part) in text.chunks(MAX_VALUE_CHARS).enumerate() {
+                let key = match i {
+                    0 => ENV_KEY.to_string(),
+                    i => format!("{ENV_KEY}.{i}"),
+                };
+                m.push((key, part.iter().collect()));
+            }
         }
         m
     }
@@ -959,6 +992,21 @@ mod tests {
         };
         let m: BTreeMap<String, String> = d.metadata().into_iter().collect();
         assert_eq!(Defaults::of_metadata(&m), d);
+        // A long env goes in several values, each within the node's limit.
+        let long = Defaults {
+            env: (0..100)
+                .map(|i| (format!("VAR_{i}"), "x".repeat(40)))
+                .collect(),
+            ..d.clone()
+        };
+        let meta = long.metadata();
+        assert!(meta.len() > 4, "{}", meta.len());
+        assert!(meta
+            .iter()
+            .all(|(k, v)| Defaults::is_key(k) && v.chars().count() <= 1024));
+        let m: BTreeMap<String, String> = meta.into_iter().collect();
+        assert_eq!(Defaults::of_metadata(&m), long);
+        assert!(!Defaults::is_key("e2b.envx") && !Defaults::is_key("e2b.env.x"));
         assert_eq!(Defaults::of_metadata(&BTreeMap::new()), Defaults::default());
     }
 }
