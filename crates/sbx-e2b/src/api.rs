@@ -7,7 +7,8 @@
 //! E2B's field names, statuses and error body `{code, message}`. Snapshots (`snapshots.rs`), forks
 //! (`fork.rs`), metrics over time (`metrics.rs`) and network updates (`network.rs`) are the
 //! node's snapshots, forks, cgroups and egress rules. What the node does not do (volumes,
-//! IAM, templates built through the API) is refused with a message that says so.
+//! IAM) is refused with a message that says so. Templates built through E2B's API
+//! (`templates.rs`) are snapshots of a build's sandbox.
 
 // A refusal here is the answer itself (E2B's error body), made once per request: returned
 // as it is rather than boxed.
@@ -50,6 +51,10 @@ mod fork;
 mod metrics;
 mod network;
 mod snapshots;
+mod templates;
+
+pub use templates::Builds;
+pub(crate) use templates::Defaults as TemplateDefaults;
 
 pub fn router(node: Arc<Node>) -> Router {
     // An auto-resumed sandbox (woken by a request) times out again: E2B's timeout after an
@@ -88,12 +93,17 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/sandboxes/{id}/logs", get(not_yet_logs))
         .route("/v2/sandboxes/{id}/logs", get(not_yet_logs))
         .route("/templates", any(not_yet_templates))
-        .route("/templates/{*rest}", snapshots::templates_route())
+        .route("/templates/{*rest}", any(templates::dispatch))
         .route("/v2/templates", any(not_yet_templates))
-        .route("/v2/templates/{*rest}", any(not_yet_templates))
-        .route("/v3/templates", any(not_yet_templates))
+        .route("/v2/templates/{*rest}", any(templates::v2))
+        .route(
+            "/v3/templates",
+            post(templates::request_build).fallback(not_yet_templates),
+        )
         .route("/v3/templates/{*rest}", any(not_yet_templates))
+        .route("/e2b-uploads/{hash}", put(templates::upload))
         .fallback(not_served)
+        .layer(axum::Extension(Arc::new(Builds::new())))
         .with_state(node)
 }
 
@@ -268,8 +278,8 @@ async fn not_yet_logs() -> Response {
 
 async fn not_yet_templates() -> Response {
     not_served_yet(
-        "building templates through E2B's API (a templateID is an OCI image reference or \
-         a template key of the node: POST /internal/templates of its own API builds one)",
+        "this call about templates (a node builds them, gives their status and tags, and \
+         deletes them; it does not list or update them)",
     )
 }
 
@@ -544,7 +554,7 @@ const KEPT_KEYS: [&str; 4] = [
 fn user_metadata(o: &SandboxObject) -> BTreeMap<String, String> {
     o.metadata
         .iter()
-        .filter(|(k, _)| !KEPT_KEYS.contains(&k.as_str()))
+        .filter(|(k, _)| !KEPT_KEYS.contains(&k.as_str()) && !templates::Defaults::is_key(k))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
@@ -663,24 +673,37 @@ async fn wait_running(node: &Arc<Node>, id: &str) -> Result<SandboxObject, Strin
 }
 
 async fn create(State(node): St, body: Bytes) -> Response {
-    let n: NewSandbox = match parse_body(&body) {
+    let mut n: NewSandbox = match parse_body(&body) {
         Ok(n) => n,
         Err(r) => return r,
     };
     let can_pause = node.checkpointer().is_ok();
+    // A template built through E2B's API (by name, `name:tag` or id): its snapshot, and the
+    // defaults its steps set for envd's commands.
+    let asked = n.template_id.trim().to_string();
+    let mut built = templates::resolve(&node, &asked);
+    if let Some(r) = &mut built {
+        n.template_id = r.snapshot_id.clone();
+        // The create's envVars are those of its commands (E2B's: the start command runs
+        // already), over the template's.
+        r.defaults.env.extend(n.env_vars.take().unwrap_or_default());
+    }
     let mut create_body = match node_create_body(&n, crate::image::now_ns(), can_pause) {
         Ok(b) => b,
         Err(r) => return r,
     };
     // The template as E2B named it, for the answers (kept with the sandbox).
     if let Some(obj) = create_body.as_object_mut() {
-        let t = n.template_id.trim();
+        let t = asked.as_str();
         if !matches!(t, "" | "base") {
             let meta = obj
                 .entry("metadata")
                 .or_insert_with(|| Value::Object(Map::new()));
             if let Some(m) = meta.as_object_mut() {
                 m.insert(TEMPLATE_KEY.into(), json!(t));
+                for (k, v) in built.iter().flat_map(|r| r.defaults.metadata()) {
+                    m.insert(k, json!(v));
+                }
             }
         }
     }
@@ -876,7 +899,12 @@ fn all_listed(node: &Node, metadata: Vec<(String, String)>) -> Vec<SandboxObject
             cursor: cursor.take(),
         };
         let (list, next) = node.list_sandboxes(&q);
-        out.extend(list.into_iter().filter(|o| state_of(o).is_some()));
+        // A template's build sandbox is the build's, not listed.
+        out.extend(
+            list.into_iter().filter(|o| {
+                state_of(o).is_some() && !o.metadata.contains_key(templates::BUILD_KEY)
+            }),
+        );
         match next {
             Some(n) => cursor = Some(n),
             None => return out,

@@ -905,3 +905,73 @@ fn e2b_s_npm_sdk_pauses_snapshots_and_forks_as_its_examples_do() {
     node.assert_clean(Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+// ---- Templates built through E2B's API (issue #30) ----
+
+/// E2B's `Template` on the node's sandboxes, exec, files and snapshots: a build from the base
+/// (copy, run_cmd, env, workdir, a start command and its ready check) under a name, `exists`,
+/// a sandbox of it that sees the copied file, the workdir, the env and the started server; a
+/// failing step's error with its log; a background build polled to ready; tags. Deleting the
+/// templates by name (`DELETE /templates/{name}`) deletes their snapshots.
+#[test]
+fn e2b_templates_build_on_the_node_s_sandboxes_and_snapshots() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "templates.py");
+    eprintln!("{out}");
+    let names: Vec<&str> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("names: "))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    assert_eq!(names.len(), 2, "{out}");
+    let bearer = format!("Bearer {KEY}");
+    let r = node.get("/v1/snapshots", &[("Authorization", &bearer)]);
+    assert_eq!(
+        r.json()["data"].as_array().map(Vec::len),
+        Some(2),
+        "one snapshot per built template"
+    );
+    // Names and tags are the node's store's: a restarted node still makes sandboxes of them.
+    let mut node = node;
+    node.stop();
+    node.restart();
+    let alias = format!("http://{e2b}/templates/aliases/{}", names[0]);
+    let (status, body) = call("GET", &alias, &[("X-API-KEY", KEY)], None);
+    assert_eq!(status, 200, "{body}");
+    let create = format!(r#"{{"templateID": "{}:prod", "timeout": 60}}"#, names[1]);
+    let (status, body) = call(
+        "POST",
+        &format!("http://{e2b}/v2/sandboxes"),
+        &[("X-API-KEY", KEY), ("Content-Type", "application/json")],
+        Some(&create),
+    );
+    assert_eq!(status, 201, "{body}");
+    let made: Value = serde_json::from_str(&body).unwrap();
+    let id = made["sandboxID"].as_str().unwrap();
+    assert_eq!(made["templateID"], format!("{}:prod", names[1]), "{body}");
+    let (status, body) = call(
+        "DELETE",
+        &format!("http://{e2b}/sandboxes/{id}"),
+        &[("X-API-KEY", KEY)],
+        None,
+    );
+    assert_eq!(status, 204, "{body}");
+    for n in &names {
+        let url = format!("http://{e2b}/templates/{n}");
+        let (status, body) = call("DELETE", &url, &[("X-API-KEY", KEY)], None);
+        assert_eq!(status, 204, "{body}");
+        let (status, _) = call("DELETE", &url, &[("X-API-KEY", KEY)], None);
+        assert_eq!(status, 404, "deleted once");
+        let alias = format!("http://{e2b}/templates/aliases/{n}");
+        let (status, _) = call("GET", &alias, &[("X-API-KEY", KEY)], None);
+        assert_eq!(status, 404, "its name is gone");
+    }
+    let r = node.get("/v1/snapshots", &[("Authorization", &bearer)]);
+    assert_eq!(r.json()["data"].as_array().map(Vec::len), Some(0));
+    // An upload URL is the node's only with its token.
+    let bad = format!("http://{e2b}/e2b-uploads/{}?token=00", "ab".repeat(32));
+    let (status, _) = call_bytes("PUT", &bad, &[], b"x");
+    assert_eq!(status, 403);
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}

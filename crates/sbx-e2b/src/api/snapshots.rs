@@ -12,7 +12,6 @@ use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::MethodRouter;
 use axum::Json;
 use sbx_api::{ErrorCode, SnapshotObject};
 use serde::Deserialize;
@@ -212,8 +211,10 @@ pub(super) async fn list(State(node): St, RawQuery(q): RawQuery) -> Response {
 }
 
 /// `DELETE /templates/{id}` of a snapshot (by its id or E2B's name): 204, 404 when there is
-/// none. Templates are the node's images, not deleted through E2B's API: 501.
-async fn delete(State(node): St, Path(id): Path<String>) -> Response {
+/// none (a template built through E2B's API is deleted by `templates.rs` first). The node's
+/// own templates (`img-…`) are not deleted through E2B's API: 501.
+pub(super) async fn delete(node: &std::sync::Arc<Node>, id: &str) -> Response {
+    let id = id.to_string();
     let found = node
         .get_snapshot(&id)
         .ok()
@@ -236,11 +237,6 @@ async fn delete(State(node): St, Path(id): Path<String>) -> Response {
         ),
         Err(e) => api_error(e),
     }
-}
-
-/// `/templates/{*rest}`: DELETE of a snapshot; anything else about templates is not served.
-pub(super) fn templates_route() -> MethodRouter<std::sync::Arc<Node>> {
-    axum::routing::delete(delete).fallback(super::not_yet_templates)
 }
 
 #[cfg(test)]

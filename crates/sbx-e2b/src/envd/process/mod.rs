@@ -120,22 +120,41 @@ async fn start_process(
     if config.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd: name the program to run"));
     }
+    // A sandbox of a template built through E2B's API: the user, working directory and env
+    // its steps set are the defaults of its commands.
+    let defaults = ctx
+        .node()
+        .sandbox(&ctx.sandbox)
+        .map(|o| crate::api::TemplateDefaults::of(&o))
+        .unwrap_or_default();
+    let named = ctx
+        .user
+        .as_deref()
+        .or(defaults.user.as_deref())
+        .unwrap_or(crate::envd::DEFAULT_USER);
     let run_as = match ctx.node().fs_users(&ctx.sandbox).await {
-        Ok(u) => user::resolve(Some(ctx.user()), &u.users, u.default_user.as_deref())?,
+        Ok(u) => user::resolve(Some(named), &u.users, u.default_user.as_deref())?,
         // An agent that lists no users (older than the node): the name as it is.
         Err(e) if e.code == ErrorCode::Unsupported => user::RunAs {
-            user: Some(ctx.user().to_string()),
+            user: Some(named.to_string()),
             home: None,
         },
         Err(e) => return Err(e.into()),
     };
-    let cwd = user::resolve_cwd(config.cwd.as_deref(), run_as.home.as_deref())?;
+    let cwd = match (
+        config.cwd.as_deref().filter(|c| !c.is_empty()),
+        &defaults.workdir,
+    ) {
+        (None, Some(w)) => Some(w.clone()),
+        (c, _) => user::resolve_cwd(c, run_as.home.as_deref())?,
+    };
     let tty = msg.pty.is_some();
     let (rows, cols) = msg.pty.unwrap_or_default().rows_cols();
     let mut argv = vec![config.cmd.clone()];
     argv.extend(config.args.iter().cloned());
     let mut req = ExecRequest::new(Command::Argv(argv));
-    req.env = config.envs.clone();
+    req.env = defaults.env.clone();
+    req.env.extend(config.envs.clone());
     req.cwd = cwd.clone();
     req.user = run_as.user;
     req.timeout = timeout;
