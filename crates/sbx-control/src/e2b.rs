@@ -15,7 +15,9 @@
 //!   and the sandbox's objects in the store). The `domain` of a sandbox in an answer is the
 //!   control plane's preview listener's (null when it has none), so that the SDK's
 //!   `get_host(port)` goes through the control plane too. Anything else goes to a node that
-//!   serves E2B (templates: the nodes answer that they do not serve them).
+//!   serves E2B: templates built through E2B's API are the first such node's. A create of a
+//!   snapshot (`snap-…`) or of a built template (its name or `name:tag`) goes to the node that
+//!   holds it, as does a snapshot's `DELETE /templates/{id}` (`template_holder`).
 //!
 //! Who may call: the node's rules, checked here: without `--api-keys` loopback callers that
 //! name a loopback `Host` only; with keys, E2B's control plane wants one in `X-API-KEY` (or
@@ -283,6 +285,61 @@ async fn handle(
     }
 }
 
+/// The node of `nodes` that holds template `asked` of an E2B create: a snapshot
+/// (`snap-…`, asked of each node's API) or a template built through E2B's API (its name, or
+/// `name:tag`, asked of each node's E2B listener), with the control plane's key. `None` for
+/// what every node serves (the base image, the code interpreter's, an image reference no node
+/// built a template of), or when no node answers that it holds it.
+async fn template_holder<'a>(ctl: &Ctl, nodes: &'a [NodeRow], asked: &str) -> Option<&'a NodeRow> {
+    let asked = asked.trim();
+    if matches!(asked, "" | "base") || asked == "code-interpreter-v1" {
+        return None;
+    }
+    let live: Vec<&NodeRow> = nodes
+        .iter()
+        .filter(|n| n.state != NodeState::Lost)
+        .collect();
+    let snapshot = asked.starts_with("snap-");
+    let name = asked.split(':').next().unwrap_or(asked);
+    if !snapshot && (name.is_empty() || name.contains('/') || name.contains('.')) {
+        // An image reference (a registry's host or a repository path): every node pulls it.
+        return None;
+    }
+    let asks = live.iter().map(|n| {
+        let (url, path) = if snapshot {
+            (
+                Some(n.url.clone()),
+                format!("/v1/snapshots/{}", crate::fleet::escape_segment(asked)),
+            )
+        } else {
+            (
+                n.e2b_url.clone(),
+                format!("/templates/aliases/{}", crate::fleet::escape_segment(name)),
+            )
+        };
+        async move {
+            let url = url?;
+            crate::nodecall::call(
+                &ctl.client,
+                ctl.node_key.as_deref(),
+                &url,
+                Method::GET,
+                &path,
+                None,
+                std::time::Duration::from_secs(5),
+            )
+            .await
+            .ok()
+            .filter(|a| a.ok())
+        }
+    });
+    let answers = join_all(asks).await;
+    live.into_iter()
+        .zip(answers)
+        .find(|(_, a)| a.is_some())
+        .map(|(n, _)| n)
+}
+
 /// The nodes that serve E2B and are not lost.
 async fn e2b_nodes(ctl: &Ctl) -> Result<Vec<NodeRow>, DbError> {
     Ok(ctl
@@ -352,7 +409,22 @@ async fn create(st: &E2bState, rid: &str, req: Request) -> Response {
         Ok(n) => n,
         Err(e) => return db_failed(rid, &e),
     };
-    let node = match place::choose(&nodes, &ctl.extra_load(), None) {
+    // A sandbox of a snapshot, or of a template built through E2B's API, goes to the node
+    // that holds it (each node keeps its own).
+    let asked = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| {
+            v.get("templateID")
+                .and_then(Value::as_str)
+                .map(String::from)
+        })
+        .unwrap_or_default();
+    let held = template_holder(ctl, &nodes, &asked).await;
+    let chosen = match held {
+        Some(n) => Ok(n),
+        None => place::choose(&nodes, &ctl.extra_load(), None),
+    };
+    let node = match chosen {
         Ok(n) => n.clone(),
         Err(why) => {
             return api_error(&ApiError::new(
@@ -684,7 +756,18 @@ async fn any_node(st: &E2bState, rid: &str, req: Request) -> Response {
         Ok(n) => n,
         Err(e) => return db_failed(rid, &e),
     };
-    let Some(node) = nodes.iter().find(|n| n.state != NodeState::Lost) else {
+    // A snapshot's (E2B's `DELETE /templates/{snapshotID}`): its node's.
+    let snapshot = req
+        .uri()
+        .path()
+        .strip_prefix("/templates/")
+        .filter(|id| id.starts_with("snap-") && !id.contains('/'))
+        .map(String::from);
+    let held = match snapshot {
+        Some(id) => template_holder(&st.ctl, &nodes, &id).await,
+        None => None,
+    };
+    let Some(node) = held.or_else(|| nodes.iter().find(|n| n.state != NodeState::Lost)) else {
         return e2b_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "no node that serves E2B (--e2b-listen) is in the fleet",

@@ -297,7 +297,7 @@ async fn snapshot_holder<'a>(
 }
 
 /// A path segment with what is not plain escaped.
-fn escape_segment(s: &str) -> String {
+pub(crate) fn escape_segment(s: &str) -> String {
     let mut out = String::new();
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {

@@ -415,6 +415,42 @@ fn scenario(f: &Fleet) {
     assert_eq!(f.preview_file(&id), "written before the move");
     websocket_echo(f, &id, "after the move");
 
+    // A snapshot of it through the control plane is taken on its node; sandboxes made of the
+    // snapshot go to that node (the one that holds it), whichever is placed first otherwise;
+    // the snapshot's delete goes there too.
+    let e2b_call = |method: &str, path: &str, body: Option<&str>| {
+        f.http.call(
+            method,
+            &format!("http://{}{path}", f.e2b),
+            &[("X-API-KEY", KEY)],
+            body.map(|b| ("application/json", b.as_bytes())),
+        )
+    };
+    let snap = e2b_call("POST", &format!("/sandboxes/{id}/snapshots"), Some("{}"));
+    assert!(snap.status == 201 || snap.status == 200, "{}", snap.text());
+    let snap_id = snap.json()["snapshotID"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(snap_id.starts_with("snap-"), "{}", snap.text());
+    for _ in 0..3 {
+        let made = e2b_call(
+            "POST",
+            "/sandboxes",
+            Some(&json!({"templateID": snap_id, "timeout": 120}).to_string()),
+        );
+        assert_eq!(made.status, 201, "{}", made.text());
+        let new_id = made.json()["sandboxID"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert_eq!(f.sandbox(&new_id)["node"]["name"], other, "{}", made.text());
+        let r = e2b_call("DELETE", &format!("/sandboxes/{new_id}"), None);
+        assert!(r.status == 204 || r.status == 200, "{}", r.text());
+    }
+    let r = e2b_call("DELETE", &format!("/templates/{snap_id}"), None);
+    assert!(r.status == 204 || r.status == 200, "{}", r.text());
+
     // E2B's list through the control plane has it; its detail names the control plane's
     // preview domain.
     let list = f.http.call(
