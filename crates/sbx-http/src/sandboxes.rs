@@ -535,7 +535,7 @@ pub(super) async fn output(
         .iter()
         .map(|(stream, pos, data)| {
             json!({
-                "stream": if *stream == sbx_proto::Stream::Stderr { "stderr" } else { "stdout" },
+                "stream": if *stream == crate::node::output::Stream::Stderr { "stderr" } else { "stdout" },
                 "position": pos,
                 "data": enc.encode(data),
             })

@@ -30,7 +30,6 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "sbx-e2b",
         &[
             "sbx-api",
-            "sbx-proto",
             "sbx-runtime",
             "sbx-node",
             "sbx-front",
@@ -38,13 +37,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("sbx-preview", &["sbx-api", "sbx-node", "sbx-front"]),
-    ("sbx-functions", &["sbx-api", "sbx-proto", "sbx-node"]),
+    ("sbx-functions", &["sbx-api", "sbx-node"]),
     // The HTTP API serves the functions interface's calls (POST /v1/functions/{id}).
     (
         "sbx-http",
         &[
             "sbx-api",
-            "sbx-proto",
             "sbx-image",
             "sbx-node",
             "sbx-front",

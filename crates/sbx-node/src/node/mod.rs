@@ -14,7 +14,7 @@ pub mod net;
 pub mod output;
 pub mod replica;
 mod run;
-pub mod runtime_settings;
+pub(crate) mod runtime_settings;
 pub mod sandbox;
 pub mod templates;
 pub mod terminal;
@@ -92,8 +92,8 @@ struct Table {
 pub struct Node {
     pub cfg: NodeConfig,
     pub store: Arc<crate::store::Store>,
-    pub templates: crate::node::templates::Templates,
-    pub managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
+    pub(crate) templates: crate::node::templates::Templates,
+    pub(crate) managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
     warm: Mutex<Vec<Warm>>,
     /// True while the refiller runs (`warm.rs`); `shutdown` waits for it to turn false.
     refilling: tokio::sync::watch::Sender<bool>,
@@ -115,17 +115,17 @@ pub struct Node {
     /// The node's network (none: every sandbox has `lo` only).
     pub net: Option<Arc<net::NodeNet>>,
     /// The preview listener (none: it is off).
-    pub preview: Option<crate::node::sandbox::PreviewSettings>,
+    pub(crate) preview: Option<crate::node::sandbox::PreviewSettings>,
     /// Whether (and with what) the node checkpoints sandboxes (none: not served).
-    pub checkpoints: Option<checkpoint::Checkpoints>,
+    pub(crate) checkpoints: Option<checkpoint::Checkpoints>,
     /// What tries the `ready.tcp` and `ready.http` checks.
-    pub prober: Arc<dyn crate::probe::Prober>,
+    pub(crate) prober: Arc<dyn crate::probe::Prober>,
     /// The last answer of the health checks (`health.rs`).
     health: health::HealthCache,
     /// Where `max_sandboxes` comes from (`capacity.rs`; none: given as it is).
     pub capacity: Option<capacity::Capacity>,
     /// The node's disk and the runs' volumes (none: no volumes).
-    pub volumes: volume::Volumes,
+    pub(crate) volumes: volume::Volumes,
     /// The fleet's object store that sleeps and snapshots go to (none: not stored).
     replicas: Option<replica::ReplicaQueue>,
     /// The node's lease with its control plane, and its fence (`lease.rs`).

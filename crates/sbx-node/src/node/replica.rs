@@ -47,7 +47,7 @@ use crate::node::Node;
 use crate::sync::LockExt;
 
 /// Uploads running at once, node-wide.
-pub const CONCURRENT: usize = 2;
+pub(crate) const CONCURRENT: usize = 2;
 /// The first wait before a failed upload is tried again; it doubles up to [`BACKOFF_MAX`].
 const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
@@ -154,7 +154,7 @@ impl Drop for DiskRead {
 /// A sandbox's record as each of its sleeps carries it (the part `record-<g>`): what a node
 /// that takes the sandbox over makes its rows of.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SandboxRecord {
+pub(crate) struct SandboxRecord {
     pub id: String,
     pub name: Option<String>,
     /// Its status as the row kept it (`sleeping`: the record is a sleep's).
@@ -175,7 +175,7 @@ pub struct SandboxRecord {
 
 /// A command's row in a [`SandboxRecord`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RecordExec {
+pub(crate) struct RecordExec {
     pub exec_id: String,
     pub command: String,
     pub tty: bool,
@@ -344,7 +344,7 @@ struct State {
 }
 
 /// The node's uploads.
-pub struct ReplicaQueue {
+pub(crate) struct ReplicaQueue {
     replicas: Arc<dyn Replicas>,
     state: Arc<Mutex<State>>,
     permits: Arc<Semaphore>,
@@ -705,14 +705,14 @@ impl Node {
     }
 
     /// The last sleep (or snapshot) of `id` fully stored.
-    pub fn last_stored(&self, id: &str) -> Option<LastStored> {
+    pub(crate) fn last_stored(&self, id: &str) -> Option<LastStored> {
         let q = self.replicas.as_ref()?;
         let st = q.state.locked();
         st.slots.get(id).and_then(|s| s.last.clone())
     }
 
     /// Sandbox `id`'s epoch (1 until it moves).
-    pub fn sandbox_epoch(&self, id: &str) -> u64 {
+    pub(crate) fn sandbox_epoch(&self, id: &str) -> u64 {
         self.store.sandbox_epoch(id).unwrap_or_else(|e| {
             tracing::warn!(sandbox = %id, error = %e, "a sandbox's epoch: 1 taken");
             1
