@@ -100,7 +100,7 @@ pub struct Node {
     /// The warm sandbox the refiller is making (its directory and cgroups exist before it is
     /// ready): the node's own, never a run's leftover.
     warm_making: Mutex<Option<String>>,
-    pub driver: Arc<dyn Driver>,
+    pub(crate) driver: Arc<dyn Driver>,
     pub images: ImageStore,
     table: Mutex<Table>,
     /// Held from a sandbox's capacity check (`max_sandboxes`) to its entry in the table (a
@@ -113,7 +113,7 @@ pub struct Node {
     /// Set when the node stops: no sandbox is made from then on.
     stopping: AtomicBool,
     /// The node's network (none: every sandbox has `lo` only).
-    pub net: Option<Arc<net::NodeNet>>,
+    pub(crate) net: Option<Arc<net::NodeNet>>,
     /// The preview listener (none: it is off).
     pub(crate) preview: Option<crate::node::sandbox::PreviewSettings>,
     /// Whether (and with what) the node checkpoints sandboxes (none: not served).
@@ -276,6 +276,16 @@ impl Node {
             Some(c) => c.info(),
             None => checkpoint::CheckpointsInfo::off("not checked yet"),
         }
+    }
+
+    /// For `GET /internal/node`: where the driver's cgroups are.
+    pub fn cgroups_info(&self) -> Vec<sbx_runtime::cgroup::Placement> {
+        self.driver.placement()
+    }
+
+    /// For `GET /internal/node`: the sandboxes' network (none: the node has none).
+    pub fn net_info(&self) -> Option<net::NetInfo> {
+        self.net.as_ref().map(|net| net.info())
     }
 
     /// Whether sandboxes of the HTTP API have network (the node has one).
