@@ -344,7 +344,7 @@ impl Store {
 
     /// Takes released sandbox `id` back (a reclaim): held again at `epoch`, no longer fenced,
     /// at once.
-    pub fn unfence(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
+    pub(crate) fn unfence(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
         let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
         self.with(|c| {
             let tx = c.unchecked_transaction()?;

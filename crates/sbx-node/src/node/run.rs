@@ -215,7 +215,7 @@ impl Node {
         }
     }
 
-    pub fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
+    pub(crate) fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
         self.teardowns.send_modify(|n| *n += 1);
         // Connections kept for its next call would outlive it (a descriptor each).
         crate::agent::close_idle(&sb.socket);

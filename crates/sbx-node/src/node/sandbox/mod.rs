@@ -380,7 +380,7 @@ impl Managed {
         SandboxStatus::parse(&self.row.locked().status).unwrap_or(SandboxStatus::Failed)
     }
 
-    pub fn boot(&self) -> u32 {
+    pub(crate) fn boot(&self) -> u32 {
         self.row.locked().restarts
     }
 
