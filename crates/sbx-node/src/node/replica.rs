@@ -14,13 +14,13 @@
 //!   the sandbox woken (or slept again) before it read the disk drops that sleep. A snapshot's
 //!   directory (its `images`, `upper`, `execs.json`) is hard-linked the same way, so its
 //!   delete does not cut an upload short. Staging goes once its upload ends.
-//! - **Record.** Each sleep carries the sandbox's record ([`SandboxRecord`]: its row, its
+//! - **Record.** Each sleep carries the sandbox's record (`SandboxRecord`: its row, its
 //!   spec with its token and secret variables in clear (another node's key seals them again),
 //!   its commands' rows, its epoch), taken with the staging (the state of that sleep) into
 //!   `record.json` (mode 0600) and stored as the part `record-<g>`: what a node that takes
 //!   the sandbox over (`sandbox/move_in.rs`) makes it of.
 //! - **Background.** The sleep's answer does not wait. One upload per sandbox at a time; a
-//!   newer sleep supersedes one queued and not started; at most [`CONCURRENT`] uploads run at
+//!   newer sleep supersedes one queued and not started; at most `CONCURRENT` uploads run at
 //!   once. A failed upload is logged and tried again with a backoff (1 s doubling to 60 s) until
 //!   it is stored or superseded; it never fails the sleep.
 //! - **Where.** A sleep at `sandboxes/<id>/e<epoch>/` (the epoch kept with the sandbox's row,
