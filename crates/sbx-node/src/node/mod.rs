@@ -91,7 +91,7 @@ struct Table {
 
 pub struct Node {
     pub cfg: NodeConfig,
-    pub store: Arc<crate::store::Store>,
+    pub(crate) store: Arc<crate::store::Store>,
     pub(crate) templates: crate::node::templates::Templates,
     pub(crate) managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
     warm: Mutex<Vec<Warm>>,
@@ -276,6 +276,33 @@ impl Node {
             Some(c) => c.info(),
             None => checkpoint::CheckpointsInfo::off("not checked yet"),
         }
+    }
+
+    /// Starts a request of the HTTP API with an Idempotency-Key (its records are the node's
+    /// store's: a retry after a restart is answered too).
+    pub fn idem_begin(
+        &self,
+        scope: &str,
+        key: &str,
+        hash: &str,
+    ) -> Result<crate::store::IdemBegin, crate::store::StoreError> {
+        self.store.idem_begin(scope, key, hash)
+    }
+
+    /// Records the answer of a request with an Idempotency-Key.
+    pub fn idem_finish(
+        &self,
+        scope: &str,
+        key: &str,
+        status: u16,
+        body: &str,
+    ) -> Result<(), crate::store::StoreError> {
+        self.store.idem_finish(scope, key, status, body)
+    }
+
+    /// Forgets an Idempotency-Key whose request failed in a way worth trying again.
+    pub fn idem_forget(&self, scope: &str, key: &str) -> Result<(), crate::store::StoreError> {
+        self.store.idem_forget(scope, key)
     }
 
     /// For `GET /internal/node`: where the driver's cgroups are.
