@@ -47,7 +47,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Json<serde_jso
         "max_sandboxes": n.cfg.max_sandboxes,
         "capacity": n.capacity.as_ref(),
         "lease": n.lease_info(),
-        "cgroups": n.driver.placement(),
+        "cgroups": n.cgroups_info(),
         "health": health_info(&n.health()),
         "teardowns": n.pending_teardowns(),
         "warm_pool": {
@@ -56,7 +56,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Json<serde_jso
             "making": n.warm_making(),
         },
         "templates": n.template_objects(),
-        "network": n.net.as_ref().map(|net| net.info()),
+        "network": n.net_info(),
         "checkpoints": n.checkpoints_info(),
         "store": n.replicas_info(),
         "disk_bytes": disk.disk_bytes,

@@ -123,7 +123,7 @@ where
         return Ok((status, Json(v)).into_response());
     };
     let hash = hex(&Sha256::digest(body));
-    match st.node.store.idem_begin(scope, &key, &hash) {
+    match st.node.idem_begin(scope, &key, &hash) {
         Err(e) => {
             tracing::error!(error = %e, "idempotency");
             Err(ApiError::internal().into())
@@ -164,18 +164,14 @@ where
                 }
             };
             if status.is_server_error() || retryable {
-                let _ = st.node.store.idem_forget(scope, &key);
+                let _ = st.node.idem_forget(scope, &key);
             } else {
                 // The record keeps the answer, or the error's body as the edge writes it.
                 let kept = match &r {
                     Ok(v) => v.to_string(),
                     Err(e) => sbx_api::error_body(e, &rid.0, st.docs_url.as_deref()).to_string(),
                 };
-                if let Err(e) = st
-                    .node
-                    .store
-                    .idem_finish(scope, &key, status.as_u16(), &kept)
-                {
+                if let Err(e) = st.node.idem_finish(scope, &key, status.as_u16(), &kept) {
                     tracing::error!(error = %e, "idempotency record");
                 }
             }
@@ -535,7 +531,7 @@ pub(super) async fn output(
         .iter()
         .map(|(stream, pos, data)| {
             json!({
-                "stream": if *stream == sbx_proto::Stream::Stderr { "stderr" } else { "stdout" },
+                "stream": if *stream == crate::node::output::Stream::Stderr { "stderr" } else { "stdout" },
                 "position": pos,
                 "data": enc.encode(data),
             })

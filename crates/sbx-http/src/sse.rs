@@ -8,11 +8,10 @@ use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue};
 use axum::response::Response;
 use sbx_api::{ApiError, Encoding, EventKind};
-use sbx_proto::{OutputCounts, Stream};
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::node::output::Collected;
+use crate::node::output::{Collected, OutputCounts, Stream};
 use crate::node::RunEvent;
 
 pub(super) const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);

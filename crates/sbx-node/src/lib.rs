@@ -8,9 +8,9 @@
 
 #![forbid(unsafe_code)]
 
-pub mod agent;
+pub(crate) mod agent;
 pub mod config;
-pub mod fail;
+pub(crate) mod fail;
 pub mod image;
 pub mod node;
 pub mod probe;

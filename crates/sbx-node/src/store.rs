@@ -316,13 +316,13 @@ impl Store {
     }
 
     /// Whether sandbox `id` is released or forgotten here.
-    pub fn is_moved(&self, id: &str) -> bool {
+    pub(crate) fn is_moved(&self, id: &str) -> bool {
         self.moved.locked().contains_key(id)
     }
 
     /// Records sandbox `id` released (its copy kept, fenced): from now on it is not this
     /// node's.
-    pub fn set_released(&self, row: &MovedRow) -> Result<(), StoreError> {
+    pub(crate) fn set_released(&self, row: &MovedRow) -> Result<(), StoreError> {
         self.with(|c| put_moved(c, row))?;
         self.moved.locked().insert(row.id.clone(), row.clone());
         Ok(())
@@ -344,7 +344,7 @@ impl Store {
 
     /// Takes released sandbox `id` back (a reclaim): held again at `epoch`, no longer fenced,
     /// at once.
-    pub fn unfence(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
+    pub(crate) fn unfence(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
         let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
         self.with(|c| {
             let tx = c.unchecked_transaction()?;
@@ -360,7 +360,7 @@ impl Store {
     }
 
     /// The epoch sandbox `id` is held at (1 for one that is not in the table).
-    pub fn sandbox_epoch(&self, id: &str) -> Result<u64, StoreError> {
+    pub(crate) fn sandbox_epoch(&self, id: &str) -> Result<u64, StoreError> {
         self.with(|c| {
             c.row(
                 "SELECT epoch FROM sandboxes WHERE id=?1",
@@ -373,7 +373,7 @@ impl Store {
     }
 
     /// Sets the epoch sandbox `id` is held at (a takeover's).
-    pub fn set_sandbox_epoch(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
+    pub(crate) fn set_sandbox_epoch(&self, id: &str, epoch: u64) -> Result<(), StoreError> {
         let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
         self.with(|c| {
             c.run(

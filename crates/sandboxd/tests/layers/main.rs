@@ -39,7 +39,6 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "sbx-e2b",
         &[
             "sbx-api",
-            "sbx-proto",
             "sbx-runtime",
             "sbx-node",
             "sbx-front",
@@ -47,13 +46,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("sbx-preview", &["sbx-api", "sbx-node", "sbx-front"]),
-    ("sbx-functions", &["sbx-api", "sbx-proto", "sbx-node"]),
+    ("sbx-functions", &["sbx-api", "sbx-node"]),
     // The HTTP API serves the functions interface's calls (POST /v1/functions/{id}).
     (
         "sbx-http",
         &[
             "sbx-api",
-            "sbx-proto",
             "sbx-image",
             "sbx-node",
             "sbx-front",
@@ -89,6 +87,21 @@ const ALLOWED: &[(&str, &[&str])] = &[
         &["sbx-api", "sbx-client", "sbx-runtime", "sbx-testreg"],
     ),
 ];
+
+/// The front ends and the binary that wires them: they reach sandboxes through the core's
+/// typed verbs (sbx-api's types and the node's own), never the agent's protocol (sbx-proto) or
+/// the node's agent client (`sbx_node::agent`, crate-private). Checked on their manifests (the
+/// table above) and on their sources.
+const FRONT_ENDS: &[&str] = &[
+    "sbx-http",
+    "sbx-e2b",
+    "sbx-preview",
+    "sbx-functions",
+    "sbx-front",
+    "sandboxd",
+];
+/// What a front end's source never names.
+const AGENT_NAMES: &[&str] = &["sbx_proto", "sbx-proto", "node::agent"];
 
 /// Crates that speak HTTP, TLS or serve a front end: never a dependency of these.
 const NO_FRONT: &[&str] = &["sbx-api", "sbx-node", "sbx-proto", "sbx-runtime"];
@@ -200,4 +213,47 @@ fn every_crate_of_the_table_is_a_member() {
         .filter(|n| !members.contains_key(*n))
         .collect();
     assert!(missing.is_empty(), "not members: {missing:?}");
+}
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).expect("a source directory") {
+        let path = e.expect("a directory entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn front_ends_name_no_agent_protocol() {
+    let members = members();
+    let root = workspace_root();
+    let mut broken = Vec::new();
+    for name in FRONT_ENDS {
+        let deps = members.get(*name).expect("a member of the workspace");
+        if deps.contains("sbx-proto") {
+            broken.push(format!("{name} -> sbx-proto"));
+        }
+        let src = root.join("crates").join(name).join("src");
+        let mut files = Vec::new();
+        sources(&src, &mut files);
+        assert!(!files.is_empty(), "no sources under {}", src.display());
+        for f in files {
+            let text = std::fs::read_to_string(&f).expect("a source file");
+            for (i, line) in text.lines().enumerate() {
+                if let Some(n) = AGENT_NAMES.iter().find(|n| line.contains(*n)) {
+                    let at = f.strip_prefix(&root).unwrap_or(&f).display();
+                    broken.push(format!("{at}:{}: names {n}", i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "front ends naming the agent's protocol or client:\n  {}",
+        broken.join("\n  ")
+    );
 }

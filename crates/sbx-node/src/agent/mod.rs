@@ -11,10 +11,9 @@ use crate::sync::LockExt;
 pub mod files;
 pub mod watch;
 
-use sbx_api::exec::{ExecFailKind, ExecStatus};
+use sbx_api::exec::ExecFailKind;
 use sbx_proto::{
-    read_frame, AgentMsg, ExitStatus, Frame, HostMsg, Program, ProtoError, StartFailKind, Stream,
-    PROTO_VERSION,
+    read_frame, AgentMsg, Frame, HostMsg, Program, ProtoError, StartFailKind, Stream, PROTO_VERSION,
 };
 use sbx_runtime::sock::{Conn, ReadHalf, WriteHalf};
 use tokio::io::BufReader;
@@ -28,29 +27,8 @@ pub fn program(c: &sbx_api::Command) -> Program {
     }
 }
 
-/// The HTTP API's status of a command the agent reports ended. The one conversion from the
-/// protocol's status (sbx-api and sbx-proto do not depend on each other, so it lives here).
-pub(crate) fn exec_status(s: ExitStatus) -> ExecStatus {
-    match s {
-        ExitStatus::Exited => ExecStatus::Exited,
-        ExitStatus::TimedOut => ExecStatus::TimedOut,
-        ExitStatus::Killed => ExecStatus::Killed,
-    }
-}
-
-/// The protocol's status of a command the node recorded as ended (a row's final object):
-/// the inverse of [`exec_status`]; `Running`, which an ended command's object never has, reads
-/// as `Exited`.
-pub(crate) fn exit_status(s: ExecStatus) -> ExitStatus {
-    match s {
-        ExecStatus::Exited | ExecStatus::Running => ExitStatus::Exited,
-        ExecStatus::TimedOut => ExitStatus::TimedOut,
-        ExecStatus::Killed => ExitStatus::Killed,
-    }
-}
-
 /// The API's kind of a command the agent could not execute. The one conversion from the
-/// protocol's kind (as [`exec_status`]).
+/// protocol's kind (sbx-api and sbx-proto do not depend on each other, so it lives here).
 pub(crate) fn start_fail_kind(k: StartFailKind) -> ExecFailKind {
     match k {
         StartFailKind::CwdMissing => ExecFailKind::CwdMissing,
@@ -397,21 +375,6 @@ pub async fn signal(socket: &Path, exec_id: &str, signal: i32) -> Result<(), Age
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The agent's status and the HTTP API's are the same words, and the two conversions are
-    /// each other's inverse on ended commands.
-    #[test]
-    fn exit_status_conversions() {
-        for s in [ExitStatus::Exited, ExitStatus::TimedOut, ExitStatus::Killed] {
-            let api = exec_status(s);
-            assert_eq!(
-                serde_json::to_string(&s).unwrap(),
-                format!("\"{}\"", api.as_str())
-            );
-            assert_eq!(exit_status(api), s);
-        }
-        assert_eq!(exit_status(ExecStatus::Running), ExitStatus::Exited);
-    }
 
     /// Every kind of a failed start is the API's kind of the same name.
     #[test]

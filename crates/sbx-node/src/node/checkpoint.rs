@@ -109,7 +109,7 @@ pub struct CheckpointsInfo {
 
 impl CheckpointsInfo {
     /// Not available, for `reason`.
-    pub fn off(reason: &str) -> CheckpointsInfo {
+    pub(crate) fn off(reason: &str) -> CheckpointsInfo {
         CheckpointsInfo {
             available: false,
             by: None,

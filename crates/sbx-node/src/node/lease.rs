@@ -180,20 +180,20 @@ fn boottime_of(at: Instant) -> u64 {
 }
 
 /// The deadline the agents are told: half way from the node's fence to its lease's end.
-pub fn agent_deadline(deadline: Instant, lease_end: Instant) -> Instant {
+pub(crate) fn agent_deadline(deadline: Instant, lease_end: Instant) -> Instant {
     deadline + lease_end.saturating_duration_since(deadline) / 2
 }
 
 impl Node {
     /// 503 `fenced` while the node is fenced (a node without a lease never is).
-    pub fn fence_error(&self) -> Option<ApiError> {
+    pub(crate) fn fence_error(&self) -> Option<ApiError> {
         let since = self.lease.fenced_since(Instant::now())?;
         let never = self.lease.state.locked().deadline.is_none();
         Some(fenced(since, never))
     }
 
     /// Whether the node is fenced now.
-    pub fn is_fenced(&self) -> bool {
+    pub(crate) fn is_fenced(&self) -> bool {
         self.lease.fenced_since(Instant::now()).is_some()
     }
 

@@ -14,7 +14,7 @@ pub mod net;
 pub mod output;
 pub mod replica;
 mod run;
-pub mod runtime_settings;
+pub(crate) mod runtime_settings;
 pub mod sandbox;
 pub mod templates;
 pub mod terminal;
@@ -91,16 +91,16 @@ struct Table {
 
 pub struct Node {
     pub cfg: NodeConfig,
-    pub store: Arc<crate::store::Store>,
-    pub templates: crate::node::templates::Templates,
-    pub managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
+    pub(crate) store: Arc<crate::store::Store>,
+    pub(crate) templates: crate::node::templates::Templates,
+    pub(crate) managed: Mutex<HashMap<String, Arc<crate::node::sandbox::Managed>>>,
     warm: Mutex<Vec<Warm>>,
     /// True while the refiller runs (`warm.rs`); `shutdown` waits for it to turn false.
     refilling: tokio::sync::watch::Sender<bool>,
     /// The warm sandbox the refiller is making (its directory and cgroups exist before it is
     /// ready): the node's own, never a run's leftover.
     warm_making: Mutex<Option<String>>,
-    pub driver: Arc<dyn Driver>,
+    pub(crate) driver: Arc<dyn Driver>,
     pub images: ImageStore,
     table: Mutex<Table>,
     /// Held from a sandbox's capacity check (`max_sandboxes`) to its entry in the table (a
@@ -113,19 +113,19 @@ pub struct Node {
     /// Set when the node stops: no sandbox is made from then on.
     stopping: AtomicBool,
     /// The node's network (none: every sandbox has `lo` only).
-    pub net: Option<Arc<net::NodeNet>>,
+    pub(crate) net: Option<Arc<net::NodeNet>>,
     /// The preview listener (none: it is off).
-    pub preview: Option<crate::node::sandbox::PreviewSettings>,
+    pub(crate) preview: Option<crate::node::sandbox::PreviewSettings>,
     /// Whether (and with what) the node checkpoints sandboxes (none: not served).
-    pub checkpoints: Option<checkpoint::Checkpoints>,
+    pub(crate) checkpoints: Option<checkpoint::Checkpoints>,
     /// What tries the `ready.tcp` and `ready.http` checks.
-    pub prober: Arc<dyn crate::probe::Prober>,
+    pub(crate) prober: Arc<dyn crate::probe::Prober>,
     /// The last answer of the health checks (`health.rs`).
     health: health::HealthCache,
     /// Where `max_sandboxes` comes from (`capacity.rs`; none: given as it is).
     pub capacity: Option<capacity::Capacity>,
     /// The node's disk and the runs' volumes (none: no volumes).
-    pub volumes: volume::Volumes,
+    pub(crate) volumes: volume::Volumes,
     /// The fleet's object store that sleeps and snapshots go to (none: not stored).
     replicas: Option<replica::ReplicaQueue>,
     /// The node's lease with its control plane, and its fence (`lease.rs`).
@@ -296,6 +296,43 @@ impl Node {
             Some(c) => c.info(),
             None => checkpoint::CheckpointsInfo::off("not checked yet"),
         }
+    }
+
+    /// Starts a request of the HTTP API with an Idempotency-Key (its records are the node's
+    /// store's: a retry after a restart is answered too).
+    pub fn idem_begin(
+        &self,
+        scope: &str,
+        key: &str,
+        hash: &str,
+    ) -> Result<crate::store::IdemBegin, crate::store::StoreError> {
+        self.store.idem_begin(scope, key, hash)
+    }
+
+    /// Records the answer of a request with an Idempotency-Key.
+    pub fn idem_finish(
+        &self,
+        scope: &str,
+        key: &str,
+        status: u16,
+        body: &str,
+    ) -> Result<(), crate::store::StoreError> {
+        self.store.idem_finish(scope, key, status, body)
+    }
+
+    /// Forgets an Idempotency-Key whose request failed in a way worth trying again.
+    pub fn idem_forget(&self, scope: &str, key: &str) -> Result<(), crate::store::StoreError> {
+        self.store.idem_forget(scope, key)
+    }
+
+    /// For `GET /internal/node`: where the driver's cgroups are.
+    pub fn cgroups_info(&self) -> Vec<sbx_runtime::cgroup::Placement> {
+        self.driver.placement()
+    }
+
+    /// For `GET /internal/node`: the sandboxes' network (none: the node has none).
+    pub fn net_info(&self) -> Option<net::NetInfo> {
+        self.net.as_ref().map(|net| net.info())
     }
 
     /// Whether sandboxes of the HTTP API have network (the node has one).

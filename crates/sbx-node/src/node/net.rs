@@ -539,7 +539,7 @@ impl NodeNet {
     }
 
     /// Removes the node's table (at a stop that leaves no sandbox running).
-    pub fn uninstall(&self) {
+    pub(crate) fn uninstall(&self) {
         if let Err(e) = self.network.uninstall() {
             tracing::debug!(error = %e, "network: uninstall");
         }

@@ -5,9 +5,135 @@ use std::collections::VecDeque;
 
 use bytes::Bytes;
 use sbx_api::{ApiError, Encoding, ExecObject, ExecObjectKind, ExecStatus, ExecUsage, OutputInfo};
-use sbx_proto::{ExitInfo, OutputCounts, Stream};
 
 use super::RunEvent;
+
+/// Which of a command's output streams bytes came on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    /// The stream of bytes the agent sent (any but stderr is output).
+    pub(crate) fn of(s: sbx_proto::Stream) -> Stream {
+        match s {
+            sbx_proto::Stream::Stderr => Stream::Stderr,
+            _ => Stream::Stdout,
+        }
+    }
+}
+
+/// How a command ended by itself or was ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// It ended by itself, with any exit code.
+    Exited,
+    /// A signal ended it.
+    Killed,
+    /// Its deadline was up and it was killed.
+    TimedOut,
+}
+
+impl From<sbx_proto::ExitStatus> for ExitStatus {
+    fn from(s: sbx_proto::ExitStatus) -> ExitStatus {
+        match s {
+            sbx_proto::ExitStatus::Exited => ExitStatus::Exited,
+            sbx_proto::ExitStatus::Killed => ExitStatus::Killed,
+            sbx_proto::ExitStatus::TimedOut => ExitStatus::TimedOut,
+        }
+    }
+}
+
+impl ExitStatus {
+    /// The status of a command the node recorded as ended (a row's final object): the
+    /// inverse of [`ExitStatus::exec_status`]; `Running`, which an ended command's object
+    /// never has, reads as `Exited`.
+    pub(crate) fn of_exec(s: ExecStatus) -> ExitStatus {
+        match s {
+            ExecStatus::Exited | ExecStatus::Running => ExitStatus::Exited,
+            ExecStatus::TimedOut => ExitStatus::TimedOut,
+            ExecStatus::Killed => ExitStatus::Killed,
+        }
+    }
+
+    /// Its status as the exec object says it.
+    pub(crate) fn exec_status(self) -> ExecStatus {
+        match self {
+            ExitStatus::Exited => ExecStatus::Exited,
+            ExitStatus::Killed => ExecStatus::Killed,
+            ExitStatus::TimedOut => ExecStatus::TimedOut,
+        }
+    }
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExitInfo {
+    pub status: ExitStatus,
+    pub exit_code: i32,
+    /// The signal number that ended it, if one did.
+    pub signal: Option<i32>,
+    pub duration_ns: u64,
+    pub cpu_ns: u64,
+    pub max_rss_bytes: u64,
+}
+
+impl From<sbx_proto::ExitInfo> for ExitInfo {
+    fn from(x: sbx_proto::ExitInfo) -> ExitInfo {
+        ExitInfo {
+            status: x.status.into(),
+            exit_code: x.exit_code,
+            signal: x.signal,
+            duration_ns: x.duration_ns,
+            cpu_ns: x.cpu_ns,
+            max_rss_bytes: x.max_rss_bytes,
+        }
+    }
+}
+
+/// A kept command as its agent tells it now: its start, its output counters and, once it has
+/// ended, how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecProgress {
+    pub pid: u32,
+    pub started_at_ns: i64,
+    pub output: OutputCounts,
+    pub exit: Option<ExitInfo>,
+}
+
+impl From<sbx_proto::ExecState> for ExecProgress {
+    fn from(s: sbx_proto::ExecState) -> ExecProgress {
+        ExecProgress {
+            pid: s.pid,
+            started_at_ns: s.started_at_ns,
+            output: s.output.into(),
+            exit: s.exit.map(ExitInfo::from),
+        }
+    }
+}
+
+/// A command's output counters: bytes of each stream, and the positions of the oldest byte
+/// kept and after the newest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutputCounts {
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    pub start: u64,
+    pub end: u64,
+}
+
+impl From<sbx_proto::OutputCounts> for OutputCounts {
+    fn from(o: sbx_proto::OutputCounts) -> OutputCounts {
+        OutputCounts {
+            stdout_bytes: o.stdout_bytes,
+            stderr_bytes: o.stderr_bytes,
+            start: o.start,
+            end: o.end,
+        }
+    }
+}
 
 /// What every exec object of a command shares.
 #[derive(Clone)]
@@ -49,7 +175,7 @@ impl Collected {
     pub fn push(&mut self, stream: Stream, data: Bytes) {
         match stream {
             Stream::Stderr => self.err.push_bytes(data),
-            _ => self.out.push_bytes(data),
+            Stream::Stdout => self.out.push_bytes(data),
         }
     }
 
@@ -166,7 +292,7 @@ pub fn exec_object(
     let cap = sbx_api::exec::EXEC_OUTPUT_TAIL_BYTES as u64;
     let (status, exit_code, signal, duration, usage) = match exit {
         Some(x) => (
-            crate::agent::exec_status(x.status),
+            x.status.exec_status(),
             Some(x.exit_code),
             x.signal.map(sbx_api::signal_name),
             Some(x.duration_ns as f64 / 1e9),
@@ -223,5 +349,22 @@ mod tests {
         t.push_bytes(Bytes::from(vec![0x80; (1 << 20) + 5]));
         assert_eq!(t.bytes(Encoding::Base64).len(), 1 << 20);
         assert_eq!(t.bytes(Encoding::Utf8).len(), (1 << 20) - 3);
+    }
+
+    /// The agent's status and the HTTP API's are the same words, and the node's status goes
+    /// to the API's and back on ended commands.
+    #[test]
+    fn exit_statuses_keep_their_words() {
+        use sbx_proto::ExitStatus as Proto;
+        for s in [Proto::Exited, Proto::TimedOut, Proto::Killed] {
+            let node = ExitStatus::from(s);
+            let api = node.exec_status();
+            assert_eq!(
+                serde_json::to_string(&s).expect("json"),
+                format!("\"{}\"", api.as_str())
+            );
+            assert_eq!(ExitStatus::of_exec(api), node);
+        }
+        assert_eq!(ExitStatus::of_exec(ExecStatus::Running), ExitStatus::Exited);
     }
 }

@@ -14,14 +14,14 @@
 //!   the sandbox woken (or slept again) before it read the disk drops that sleep. A snapshot's
 //!   directory (its `images`, `upper`, `execs.json`) is hard-linked the same way, so its
 //!   delete does not cut an upload short. Staging goes once its upload ends.
-//! - **Record.** Each sleep carries the sandbox's record ([`SandboxRecord`]: its row, its
+//! - **Record.** Each sleep carries the sandbox's record (`SandboxRecord`: its row, its
 //!   spec with its token and secret variables in clear (another node's key seals them again),
 //!   its commands' rows, its epoch), taken with the staging (the state of that sleep), sealed
 //!   with the fleet's store key (`credentials::seal_record`) into `record.json` (mode 0600)
 //!   and stored as the part `record-<g>`: what a node that takes the sandbox over
 //!   (`sandbox/move_in.rs`, which opens it with the same key) makes it of.
 //! - **Background.** The sleep's answer does not wait. One upload per sandbox at a time; a
-//!   newer sleep supersedes one queued and not started; at most [`CONCURRENT`] uploads run at
+//!   newer sleep supersedes one queued and not started; at most `CONCURRENT` uploads run at
 //!   once. A failed upload is logged and tried again with a backoff (1 s doubling to 60 s) until
 //!   it is stored or superseded; it never fails the sleep.
 //! - **Where.** A sleep at `sandboxes/<id>/e<epoch>/` (the epoch kept with the sandbox's row,
@@ -48,7 +48,7 @@ use crate::node::Node;
 use crate::sync::LockExt;
 
 /// Uploads running at once, node-wide.
-pub const CONCURRENT: usize = 2;
+pub(crate) const CONCURRENT: usize = 2;
 /// The first wait before a failed upload is tried again; it doubles up to [`BACKOFF_MAX`].
 const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
@@ -155,7 +155,7 @@ impl Drop for DiskRead {
 /// A sandbox's record as each of its sleeps carries it (the part `record-<g>`): what a node
 /// that takes the sandbox over makes its rows of.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SandboxRecord {
+pub(crate) struct SandboxRecord {
     pub id: String,
     pub name: Option<String>,
     /// Its status as the row kept it (`sleeping`: the record is a sleep's).
@@ -176,7 +176,7 @@ pub struct SandboxRecord {
 
 /// A command's row in a [`SandboxRecord`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RecordExec {
+pub(crate) struct RecordExec {
     pub exec_id: String,
     pub command: String,
     pub tty: bool,
@@ -345,7 +345,7 @@ struct State {
 }
 
 /// The node's uploads.
-pub struct ReplicaQueue {
+pub(crate) struct ReplicaQueue {
     replicas: Arc<dyn Replicas>,
     state: Arc<Mutex<State>>,
     permits: Arc<Semaphore>,
@@ -714,14 +714,14 @@ impl Node {
     }
 
     /// The last sleep (or snapshot) of `id` fully stored.
-    pub fn last_stored(&self, id: &str) -> Option<LastStored> {
+    pub(crate) fn last_stored(&self, id: &str) -> Option<LastStored> {
         let q = self.replicas.as_ref()?;
         let st = q.state.locked();
         st.slots.get(id).and_then(|s| s.last.clone())
     }
 
     /// Sandbox `id`'s epoch (1 until it moves).
-    pub fn sandbox_epoch(&self, id: &str) -> u64 {
+    pub(crate) fn sandbox_epoch(&self, id: &str) -> u64 {
         self.store.sandbox_epoch(id).unwrap_or_else(|e| {
             tracing::warn!(sandbox = %id, error = %e, "a sandbox's epoch: 1 taken");
             1

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sbx_api::{ApiError, Encoding, ErrorCode, RunRequest, Tmp};
-use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, ExitInfo, Frame, HostMsg, OutputCounts, Stream};
+use sbx_proto::{AgentMsg, ExecFailKind, ExecSpec, Frame, HostMsg};
 use sbx_runtime::{Limits, Sandbox};
 use tokio::sync::mpsc;
 
 use super::*;
 use crate::image::Source;
-use crate::node::output::ExecMeta;
+use crate::node::output::{ExecMeta, ExitInfo, ExitStatus, OutputCounts, Stream};
 use crate::sync::LockExt;
 
 /// How long past a run's timeout the node waits for the agent to report its end.
@@ -215,7 +215,7 @@ impl Node {
         }
     }
 
-    pub fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
+    pub(crate) fn teardown(self: &Arc<Self>, sb: Arc<Sandbox>) {
         self.teardowns.send_modify(|n| *n += 1);
         // Connections kept for its next call would outlive it (a descriptor each).
         crate::agent::close_idle(&sb.socket);
@@ -339,7 +339,7 @@ impl Node {
                     tracing::warn!(sandbox = %plan.sandbox_id, "the agent did not report the end of a run past its timeout: the sandbox is ended");
                     let since = started.unwrap_or(sent);
                     let exit = ExitInfo {
-                        status: sbx_proto::ExitStatus::TimedOut,
+                        status: ExitStatus::TimedOut,
                         // Reported killed by SIGKILL, as the agent would have.
                         exit_code: 128 + libc::SIGKILL,
                         signal: Some(libc::SIGKILL),
@@ -356,13 +356,13 @@ impl Node {
                 } => {
                     let n = bytes.len() as u64;
                     match stream {
-                        Stream::Stdout => seen.stdout_bytes += n,
-                        Stream::Stderr => seen.stderr_bytes += n,
+                        sbx_proto::Stream::Stdout => seen.stdout_bytes += n,
+                        sbx_proto::Stream::Stderr => seen.stderr_bytes += n,
                         _ => {}
                     }
                     seen.end = seen.end.max(pos + n);
                     RunEvent::Output {
-                        stream,
+                        stream: Stream::of(stream),
                         pos,
                         data: bytes,
                     }
@@ -385,7 +385,7 @@ impl Node {
                         exited_us = t0.elapsed().as_micros() as u64,
                         "run timings"
                     );
-                    return Ok(Some((exit, output)));
+                    return Ok(Some((exit.into(), output.into())));
                 }
                 Frame::Msg(AgentMsg::ExecFailed { kind, message, .. }) => {
                     return Err(match kind {

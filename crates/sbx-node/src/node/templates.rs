@@ -31,7 +31,7 @@ pub const BASE: &str = "base";
 
 /// What makes a template: two different settings are two templates.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// As the create named it (`base` for the base image and the catalog names).
     pub image: String,
     /// A template with a login is its owner's: another key than the same image without.
@@ -85,7 +85,7 @@ impl Settings {
 
 /// A template as the table keeps it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TemplateRow {
+pub(crate) struct TemplateRow {
     pub key: String,
     pub settings: Settings,
     /// `building`, `ready` or `failed`.
@@ -116,7 +116,7 @@ CREATE TABLE IF NOT EXISTS templates (
 ";
 
 #[derive(Debug, thiserror::Error)]
-pub enum TemplateError {
+pub(crate) enum TemplateError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("template settings: {0}")]
@@ -171,7 +171,7 @@ impl Templates {
     }
 
     /// Decides what a create of `settings` (whose key is `key`) does.
-    pub fn plan(
+    pub(crate) fn plan(
         &self,
         store: &Store,
         key: &str,
@@ -335,7 +335,7 @@ impl crate::node::Node {
 }
 
 /// A template as the API shows it (env by names only).
-pub fn object_of(t: &TemplateRow) -> TemplateObject {
+pub(crate) fn object_of(t: &TemplateRow) -> TemplateObject {
     let s = &t.settings;
     let ready = match (&s.ready_command, &s.ready_probe) {
         (Some(c), _) => Some(TemplateReady::Command(c.display())),
@@ -412,7 +412,7 @@ const COLS: &str =
     "key, settings, status, digest, failure_code, failure, created_at_ns, built_ms, built_by";
 
 /// The template `key`, if the node has it.
-pub fn get(store: &Store, key: &str) -> Result<Option<TemplateRow>, TemplateError> {
+pub(crate) fn get(store: &Store, key: &str) -> Result<Option<TemplateRow>, TemplateError> {
     Ok(store.with_conn(|c| {
         c.query_row(
             &format!("SELECT {COLS} FROM templates WHERE key=?1"),
@@ -424,7 +424,7 @@ pub fn get(store: &Store, key: &str) -> Result<Option<TemplateRow>, TemplateErro
 }
 
 /// Every template, oldest first.
-pub fn list(store: &Store) -> Result<Vec<TemplateRow>, TemplateError> {
+pub(crate) fn list(store: &Store) -> Result<Vec<TemplateRow>, TemplateError> {
     Ok(store.with_conn(|c| {
         let mut st = c.prepare(&format!(
             "SELECT {COLS} FROM templates ORDER BY created_at_ns, key"

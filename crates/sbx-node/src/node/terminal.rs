@@ -17,7 +17,7 @@ use sbx_api::ApiError;
 use sbx_proto::{AgentMsg, Frame, HostMsg};
 use tokio::sync::mpsc;
 
-use crate::agent::{exec_status, AgentConn, AgentError};
+use crate::agent::{AgentConn, AgentError};
 use crate::node::Node;
 
 /// Frames of the agent read ahead of the session.
@@ -129,7 +129,7 @@ impl Terminal {
                 Frame::Data { bytes, .. } => return Ok(TerminalEvent::Output(bytes)),
                 Frame::Msg(AgentMsg::Exited { exit, .. }) => {
                     return Ok(TerminalEvent::Exit {
-                        status: exec_status(exit.status),
+                        status: crate::node::output::ExitStatus::from(exit.status).exec_status(),
                         exit_code: exit.exit_code,
                         signal: exit.signal,
                     })

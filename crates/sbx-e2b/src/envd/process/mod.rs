@@ -29,7 +29,6 @@ use axum::http::{HeaderMap, Request};
 use axum::response::Response;
 use futures_util::StreamExt;
 use sbx_api::{ApiError, Command, Encoding, ErrorCode, ExecFailKind, ExecRequest};
-use sbx_proto::{ExitStatus, Stream};
 use serde_json::json;
 
 use super::Ctx;
@@ -37,6 +36,7 @@ use crate::connect::{
     keepalive_interval, read_client_stream, read_stream_request, read_unary, stream_error,
     stream_reply, unary_reply, Code, RpcError, StreamSender,
 };
+use crate::node::output::{ExitStatus, Stream};
 use crate::node::RunEvent;
 use crate::Shared;
 use table::{Entry, RETAIN};

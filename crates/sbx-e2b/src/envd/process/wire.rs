@@ -263,9 +263,9 @@ pub struct EndEvent {
 impl EndEvent {
     /// The end of a command as the agent tells it. A signal ends it as Go says it
     /// (`signal: killed`, exit code -1); a timeout is the agent's SIGKILL.
-    pub fn of(exit: &sbx_proto::ExitInfo) -> EndEvent {
+    pub fn of(exit: &crate::node::output::ExitInfo) -> EndEvent {
         let signal = match exit.status {
-            sbx_proto::ExitStatus::TimedOut => Some(exit.signal.unwrap_or(libc::SIGKILL)),
+            crate::node::output::ExitStatus::TimedOut => Some(exit.signal.unwrap_or(libc::SIGKILL)),
             _ => exit.signal,
         };
         match signal {
@@ -435,7 +435,7 @@ fn opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Erro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sbx_proto::{ExitInfo, ExitStatus};
+    use crate::node::output::{ExitInfo, ExitStatus};
 
     fn exit(status: ExitStatus, code: i32, signal: Option<i32>) -> ExitInfo {
         ExitInfo {

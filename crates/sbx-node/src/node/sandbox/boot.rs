@@ -94,7 +94,7 @@ impl Node {
 
     /// Boots the machine of `m` (made, or taken warm), starts its start command and waits for
     /// its ready check; on failure the sandbox is `failed` with its `failure_code`.
-    pub async fn boot(
+    pub(crate) async fn boot(
         self: &Arc<Self>,
         m: &Arc<Managed>,
         warm: Option<Arc<Sandbox>>,
@@ -277,7 +277,7 @@ impl Node {
     /// sh, a tcp or http check from the host); a start command that ends with a failure
     /// meanwhile ends the wait at once. The error says what the check last got and what the
     /// start command printed last.
-    pub async fn wait_ready(
+    pub(crate) async fn wait_ready(
         &self,
         m: &Managed,
         sb: &Sandbox,

@@ -310,7 +310,9 @@ impl Node {
             let collect = async {
                 loop {
                     match conn.recv().await {
-                        Ok(Frame::Data { stream, bytes, .. }) => c.push(stream, bytes.into()),
+                        Ok(Frame::Data { stream, bytes, .. }) => {
+                            c.push(crate::node::output::Stream::of(stream), bytes.into())
+                        }
                         Ok(Frame::Msg(AgentMsg::Gap { .. })) => c.gap = true,
                         Ok(Frame::Msg(AgentMsg::Exited { exit, output, .. })) => {
                             return Some((exit, output))
@@ -382,7 +384,7 @@ impl Node {
             }
             // Every frame of the command was read: the connection serves the next call.
             conn.release();
-            return Ok((c.object(&meta, Some(&exit), output), failed));
+            return Ok((c.object(&meta, Some(&exit.into()), output.into()), failed));
         }
         // Still running when the wait ended, or its agent was lost: a watcher takes it from
         // here (its output may still be streaming on this connection), and a row not written
@@ -496,7 +498,11 @@ impl Node {
 
     /// Waits (without a deadline) for a kept command to end: its final state. An error when
     /// its sandbox is not running or its agent goes (the sandbox stopped, restarted, deleted).
-    pub async fn exec_wait(&self, id: &str, exec_id: &str) -> Result<ExecState, ApiError> {
+    pub async fn exec_wait(
+        &self,
+        id: &str,
+        exec_id: &str,
+    ) -> Result<crate::node::output::ExecProgress, ApiError> {
         let m = self.managed(id)?;
         let mut sb = self.running_machine(&m)?;
         let wait = HostMsg::Wait {
@@ -526,7 +532,7 @@ impl Node {
             }
         };
         match got.map_err(agent_lost)? {
-            AgentMsg::State(s) => Ok(s),
+            AgentMsg::State(s) => Ok(s.into()),
             AgentMsg::ExecFailed { .. } => Err(ApiError::new(
                 ErrorCode::ExecNotFound,
                 format!("no command {exec_id}"),
@@ -677,7 +683,7 @@ async fn acted_on(mut conn: AgentConn) -> Result<(), ApiError> {
 
 /// Counts a watcher's connection to the sandbox's agent while it is open (a sleep waits for
 /// none to be).
-pub struct Attached(Arc<Managed>);
+pub(crate) struct Attached(Arc<Managed>);
 
 impl Attached {
     pub fn new(m: &Arc<Managed>) -> Attached {

@@ -128,7 +128,7 @@ impl Node {
 
     /// Records a new sandbox (its name reserved already; given back on failure) among the
     /// kept ones, and arms its expiry.
-    pub fn keep(
+    pub(crate) fn keep(
         self: &Arc<Self>,
         row: SandboxRow,
         spec: StoredSpec,

@@ -15,7 +15,7 @@ mod snapshot;
 
 pub use access::{PreviewSettings, PreviewTarget, SandboxToken, PREVIEW_HOST_KEY, TOKEN_PREFIX};
 pub(crate) use egress::egress_of;
-pub use exec::Attached;
+pub(crate) use exec::Attached;
 use exec::*;
 pub(crate) use move_out::moved as moved_error_of;
 use output::*;
@@ -42,7 +42,7 @@ pub(crate) const START_EXEC: &str = "exe-start";
 
 /// What the node keeps of a create, to make the machine again.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct StoredSpec {
+pub(crate) struct StoredSpec {
     pub image: String,
     pub vcpus: u32,
     pub memory_bytes: u64,
@@ -122,7 +122,7 @@ pub struct StoredSpec {
 
 impl SandboxRow {
     /// The row of a sandbox made now, `starting`.
-    pub fn starting(
+    pub(crate) fn starting(
         id: &str,
         name: Option<String>,
         spec: &StoredSpec,
@@ -209,7 +209,7 @@ impl Default for Resolved {
 /// Resolves what `spec` starts against its image (`None`: the base image, which has no start
 /// command, labels or STOPSIGNAL). `Err` says why the image cannot be started as asked
 /// (failure_code `invalid_image`).
-pub fn resolve(spec: &StoredSpec, meta: Option<&ImageMeta>) -> Result<Resolved, String> {
+pub(crate) fn resolve(spec: &StoredSpec, meta: Option<&ImageMeta>) -> Result<Resolved, String> {
     let label = |name: &str| {
         meta.and_then(|m| m.labels.get(name))
             .filter(|v| !v.trim().is_empty())
@@ -313,7 +313,7 @@ impl Managed {
     }
 }
 
-pub struct Managed {
+pub(crate) struct Managed {
     pub id: String,
     row: Mutex<SandboxRow>,
     spec: StoredSpec,
@@ -380,7 +380,7 @@ impl Managed {
         SandboxStatus::parse(&self.row.locked().status).unwrap_or(SandboxStatus::Failed)
     }
 
-    pub fn boot(&self) -> u32 {
+    pub(crate) fn boot(&self) -> u32 {
         self.row.locked().restarts
     }
 

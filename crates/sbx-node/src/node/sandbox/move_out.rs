@@ -46,7 +46,7 @@ const DELETING: &str = "deleting";
 
 /// Where a sandbox being moved goes: what its streams' `sandbox_moved` names.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MoveNote {
+pub(crate) struct MoveNote {
     pub to: Option<String>,
     pub epoch: u64,
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use sbx_api::{ApiError, Encoding, ErrorCode, ExecObject};
-use sbx_proto::{AgentMsg, ExecState, Frame, HostMsg, Stream};
+use sbx_proto::{AgentMsg, ExecState, Frame, HostMsg};
 use sbx_runtime::Sandbox;
 use tokio::sync::mpsc;
 
@@ -12,7 +12,10 @@ use super::*;
 use crate::agent::{one_shot, AgentConn};
 use bytes::Bytes;
 
-use crate::node::output::{exec_object, Collected, ExecMeta, Started, Tail};
+use crate::node::output::{
+    exec_object, Collected, ExecMeta, ExecProgress, ExitInfo, ExitStatus, OutputCounts, Started,
+    Stream, Tail,
+};
 use crate::node::{Node, RunEvent};
 use crate::store::ExecRow;
 
@@ -85,6 +88,7 @@ impl Node {
             }
         };
         let meta = meta_of(&m, &row, encoding);
+        let state = ExecProgress::from(state);
         Ok(c.object(&meta, state.exit.as_ref(), state.output))
     }
 
@@ -130,7 +134,7 @@ impl Node {
             // The machine it ran in is gone: its output with it.
             let obj = self.recorded_final(&m, exec_id)?;
             let exit = exit_of(&obj);
-            let output = sbx_proto::OutputCounts {
+            let output = OutputCounts {
                 stdout_bytes: obj.output.stdout_bytes,
                 stderr_bytes: obj.output.stderr_bytes,
                 start: obj.output.end,
@@ -187,10 +191,10 @@ impl Node {
                         return;
                     }
                     f = conn.recv() => match f {
-                        Ok(Frame::Data { stream, pos, bytes, .. }) => RunEvent::Output { stream, pos, data: bytes },
+                        Ok(Frame::Data { stream, pos, bytes, .. }) => RunEvent::Output { stream: Stream::of(stream), pos, data: bytes },
                         Ok(Frame::Msg(AgentMsg::Gap { from, to, .. })) => RunEvent::Gap { from, to },
                         Ok(Frame::Msg(AgentMsg::Exited { exit, output, .. })) => {
-                            let _ = tx.send(RunEvent::Exited { exit, output }).await;
+                            let _ = tx.send(RunEvent::Exited { exit: exit.into(), output: output.into() }).await;
                             return;
                         }
                         Ok(Frame::Msg(_)) => continue,
@@ -223,7 +227,14 @@ impl Node {
         exec_id: &str,
         from: u64,
         to: Option<u64>,
-    ) -> Result<(ExecState, Vec<(Stream, u64, Vec<u8>)>, Option<(u64, u64)>), ApiError> {
+    ) -> Result<
+        (
+            ExecProgress,
+            Vec<(Stream, u64, Vec<u8>)>,
+            Option<(u64, u64)>,
+        ),
+        ApiError,
+    > {
         let m = self.managed(id)?;
         let row = self.exec_row(&m, exec_id)?;
         let sb = m.machine().filter(|_| row.boot == m.boot());
@@ -231,18 +242,16 @@ impl Node {
         let Some((mut conn, state)) = live else {
             let obj = self.recorded_final(&m, exec_id)?;
             let end = obj.output.end;
-            let state = ExecState {
-                exec_id: exec_id.into(),
+            let state = ExecProgress {
                 pid: obj.pid,
                 started_at_ns: row.created_at_ns,
                 exit: Some(exit_of(&obj)),
-                output: sbx_proto::OutputCounts {
+                output: OutputCounts {
                     stdout_bytes: obj.output.stdout_bytes,
                     stderr_bytes: obj.output.stderr_bytes,
                     start: end,
                     end,
                 },
-                failed: None,
             };
             let gap = (from < end).then_some((from, end));
             return Ok((state, Vec::new(), gap));
@@ -253,7 +262,7 @@ impl Node {
             pieces.push((stream, pos, data.to_vec()))
         })
         .await?;
-        Ok((state, pieces, gap))
+        Ok((state.into(), pieces, gap))
     }
 }
 
@@ -273,9 +282,9 @@ pub(super) fn final_from_row(row: &ExecRow) -> Option<ExecObject> {
         .and_then(|j| serde_json::from_str(j).ok())
 }
 
-pub(super) fn exit_of(obj: &ExecObject) -> sbx_proto::ExitInfo {
-    sbx_proto::ExitInfo {
-        status: crate::agent::exit_status(obj.status),
+pub(super) fn exit_of(obj: &ExecObject) -> ExitInfo {
+    ExitInfo {
+        status: ExitStatus::of_exec(obj.status),
         exit_code: obj.exit_code.unwrap_or(128 + libc::SIGKILL),
         signal: obj.signal.as_deref().and_then(sbx_api::signal_number),
         duration_ns: (obj.duration_seconds.unwrap_or(0.0) * 1e9) as u64,
@@ -306,8 +315,8 @@ pub(super) fn object_of(
     ending: bool,
 ) -> ExecObject {
     let meta = meta_of(m, row, Encoding::Utf8);
-    let killed = sbx_proto::ExitInfo {
-        status: sbx_proto::ExitStatus::Killed,
+    let killed = ExitInfo {
+        status: ExitStatus::Killed,
         exit_code: 128 + libc::SIGKILL,
         signal: Some(libc::SIGKILL),
         duration_ns: 0,
@@ -320,8 +329,11 @@ pub(super) fn object_of(
                 pid: s.pid,
                 started_at_ns: s.started_at_ns,
             },
-            s.exit.clone().or(ending.then_some(killed)),
-            s.output,
+            s.exit
+                .clone()
+                .map(ExitInfo::from)
+                .or(ending.then_some(killed)),
+            s.output.into(),
         ),
         None => (
             Started {
@@ -329,7 +341,7 @@ pub(super) fn object_of(
                 started_at_ns: row.created_at_ns,
             },
             Some(killed),
-            sbx_proto::OutputCounts::default(),
+            OutputCounts::default(),
         ),
     };
     exec_object(
@@ -370,7 +382,7 @@ pub(super) async fn read_range(
             } => {
                 let take = ((end - pos) as usize).min(bytes.len());
                 cursor = pos + take as u64;
-                piece(stream, pos, &bytes[..take]);
+                piece(Stream::of(stream), pos, &bytes[..take]);
             }
             Frame::Msg(AgentMsg::Gap { from, to, .. }) => {
                 gap = Some((from, to.min(end)));

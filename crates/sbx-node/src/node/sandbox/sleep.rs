@@ -79,7 +79,7 @@ fn meminfo(key: &str) -> Option<u64> {
 
 /// `sleep_after_seconds` as a create gave it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub enum SleepAfter {
+pub(crate) enum SleepAfter {
     /// Not given: the node's `--sleep-after-seconds`.
     #[default]
     NodeDefault,
@@ -253,12 +253,12 @@ impl Node {
     }
 
     /// Whether kept sandbox `m` is paused now.
-    pub fn is_paused(&self, m: &Managed) -> bool {
+    pub(crate) fn is_paused(&self, m: &Managed) -> bool {
         m.idle.locked().is_paused()
     }
 
     /// How long sandbox `m` may be idle before it pauses.
-    pub fn sleep_after(&self, m: &Managed) -> Option<Duration> {
+    pub(crate) fn sleep_after(&self, m: &Managed) -> Option<Duration> {
         m.spec.sleep_after.resolve(self.cfg.sleep_after)
     }
 
@@ -372,7 +372,7 @@ impl Node {
     }
 
     /// How long `m` stays paused before it sleeps for real.
-    pub fn suspend_after(&self, m: &Managed) -> Duration {
+    pub(crate) fn suspend_after(&self, m: &Managed) -> Duration {
         m.spec
             .suspend_after_ms
             .map(|ms| Duration::from_millis(u64::from(ms)))
@@ -640,7 +640,7 @@ impl Node {
     /// The network lock of a checkpoint of `m`: its traffic held at the host (`true`) or let
     /// through again (CRIU skips its own lock). Nothing for a sandbox off the network. A
     /// failure is logged and, for a hold, answered 503: no checkpoint is taken unlocked.
-    pub fn hold_traffic(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
+    pub(crate) fn hold_traffic(&self, m: &Managed, held: bool) -> Result<(), ApiError> {
         let Some(net) = self.net.as_ref().filter(|_| m.spec.network) else {
             return Ok(());
         };

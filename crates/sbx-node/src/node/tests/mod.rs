@@ -19,9 +19,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::node::output::{ExitInfo, Stream};
 use sbx_api::exec::ExecStatus;
 use sbx_api::{ApiError, Encoding, ExecObject, SandboxStatus};
-use sbx_proto::{ExitInfo, Stream};
 use tokio::sync::mpsc;
 
 pub(super) use super::fake::{create, node_in, until, TempDir, World};

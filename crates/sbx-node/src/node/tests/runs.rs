@@ -1,8 +1,8 @@
 //! One-shot runs, the warm pool, a stopping node.
 
 use super::*;
+use crate::node::output::ExitStatus;
 use sbx_api::ErrorCode;
-use sbx_proto::ExitStatus;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_answers_its_command_and_ends_its_sandbox() {
