@@ -77,6 +77,124 @@ def fig_png(fig):
     fig.savefig(b, format="png", bbox_inches="tight")
     return b64(b.getvalue())
 
+def plain(v):
+    # A value JSON takes: numpy's scalars as Python's, NaN as null.
+    if hasattr(v, "item") and type(v).__module__ == "numpy":
+        v = v.item()
+    if isinstance(v, float) and v != v:
+        return None
+    return v
+
+def unit(label):
+    import re
+    m = re.search(r"\(([^()]*)\)\s*$|\[([^\[\]]*)\]\s*$", label or "")
+    return (m.group(1) if m.group(1) is not None else m.group(2)) if m else None
+
+class Axis:
+    # How an axis' numbers read: dates as ISO strings, categories as their names.
+    def __init__(self, a, scale):
+        conv = a.get_converter() if hasattr(a, "get_converter") else getattr(a, "converter", None)
+        mod = type(conv).__module__ if conv is not None else ""
+        self.scale, self.names = scale, None
+        if mod == "matplotlib.dates":
+            self.scale = "datetime"
+        elif mod == "matplotlib.category":
+            self.scale = "categorical"
+            units = a.get_units()
+            self.names = {v: k for k, v in getattr(units, "_mapping", {}).items()}
+    def value(self, x):
+        x = plain(x)
+        if x is None:
+            return None
+        if self.scale == "datetime":
+            from matplotlib.dates import num2date
+            return num2date(x).isoformat()
+        if self.names is not None:
+            return self.names.get(int(round(x)), x) if isinstance(x, (int, float)) else x
+        return x
+
+def chart2d(ax, kind):
+    xl, yl = ax.get_xlabel() or None, ax.get_ylabel() or None
+    return {"type": kind, "title": ax.get_title() or None, "elements": [],
+            "x_label": xl, "y_label": yl, "x_unit": unit(xl), "y_unit": unit(yl)}
+
+def axes_chart(ax):
+    from matplotlib.patches import Wedge
+    from matplotlib.container import BarContainer
+    from matplotlib.collections import PathCollection
+    title = ax.get_title() or None
+    wedges = [p for p in ax.patches if isinstance(p, Wedge)]
+    if wedges:
+        return {"type": "pie", "title": title, "elements": [
+            {"label": w.get_label(), "angle": plain(abs(w.theta2 - w.theta1)), "radius": plain(w.r)} for w in wedges]}
+    boxes = getattr(ax, "_sbx_boxes", None)
+    if boxes:
+        d = chart2d(ax, "box_and_whisker")
+        names = [t.get_text() for t in ax.get_xticklabels()]
+        for i, b in enumerate(boxes):
+            label = b.get("label")
+            if label is None:
+                label = names[i] if i < len(names) else str(i + 1)
+            d["elements"].append({"label": str(label), "min": plain(b["whislo"]), "first_quartile": plain(b["q1"]),
+                                  "median": plain(b["med"]), "third_quartile": plain(b["q3"]),
+                                  "max": plain(b["whishi"]), "outliers": [plain(f) for f in b.get("fliers", [])]})
+        return d
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    if bars:
+        d = chart2d(ax, "bar")
+        horizontal = getattr(bars[0], "orientation", "vertical") == "horizontal"
+        cat = Axis(ax.yaxis if horizontal else ax.xaxis, "linear")
+        for c in bars:
+            group = c.get_label()
+            for r in c.patches:
+                if horizontal:
+                    pos, value = r.get_y() + r.get_height() / 2, r.get_width()
+                else:
+                    pos, value = r.get_x() + r.get_width() / 2, r.get_height()
+                d["elements"].append({"label": str(cat.value(pos)), "group": group, "value": plain(value)})
+        return d
+    scatters = [c for c in ax.collections if isinstance(c, PathCollection)]
+    lines = ax.get_lines()
+    if not scatters and not lines:
+        return None
+    d = chart2d(ax, "scatter" if scatters else "line")
+    xa, ya = Axis(ax.xaxis, ax.get_xscale()), Axis(ax.yaxis, ax.get_yscale())
+    d.update({"x_scale": xa.scale, "y_scale": ya.scale,
+              "x_ticks": [xa.value(t) for t in ax.get_xticks()], "x_tick_labels": [t.get_text() for t in ax.get_xticklabels()],
+              "y_ticks": [ya.value(t) for t in ax.get_yticks()], "y_tick_labels": [t.get_text() for t in ax.get_yticklabels()]})
+    if scatters:
+        series = [(c.get_label(), c.get_offsets()) for c in scatters]
+    else:
+        series = [(l.get_label(), l.get_xydata()) for l in lines]  # as the axes' numbers
+    for label, pts in series:
+        d["elements"].append({"label": label, "points": [[xa.value(x), ya.value(y)] for x, y in pts]})
+    return d
+
+def fig_chart(fig):
+    charts = [c for c in (axes_chart(ax) for ax in fig.get_axes()) if c is not None]
+    if len(charts) == 1:
+        return charts[0]
+    if not charts:
+        return None
+    sup = getattr(fig, "_suptitle", None)
+    return {"type": "superchart", "title": sup.get_text() if sup is not None else None, "elements": charts}
+
+def fig_bundle(fig):
+    d = {"text/plain": repr(fig), "image/png": fig_png(fig)}
+    try:
+        c = fig_chart(fig)
+        if c is not None:
+            d["e2b/chart"] = c
+    except Exception:
+        pass
+    return d
+
+def frame_data(df):
+    out = df.to_dict(orient="list")
+    for k, col in out.items():
+        out[k] = [x.isoformat() if hasattr(x, "isoformat") else plain(x) for x in col]
+    return {str(k): v for k, v in out.items()}
+
 def bundle(v):
     d = {"text/plain": repr(v)}
     t = type(v)
@@ -95,7 +213,12 @@ def bundle(v):
         d[mime] = b64(r) if isinstance(r, (bytes, bytearray)) else r
     if t.__module__.startswith("matplotlib.") and t.__name__ == "Figure":
         try:
-            d["image/png"] = fig_png(v)
+            d.update(fig_bundle(v))
+        except Exception:
+            pass
+    if t.__module__.startswith("pandas.") and t.__name__ == "DataFrame":
+        try:
+            d["e2b/data"] = frame_data(v)
         except Exception:
             pass
     return d
@@ -113,7 +236,7 @@ def show_figures(*_a, **_k):
     for n in plt.get_fignums():
         fig = plt.figure(n)
         try:
-            send({"type": "result", "main": False, "data": {"text/plain": repr(fig), "image/png": fig_png(fig)}})
+            send({"type": "result", "main": False, "data": fig_bundle(fig)})
         except Exception as e:
             print("figure %s: %s" % (n, e), file=sys.stderr)
     plt.close("all")
@@ -149,6 +272,15 @@ class Finder:
                     m.rcParams["backend"] = "module://sbx_inline"
                 except Exception:
                     pass
+            try:  # a box plot's statistics, kept on its axes for its chart
+                from matplotlib.axes import Axes
+                bxp = Axes.bxp
+                def keep(self, bxpstats, *a, **k):
+                    self._sbx_boxes = list(getattr(self, "_sbx_boxes", [])) + [dict(b) for b in bxpstats]
+                    return bxp(self, bxpstats, *a, **k)
+                Axes.bxp = keep
+            except Exception:
+                pass
         spec.loader.exec_module = exec_module
         return spec
 
