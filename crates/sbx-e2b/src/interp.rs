@@ -233,5 +233,16 @@ mod tests {
         let lines = execute(&s, json!({"code": "a + 2", "context_id": id}));
         assert_eq!(lines[1]["text"], "42");
         assert_eq!(lines[1]["is_main_result"], true);
+        // ESM imports become the cell's globals (names the kernel itself uses too).
+        let lines = execute(
+            &s,
+            json!({"code": "import fs from 'fs'\nimport { join as j } from 'path'", "context_id": id}),
+        );
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        let lines = execute(
+            &s,
+            json!({"code": "j('a', 'b') + fs.existsSync('/')", "context_id": id}),
+        );
+        assert_eq!(lines[1]["text"], "a/btrue");
     }
 }

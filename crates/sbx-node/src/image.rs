@@ -271,6 +271,10 @@ pub(crate) const INTERP_PACKAGES: &[&str] = &[
     "python3-requests",
     // fonttools' (matplotlib's) `python3-scipy | python3-munkres`: the small one.
     "python3-munkres",
+    // TypeScript contexts: its compiler takes the types away (and nothing else).
+    "node-typescript",
+    // R contexts: a persistent R process each.
+    "r-base-core",
 ];
 
 /// The version of the code interpreter's image beyond its package list and the base recipe.
@@ -1068,7 +1072,7 @@ mod tests {
         let src = interp_source("bookworm");
         assert!(interp_is_current(&src));
         assert!(src.ends_with(
-            "python-is-python3; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres"
+            "python-is-python3; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres node-typescript r-base-core"
         ));
         // The base image's source is not the interpreter's, nor the other way round.
         assert!(!interp_is_current(&base_source("bookworm")));
@@ -1085,7 +1089,7 @@ mod tests {
             1,
         );
         assert!(!interp_is_current(&older_base));
-        let fewer = src.replacen(" python3-munkres", "", 1);
+        let fewer = src.replacen(" node-typescript", "", 1);
         assert!(!interp_is_current(&fewer));
     }
 

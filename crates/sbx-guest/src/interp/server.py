@@ -6,8 +6,10 @@ object a line as the code runs (stdout, stderr, result, error, number_of_executi
 keepalive, end_of_execution); POST /contexts {language?, cwd?}; GET /contexts;
 DELETE /contexts/{id}; POST /contexts/{id}/restart.
 
-A context is one child process (its kernel): python (KERNEL_PY below), javascript (node
-running kernel.js, given as argv[1] or found next to this file) or bash. The kernel reads one
+A context is one child process (its kernel): python (KERNEL_PY below), javascript or
+typescript (node running kernel.js, given as argv[1] or found next to this file; TypeScript's
+compiler, Debian's node-typescript, takes the types away), r (Rscript running KERNEL_R) or
+bash. The kernel reads one
 command a line from a pipe and writes its messages (ready, result, error, done) to another; its
 stdout and stderr are pipes read as they are written. One thread a kernel reads them all, and
 ends with the kernel. A client that goes away mid-cell interrupts it (SIGINT); a kernel that
@@ -27,7 +29,7 @@ import sys
 import threading
 import time
 
-SERVED = ("python", "javascript", "bash")
+SERVED = ("python", "javascript", "typescript", "r", "bash")
 KEEPALIVE = 5.0
 GRACE = 2.0
 KERNEL_JS = sys.argv[1] if len(sys.argv) > 1 else None
@@ -409,6 +411,72 @@ while True:
     send({"type": "done"})
 '''
 
+# R: one persistent Rscript a context. A command is the path of a file of the cell's code,
+# its environment beside it (`<path>.post`: NAME<TAB>hex of the value, a line each). Each
+# top-level expression is evaluated in the global environment; a visible value is printed, the
+# last one is the cell's result; stdout is flushed after each.
+KERNEL_R = r'''
+a <- commandArgs(trailingOnly = TRUE)
+ctl <- file(sprintf("/dev/fd/%s", a[1]), "w")
+cmd <- file(sprintf("/dev/fd/%s", a[2]), "r")
+js <- function(x) {
+  x <- enc2utf8(paste(as.character(x), collapse = "\n"))
+  x <- gsub("\\", "\\\\", x, fixed = TRUE)
+  x <- gsub("\"", "\\\"", x, fixed = TRUE)
+  x <- gsub("\n", "\\n", x, fixed = TRUE)
+  x <- gsub("\r", "\\r", x, fixed = TRUE)
+  x <- gsub("\t", "\\t", x, fixed = TRUE)
+  paste0("\"", gsub("[[:cntrl:]]", "", x), "\"")
+}
+send <- function(...) {
+  flush(stdout())
+  writeLines(paste0("{", paste(..., sep = ","), "}"), ctl)
+  flush(ctl)
+}
+kv <- function(k, v) paste0(js(k), ":", v)
+err <- function(name, value, tb = "") send(kv("type", js("error")), kv("name", js(name)), kv("value", js(value)), kv("traceback", js(tb)))
+unhex <- function(h) if (nchar(h) == 0) "" else rawToChar(as.raw(strtoi(substring(h, seq(1, nchar(h), 2), seq(2, nchar(h), 2)), 16L)))
+cell <- function(path) {
+  envf <- paste0(path, ".post")
+  saved <- list()
+  if (file.exists(envf)) {
+    for (l in readLines(envf, warn = FALSE)) {
+      p <- strsplit(l, "\t", fixed = TRUE)[[1]]
+      saved[[p[1]]] <- Sys.getenv(p[1], unset = NA)
+      do.call(Sys.setenv, setNames(list(unhex(if (length(p) > 1) p[2] else "")), p[1]))
+    }
+  }
+  on.exit(for (k in names(saved)) if (is.na(saved[[k]])) Sys.unsetenv(k) else do.call(Sys.setenv, setNames(list(saved[[k]]), k)))
+  tryCatch({
+    exprs <- parse(file = path, keep.source = FALSE, encoding = "UTF-8")
+    n <- length(exprs)
+    for (i in seq_len(n)) {
+      r <- withVisible(eval(exprs[[i]], envir = globalenv()))
+      if (r$visible) {
+        if (i == n) {
+          assign(".Last.value", r$value, envir = globalenv())
+          send(kv("type", js("result")), kv("main", "true"), paste0(js("data"), ":{", kv("text/plain", js(utils::capture.output(print(r$value)))), "}"))
+        } else {
+          print(r$value)
+        }
+      }
+      flush(stdout())
+    }
+  }, interrupt = function(e) err("KeyboardInterrupt", "the cell was interrupted"),
+  error = function(e) {
+    call <- conditionCall(e)
+    err(class(e)[1], conditionMessage(e), paste0("Error", if (!is.null(call)) paste0(" in ", paste(deparse(call), collapse = " ")) else "", ": ", conditionMessage(e)))
+  })
+}
+send(kv("type", js("ready")), kv("pid", Sys.getpid()))
+repeat {
+  line <- readLines(cmd, n = 1)
+  if (length(line) == 0) break
+  cell(line)
+  send(kv("type", js("done")))
+}
+'''
+
 BASH_LOOP = r'''
 exec 62<&"$2" 63>&"$1"; eval "exec $1>&- $2<&-"
 printf '{"type":"ready","pid":%d}\n' $$ >&63
@@ -451,8 +519,10 @@ def kernel_js():
 def kernel_argv(lang, ctl, cmd):
     if lang == "python":
         return [sys.executable or "python3", "-c", KERNEL_PY, str(ctl), str(cmd)]
-    if lang == "javascript":
-        return ["node", "--expose-internals", "-e", kernel_js(), str(ctl), str(cmd)]
+    if lang in ("javascript", "typescript"):
+        return ["node", "--expose-internals", "-e", kernel_js(), lang, str(ctl), str(cmd)]
+    if lang == "r":
+        return ["Rscript", "--vanilla", "-e", KERNEL_R, str(ctl), str(cmd)]
     return ["bash", "--noprofile", "--norc", "-c", BASH_LOOP, "bash", str(ctl), str(cmd)]
 
 
@@ -684,6 +754,9 @@ class Context:
             if self.language == "bash":
                 cellfile = bash_cell(code, env)
                 k.send_line(cellfile)
+            elif self.language == "r":
+                cellfile = r_cell(code, env)
+                k.send_line(cellfile)
             else:
                 k.send_line(json.dumps({"op": "exec", "code": code, "env": env, "n": n}))
             emit({"type": "number_of_executions", "execution_count": n})
@@ -757,6 +830,18 @@ class Context:
         self.replace(k)
 
 
+def r_cell(code, env):
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="sbx-cell-", suffix=".R")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(code + "\n")
+    if env:
+        with open(path + ".post", "w", encoding="utf-8") as f:
+            f.write("".join("%s\t%s\n" % (k, str(v).encode().hex()) for k, v in env.items()))
+    return path
+
+
 def bash_cell(code, env):
     import tempfile
 
@@ -808,7 +893,7 @@ def normalize(language):
     if not language:
         return "python"
     lang = str(language).strip().lower()
-    return {"js": "javascript", "ts": "typescript", "py": "python", "python3": "python", "sh": "bash"}.get(lang, lang)
+    return {"js": "javascript", "ts": "typescript", "py": "python", "python3": "python", "sh": "bash", "rlang": "r"}.get(lang, lang)
 
 
 class BadRequest(Exception):
