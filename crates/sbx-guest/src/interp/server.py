@@ -41,10 +41,32 @@ os.set_inheritable(CTL, False)
 os.set_inheritable(CMD, False)
 KFILE = sys._getframe().f_code.co_filename
 
+def unread(fds, limit=2.0):
+    # Waits (bounded) until the server has read what is in these pipes: stdout and stderr
+    # before a message, the message before what the code writes next, so that the three
+    # pipes keep the order they were written in.
+    import fcntl, termios, time
+    end = time.monotonic() + limit
+    buf = bytearray(4)
+    for fd in fds:
+        while time.monotonic() < end:
+            try:
+                fcntl.ioctl(fd, termios.FIONREAD, buf)
+            except OSError:
+                break
+            if not int.from_bytes(buf, sys.byteorder):
+                break
+            time.sleep(0.001)
+
 def send(obj):
     data = (json.dumps(obj, default=str) + "\n").encode()
+    ordered = obj.get("type") in ("result", "error")
+    if ordered:
+        unread((1, 2))
     while data:
         data = data[os.write(CTL, data):]
+    if ordered:
+        unread((CTL,))
 
 def stream(fd):
     raw = io.FileIO(fd, "w", closefd=False)
