@@ -625,6 +625,7 @@ class Kernel:
         decoders = {}
         for f, kind in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"), (self.ctl, "ctl")):
             fd = f if isinstance(f, int) else f.fileno()
+            os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ, kind)
             decoders[fd] = codecs.getincrementaldecoder("utf-8")("replace")
         buf = b""
@@ -632,6 +633,8 @@ class Kernel:
         def read(key):
             try:
                 data = os.read(key.fd, 65536)
+            except BlockingIOError:  # drain() read it since the select that named it
+                return None
             except OSError:
                 data = b""
             if not data:
