@@ -446,6 +446,8 @@ fn run() -> anyhow::Result<()> {
         Some(Cmd::BuildBase) => {
             let img = images.build_base(&mut progress)?;
             println!("base image ready at {}", img.rootfs.display());
+            let img = images.build_interp(&mut progress)?;
+            println!("code interpreter image ready at {}", img.rootfs.display());
             return Ok(());
         }
         Some(Cmd::Gc) => {
@@ -513,6 +515,10 @@ fn run() -> anyhow::Result<()> {
         .unwrap_or_else(|| sbx_runtime::cgroup::default_name(&data_dir));
     if images.base().is_err() {
         images.build_base(&mut progress)?;
+    }
+    // E2B's code-interpreter-v1 runs on it: built (again) here when missing or older.
+    if images.interp().is_err() {
+        images.build_interp(&mut progress)?;
     }
     let agent = match &cli.agent {
         Some(a) => a.clone(),

@@ -431,6 +431,7 @@ fn node_create_body(n: &NewSandbox, now_ns: i128, can_pause: bool) -> Result<Val
     match template {
         "" | "base" => {}
         t if t == interp::TEMPLATE || t == "code-interpreter" => {
+            body.insert("image".into(), json!(interp::IMAGE));
             body.insert("start_command".into(), json!(interp::start_command()));
             body.insert("ready".into(), json!(interp::ready_check()));
         }

@@ -2,8 +2,9 @@
 //! the SDK's `run_code` and `*_code_context` talk to on port 49999 of a sandbox, proxied there
 //! like any other port (`E2b-Sandbox-Port: 49999`).
 //!
-//! It runs inside the sandbox, as the start command of the template's machine, from the node's
-//! base image as it is (Debian with python3 and node, nothing installed): `interp/server.py` is
+//! It runs inside the sandbox, as the start command of the template's machine, on the node's
+//! code interpreter image ([`IMAGE`]: the base image's Debian, python3 and node, with Debian's
+//! numpy, pandas and matplotlib; nothing installed at run time): `interp/server.py` is
 //! a Python standard-library HTTP server (`python3 -c SERVER_PY KERNEL_JS`, no file of it on
 //! the sandbox's disk) with one child process a context: a Python kernel (its source is in
 //! server.py), node running `interp/kernel.js` (given as the argument) for JavaScript, bash.
@@ -15,6 +16,10 @@ use serde_json::{json, Value};
 
 /// The E2B template the SDK asks for (`Sandbox.create()` of `e2b_code_interpreter`).
 pub const TEMPLATE: &str = "code-interpreter-v1";
+
+/// The node's image the template runs on: the base image's packages and the data stack
+/// (numpy, pandas, matplotlib, ...), built by the node (`sandboxd build-base`).
+pub const IMAGE: &str = sbx_node::image::INTERP_IMAGE;
 
 /// The port the SDK sends its requests to (`JUPYTER_PORT`).
 pub const PORT: u16 = 49999;
@@ -228,5 +233,16 @@ mod tests {
         let lines = execute(&s, json!({"code": "a + 2", "context_id": id}));
         assert_eq!(lines[1]["text"], "42");
         assert_eq!(lines[1]["is_main_result"], true);
+        // ESM imports become the cell's globals (names the kernel itself uses too).
+        let lines = execute(
+            &s,
+            json!({"code": "import fs from 'fs'\nimport { join as j } from 'path'", "context_id": id}),
+        );
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        let lines = execute(
+            &s,
+            json!({"code": "j('a', 'b') + fs.existsSync('/')", "context_id": id}),
+        );
+        assert_eq!(lines[1]["text"], "a/btrue");
     }
 }

@@ -1,5 +1,5 @@
-//! The node's images. For now one: the base image, a Debian (or Ubuntu, as the host is) root
-//! with python3 (also as `python`), nodejs, and E2B's user `user`, who may sudo without a
+//! The node's images. Two it makes itself ([`LocalImage`]): the base image, a Debian (or
+//! Ubuntu, as the host is) root with python3 (also as `python`), nodejs, and E2B's user `user`, who may sudo without a
 //! password, made by debootstrap from the machine's configured apt sources and kept under the
 //! images directory:
 //!
@@ -7,6 +7,10 @@
 //! <images>/base/image.json   what the image is: env, user, workdir, the uid base it is stored at
 //! <images>/base/rootfs/      the tree, owners shifted by the uid base (see sbx-runtime fsutil)
 //! ```
+//!
+//! and the code interpreter's image (`<images>/code-interpreter`, [`INTERP_IMAGE`]): the same
+//! with E2B's data stack from Debian (numpy, pandas, matplotlib, ...), which E2B's template
+//! `code-interpreter-v1` runs on.
 //!
 //! An image is made in `<images>/.build-<name>` and renamed into place when complete, so a
 //! half-built image is never used; a lock file keeps two builders apart.
@@ -33,6 +37,10 @@ pub enum ImageError {
     NoBase(PathBuf),
     #[error("image {0} is not on this node")]
     Unknown(String),
+    #[error(
+        "no code interpreter image at {0}: run `sandboxd build-base` (or start sandboxd, which builds it)"
+    )]
+    NoInterp(PathBuf),
     #[error("{0}")]
     InvalidReference(String),
     #[error("the base image was stored for uid base {stored}, this node uses {wanted}")]
@@ -243,6 +251,101 @@ pub(crate) fn base_source(suite: &str) -> String {
     )
 }
 
+/// The node's second local image, `<images>/code-interpreter`: the base image's packages and
+/// E2B's code interpreter's data stack as Debian ships it ([`INTERP_PACKAGES`]), made the same
+/// way (debootstrap from the machine's apt source, [`BASE_USER`]), then `apt-get install` in
+/// it from the same source (apt, unlike debootstrap, takes a dependency's alternative that is
+/// being installed: fonttools' `python3-scipy | python3-munkres` does not bring scipy and a
+/// C++ compiler). E2B's template `code-interpreter-v1` runs on it. A name no OCI reference is
+/// looked up as.
+pub const INTERP_IMAGE: &str = "code-interpreter";
+
+/// What the code interpreter's image has beyond [`BASE_PACKAGES`]: E2B's data stack where
+/// Debian has it cheaply (no scipy, scikit-learn or seaborn: they would double the image).
+pub(crate) const INTERP_PACKAGES: &[&str] = &[
+    "python3-numpy",
+    "python3-pandas",
+    "python3-matplotlib",
+    "python3-openpyxl",
+    "python3-bs4",
+    "python3-requests",
+    // fonttools' (matplotlib's) `python3-scipy | python3-munkres`: the small one.
+    "python3-munkres",
+    // TypeScript contexts: its compiler takes the types away (and nothing else).
+    "node-typescript",
+    // R contexts: a persistent R process each.
+    "r-base-core",
+];
+
+/// The version of the code interpreter's image beyond its package list and the base recipe.
+pub(crate) const INTERP_RECIPE: u32 = 1;
+
+/// The `source` an image.json of the code interpreter's image has when current.
+pub(crate) fn interp_source(suite: &str) -> String {
+    format!(
+        "interp recipe {INTERP_RECIPE}; base recipe {BASE_RECIPE}; user {} (sudo); debootstrap {suite} minbase + {}; apt-get install {}",
+        BASE_USER.0,
+        BASE_PACKAGES.join(" "),
+        INTERP_PACKAGES.join(" ")
+    )
+}
+
+fn interp_is_current(source: &str) -> bool {
+    source.starts_with(&format!(
+        "interp recipe {INTERP_RECIPE}; base recipe {BASE_RECIPE}; user {} ",
+        BASE_USER.0
+    )) && source.ends_with(&format!(
+        "minbase + {}; apt-get install {}",
+        BASE_PACKAGES.join(" "),
+        INTERP_PACKAGES.join(" ")
+    ))
+}
+
+/// The images the node makes itself (debootstrap), each in `<images>/<name>`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LocalImage {
+    Base,
+    Interp,
+}
+
+impl LocalImage {
+    pub fn name(self) -> &'static str {
+        match self {
+            LocalImage::Base => "base",
+            LocalImage::Interp => INTERP_IMAGE,
+        }
+    }
+
+    /// What `apt-get install` adds after debootstrap.
+    fn apt_packages(self) -> &'static [&'static str] {
+        match self {
+            LocalImage::Base => &[],
+            LocalImage::Interp => INTERP_PACKAGES,
+        }
+    }
+
+    fn source(self, suite: &str) -> String {
+        match self {
+            LocalImage::Base => base_source(suite),
+            LocalImage::Interp => interp_source(suite),
+        }
+    }
+
+    fn is_current(self, source: &str) -> bool {
+        match self {
+            LocalImage::Base => base_is_current(source),
+            LocalImage::Interp => interp_is_current(source),
+        }
+    }
+
+    fn missing(self, dir: PathBuf) -> ImageError {
+        match self {
+            LocalImage::Base => ImageError::NoBase(dir),
+            LocalImage::Interp => ImageError::NoInterp(dir),
+        }
+    }
+}
+
 /// Whether a base image's `source` says it is of recipe [`BASE_RECIPE`] and holds
 /// [`BASE_PACKAGES`] (recipe 1, `user user; debootstrap …`, is not: it has no sudo).
 fn base_is_current(source: &str) -> bool {
@@ -364,6 +467,7 @@ impl ImageStore {
         let name = mapped.map(String::as_str).or(name);
         match name {
             n if Self::is_catalog(n) => self.base().map(|i| Source::Local(Box::new(i))),
+            Some(INTERP_IMAGE) => self.interp().map(|i| Source::Local(Box::new(i))),
             Some(n) => {
                 let r = sbx_image::parse_reference(n)
                     .map_err(|e| ImageError::InvalidReference(e.to_string()))?;
@@ -551,9 +655,27 @@ impl ImageStore {
     /// The base image, if it is built (with [`BASE_PACKAGES`]: one of an older list is
     /// `NoBase` too, so that it is built again).
     pub fn base(&self) -> Result<Image, ImageError> {
-        let img = self.load("base")?;
-        if !base_is_current(&img.meta.source) {
-            return Err(ImageError::NoBase(self.dir.join("base")));
+        self.local(LocalImage::Base)
+    }
+
+    /// The code interpreter's image ([`INTERP_IMAGE`]), if it is built and current.
+    pub fn interp(&self) -> Result<Image, ImageError> {
+        self.local(LocalImage::Interp)
+    }
+
+    /// A local image if it is built as this node makes it (one of an older recipe or package
+    /// list is missing too, so that it is built again).
+    pub fn local(&self, which: LocalImage) -> Result<Image, ImageError> {
+        let dir = self.dir.join(which.name());
+        let img = match self.load(which.name()) {
+            Ok(img) => img,
+            Err(ImageError::NoBase(_)) | Err(ImageError::Unknown(_)) => {
+                return Err(which.missing(dir))
+            }
+            Err(e) => return Err(e),
+        };
+        if !which.is_current(&img.meta.source) {
+            return Err(which.missing(dir));
         }
         Ok(img)
     }
@@ -600,6 +722,21 @@ impl ImageStore {
 
     /// Builds the base image unless it is there. `progress` gets a line per step.
     pub fn build_base(&self, progress: &mut dyn FnMut(&str)) -> Result<Image, ImageError> {
+        self.build_local(LocalImage::Base, progress)
+    }
+
+    /// Builds the code interpreter's image unless it is there.
+    pub fn build_interp(&self, progress: &mut dyn FnMut(&str)) -> Result<Image, ImageError> {
+        self.build_local(LocalImage::Interp, progress)
+    }
+
+    /// Builds a local image unless it is there (current).
+    pub fn build_local(
+        &self,
+        which: LocalImage,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<Image, ImageError> {
+        let name = which.name();
         fs::create_dir_all(&self.dir).map_err(io(format!("mkdir {}", self.dir.display())))?;
         let lock_path = self.dir.join(".build.lock");
         let lock = fs::OpenOptions::new()
@@ -609,16 +746,16 @@ impl ImageStore {
             .open(&lock_path)
             .map_err(io("open build lock"))?;
         lock.lock().map_err(io("take build lock"))?;
-        if let Ok(img) = self.base() {
+        if let Ok(img) = self.local(which) {
             return Ok(img);
         }
         let started = Instant::now();
         let source = AptSource::of_host()?;
         progress(&format!(
-            "building the base image: debootstrap {} from the machine's apt source (about a minute)",
+            "building the {name} image: debootstrap {} from the machine's apt source (a minute or two)",
             source.suite
         ));
-        let build = self.dir.join(".build-base");
+        let build = self.dir.join(format!(".build-{name}"));
         if build.exists() {
             fs::remove_dir_all(&build).map_err(io("remove a half-built image"))?;
         }
@@ -669,8 +806,22 @@ impl ImageStore {
                 tail.join("\n")
             )));
         }
-        progress("debootstrap done; trimming caches and shifting owners to the sandbox uid range");
-        for junk in ["var/cache/apt/archives", "var/lib/apt/lists"] {
+        if !which.apt_packages().is_empty() {
+            progress(&format!(
+                "debootstrap done; apt-get install {}",
+                which.apt_packages().join(" ")
+            ));
+            if let Err(e) = apt_install(&rootfs, which.apt_packages()) {
+                let _ = fs::remove_dir_all(&build);
+                return Err(e);
+            }
+        }
+        progress("trimming caches and shifting owners to the sandbox uid range");
+        for junk in [
+            "var/cache/apt/archives",
+            "var/lib/apt/lists",
+            "var/cache/apt",
+        ] {
             let p = rootfs.join(junk);
             if let Ok(rd) = fs::read_dir(&p) {
                 for e in rd.flatten() {
@@ -680,11 +831,11 @@ impl ImageStore {
                 }
             }
         }
-        add_base_user(&rootfs).map_err(io("add the user `user` to the base image"))?;
+        add_base_user(&rootfs).map_err(io(format!("add the user `user` to the {name} image")))?;
         sbx_runtime::fsutil::shift_owners(&rootfs, self.uid_base)
-            .map_err(io("shift owners of the base image"))?;
+            .map_err(io(format!("shift owners of the {name} image")))?;
         let meta = ImageMeta {
-            name: "base".into(),
+            name: name.into(),
             created_at: sbx_api::format_rfc3339_millis(now_ns()),
             env: vec![
                 (
@@ -699,7 +850,7 @@ impl ImageStore {
             user: Some("root".into()),
             workdir: Some("/".into()),
             uid_base: self.uid_base,
-            source: base_source(&source.suite),
+            source: which.source(&source.suite),
             start: Vec::new(),
             stop_signal: None,
             labels: BTreeMap::new(),
@@ -707,24 +858,64 @@ impl ImageStore {
         let meta_text =
             serde_json::to_vec_pretty(&meta).map_err(|e| ImageError::Build(e.to_string()))?;
         fs::write(build.join("image.json"), meta_text).map_err(io("write image.json"))?;
-        let dest = self.dir.join("base");
+        let dest = self.dir.join(name);
         if dest.exists() {
-            // An older base image: set aside, not removed, since sandboxes running on it hold
-            // it as their lower layer (`sandboxd gc` does not touch it; remove it by hand once
-            // they are gone).
+            // An older image: set aside, not removed, since sandboxes running on it hold it as
+            // their lower layer (`sandboxd gc` does not touch it; remove it by hand once they
+            // are gone).
             let old = self
                 .dir
-                .join(format!("base.old-{}", now_ns() / 1_000_000_000));
-            fs::rename(&dest, &old).map_err(io("set the older base image aside"))?;
-            progress(&format!("the older base image is now {}", old.display()));
+                .join(format!("{name}.old-{}", now_ns() / 1_000_000_000));
+            fs::rename(&dest, &old).map_err(io(format!("set the older {name} image aside")))?;
+            progress(&format!("the older {name} image is now {}", old.display()));
         }
-        fs::rename(&build, &dest).map_err(io("put the base image in place"))?;
+        fs::rename(&build, &dest).map_err(io(format!("put the {name} image in place")))?;
         progress(&format!(
-            "base image ready in {:.0} s",
+            "{name} image ready in {:.0} s",
             started.elapsed().as_secs_f64()
         ));
-        self.base()
+        self.local(which)
     }
+}
+
+/// `apt-get update` and `apt-get install --no-install-recommends` in a root file system just
+/// made by debootstrap (its sources.list is the machine's apt source debootstrap was given),
+/// through chroot, at build time only.
+fn apt_install(rootfs: &Path, packages: &[&str]) -> Result<(), ImageError> {
+    let apt = |args: &[&str]| -> Result<(), ImageError> {
+        let out = Command::new("chroot")
+            .arg(rootfs)
+            .arg("apt-get")
+            .args(["-q", "-y", "-o", "Dpkg::Use-Pty=0"])
+            .args(args)
+            .env_clear()
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
+            .env("LANG", "C.UTF-8")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| ImageError::Build(format!("chroot apt-get: {e}")))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let tail: Vec<&str> = text.lines().rev().take(20).collect();
+        Err(ImageError::Build(format!(
+            "apt-get {} ended with {}: {}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        )))
+    };
+    apt(&["update"])?;
+    let mut install = vec!["install", "--no-install-recommends"];
+    install.extend_from_slice(packages);
+    apt(&install)?;
+    apt(&["clean"])
 }
 
 pub fn now_ns() -> i128 {
@@ -877,6 +1068,32 @@ mod tests {
     }
 
     #[test]
+    fn an_interp_image_of_another_recipe_or_list_is_not_current() {
+        let src = interp_source("bookworm");
+        assert!(interp_is_current(&src));
+        assert!(src.ends_with(
+            "python-is-python3; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres node-typescript r-base-core"
+        ));
+        // The base image's source is not the interpreter's, nor the other way round.
+        assert!(!interp_is_current(&base_source("bookworm")));
+        assert!(!base_is_current(&src));
+        let older = src.replacen(
+            &format!("interp recipe {INTERP_RECIPE};"),
+            &format!("interp recipe {};", INTERP_RECIPE + 1),
+            1,
+        );
+        assert!(!interp_is_current(&older));
+        let older_base = src.replacen(
+            &format!("base recipe {BASE_RECIPE};"),
+            &format!("base recipe {};", BASE_RECIPE - 1),
+            1,
+        );
+        assert!(!interp_is_current(&older_base));
+        let fewer = src.replacen(" node-typescript", "", 1);
+        assert!(!interp_is_current(&fewer));
+    }
+
+    #[test]
     fn the_base_user_is_added_with_its_home_and_sudoers_file() {
         use std::os::unix::fs::MetadataExt;
         let root = std::env::temp_dir().join(format!("sbx-img-user-{}", std::process::id()));
@@ -926,6 +1143,11 @@ mod tests {
         assert!(matches!(
             store.resolve(Some("ubuntu:24.04")),
             Err(ImageError::Unknown(_))
+        ));
+        // The code interpreter's image is the node's, never a registry's.
+        assert!(matches!(
+            store.resolve(Some(INTERP_IMAGE)),
+            Err(ImageError::NoInterp(_))
         ));
         let _ = fs::remove_dir_all(dir);
     }

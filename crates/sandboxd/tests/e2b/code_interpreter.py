@@ -5,6 +5,7 @@ sandbox. Run by crates/sandboxd/tests/it/e2b.rs."""
 import sys
 import time
 
+from e2b.exceptions import TimeoutException
 from e2b_code_interpreter import Sandbox
 
 
@@ -43,6 +44,34 @@ try:
     s.run_code("let y = 40", context=js)
     e = s.run_code("y + 2", context=js)
     check("a JavaScript context keeps its state", e.text == "42", repr(e))
+    s.run_code("import { join } from 'path'\nimport * as os from 'os'", context=js)
+    e = s.run_code("join('a', 'b') + ' ' + typeof os.hostname", context=js)
+    check("ESM imports in JavaScript stay for the next cells", e.text == "a/b function", repr(e))
+    ts = s.create_code_context(language="typescript")
+    check("a TypeScript context", ts.language == "typescript", repr(ts.language))
+    e = s.run_code(
+        "interface P { x: number }\nconst p: P = { x: 40 }\nfunction add(a: number, b: number): number { return a + b }",
+        context=ts,
+    )
+    check("TypeScript with types runs", e.error is None, repr(e))
+    e = s.run_code("add(p.x, 2) as number", context=ts)
+    check("a TypeScript context keeps its state", e.text == "42", repr(e))
+    e = s.run_code("const z: string = 'ts'; z.toUpperCase()", language="ts")
+    check("language='ts' runs TypeScript", e.text == "TS", repr(e))
+    r = s.create_code_context(language="r")
+    e = s.run_code("v <- c(1, 2, 3)\ncat('from R\\n')\nSys.getenv('SBX_R')", context=r, envs={"SBX_R": "env of R"})
+    check("an R context runs, prints and has the cell's env", e.logs.stdout == ["from R\n"] and e.text == '[1] "env of R"', repr(e))
+    e = s.run_code("sum(v) * 7", context=r)
+    check("an R context keeps its state", e.text == "[1] 42", repr(e))
+    e = s.run_code("stop('boom')", context=r)
+    check("an R error", e.error is not None and e.error.value == "boom", repr(e))
+    try:
+        s.run_code("Sys.sleep(30)", context=r, timeout=2)
+        check("an R timeout raises", False)
+    except TimeoutException:
+        pass
+    e = s.run_code("sum(v)", context=r)
+    check("an interrupted R context keeps its state", e.text == "[1] 6", repr(e))
     e = s.run_code("x", context=s.create_code_context(language="python"))
     check("a new context has its own state", e.error is not None and e.error.name == "NameError", repr(e))
 finally:

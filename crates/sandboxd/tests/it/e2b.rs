@@ -127,6 +127,24 @@ fn e2b_s_code_interpreter_sdk_runs_code_with_state() {
 }
 
 #[test]
+fn e2b_s_code_interpreter_sdk_gets_e2b_s_results_and_charts() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "code_interpreter_results.py");
+    eprintln!("{out}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn e2b_s_code_interpreter_sdk_contexts_streams_and_timeouts() {
+    let (node, e2b, dir) = node();
+    let out = run_script(&e2b, "code_interpreter_contexts.py");
+    eprintln!("{out}");
+    node.assert_clean(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn e2b_s_npm_sdk_drives_a_node_unchanged() {
     let (node, e2b, dir) = node();
     let out = run_script(&e2b, "basics.mjs");

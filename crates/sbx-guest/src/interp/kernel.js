@@ -1,10 +1,12 @@
 // sbx's JavaScript kernel for the code interpreter (server.py): run by
-// `node --expose-internals -e <this> CTL CMD`. Cells run in node's main context (vm), so
+// `node --expose-internals -e <this> [typescript] CTL CMD`. Cells run in node's main context (vm), so
 // variables, functions and required modules stay from one cell to the next; the value of a
 // cell's last expression is its result (util.inspect); console output goes to stdout and
 // stderr, read by the server as it is written (pipes are synchronous in node on Linux).
 // Top-level await: node's own REPL rewrite (internal/repl/await) when it is there.
 // Commands come one JSON line at a time on fd CMD; messages go on fd CTL.
+// The kernel's own names are the function's: a cell's global ones (`fs`, `path`) are free.
+(function kernel() {
 'use strict';
 const vm = require('vm');
 const util = require('util');
@@ -13,6 +15,77 @@ const Module = require('module');
 const path = require('path');
 
 const [CTL, CMD] = process.argv.slice(-2).map(Number);
+// `typescript` before them: cells are TypeScript.
+const TS = process.argv.length > 3 && process.argv[process.argv.length - 3] === 'typescript';
+let tsc = null; // Debian's node-typescript, when the image has it
+
+function compiler() {
+  if (tsc === null) {
+    try {
+      tsc = require('typescript');
+    } catch (_) {
+      tsc = false;
+    }
+  }
+  return tsc;
+}
+
+// ESM `import` and `export` of a cell as CommonJS a vm script runs: `var`s of the cell's
+// global scope (so that a name imported stays for the next cells, and a cell can run again).
+function names(spec) {
+  return spec
+    .replace(/\btype\s+/g, '')
+    .replace(/\s+as\s+/g, ': ')
+    .replace(/,\s*$/, '');
+}
+
+function esmToCjs(src) {
+  return src.replace(/^[ \t]*import\s+type\b[^;\n]*(\{[\s\S]*?\})?[^;\n]*[;\n]?/gm, '')
+    .replace(/^([ \t]*)import\s+([\s\S]*?)\s+from\s+(['"][^'"]+['"])[ \t]*;?/gm, (_, ind, what, mod) => {
+      const req = `require(${mod})`;
+      const parts = [];
+      let rest = what.trim();
+      const def = /^([A-Za-z_$][\w$]*)\s*(,|$)/.exec(rest);
+      if (def) {
+        parts.push(`var ${def[1]} = __sbx_default(${req});`);
+        rest = rest.slice(def[0].length).trim();
+      }
+      const star = /^\*\s+as\s+([A-Za-z_$][\w$]*)/.exec(rest);
+      if (star) {
+        parts.push(`var ${star[1]} = ${req};`);
+      }
+      const braces = /^\{([\s\S]*)\}$/.exec(rest);
+      if (braces && names(braces[1]).trim()) {
+        parts.push(`var {${names(braces[1])}} = ${req};`);
+      }
+      return ind + parts.join(' ');
+    })
+    .replace(/^([ \t]*)import\s+(['"][^'"]+['"])\s*;?/gm, (_, ind, mod) => `${ind}require(${mod});`)
+    .replace(/^([ \t]*)export\s+(default\s+)?(?=(const|let|var|function|class|async)\b)/gm, '$1')
+    .replace(/^([ \t]*)export\s+\{[^}]*\}\s*;?/gm, '$1');
+}
+
+globalThis.__sbx_default = (m) => (m && m.__esModule ? m.default : m);
+
+// A cell as node's vm runs it: ESM made CommonJS, and TypeScript's types taken away by
+// TypeScript's compiler (Debian's node-typescript) in a TypeScript context.
+function transpile(src) {
+  if (/^\s*(import|export)\b(?!\s*\()/m.test(src)) {
+    src = esmToCjs(src);
+  }
+  if (!TS) {
+    return src;
+  }
+  const ts = compiler();
+  if (!ts) {
+    throw new Error("TypeScript is not installed in this sandbox's image (Debian's node-typescript)");
+  }
+  return ts.transpileModule(src, {
+    compilerOptions: { target: ts.ScriptTarget.ES2022, module: ts.ModuleKind.ESNext, strict: false },
+    reportDiagnostics: false,
+  }).outputText;
+}
+
 let tla = null;
 try {
   tla = require('internal/repl/await').processTopLevelAwait;
@@ -101,7 +174,13 @@ function run(req) {
     cell.saved[k] = process.env[k];
     process.env[k] = String(v);
   }
-  let src = req.code;
+  let src;
+  try {
+    src = transpile(req.code);
+  } catch (e) {
+    finish(cell, errorMsg(e));
+    return;
+  }
   let wrapped = false;
   if (tla && /\bawait\b/.test(src)) {
     try {
@@ -175,3 +254,4 @@ input.on('data', (chunk) => {
 input.on('end', () => process.exit(0));
 input.on('error', () => process.exit(0));
 send({ type: 'ready', pid: process.pid });
+})();

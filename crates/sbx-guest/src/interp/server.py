@@ -6,8 +6,10 @@ object a line as the code runs (stdout, stderr, result, error, number_of_executi
 keepalive, end_of_execution); POST /contexts {language?, cwd?}; GET /contexts;
 DELETE /contexts/{id}; POST /contexts/{id}/restart.
 
-A context is one child process (its kernel): python (KERNEL_PY below), javascript (node
-running kernel.js, given as argv[1] or found next to this file) or bash. The kernel reads one
+A context is one child process (its kernel): python (KERNEL_PY below), javascript or
+typescript (node running kernel.js, given as argv[1] or found next to this file; TypeScript's
+compiler, Debian's node-typescript, takes the types away), r (Rscript running KERNEL_R) or
+bash. The kernel reads one
 command a line from a pipe and writes its messages (ready, result, error, done) to another; its
 stdout and stderr are pipes read as they are written. One thread a kernel reads them all, and
 ends with the kernel. A client that goes away mid-cell interrupts it (SIGINT); a kernel that
@@ -27,7 +29,7 @@ import sys
 import threading
 import time
 
-SERVED = ("python", "javascript", "bash")
+SERVED = ("python", "javascript", "typescript", "r", "bash")
 KEEPALIVE = 5.0
 GRACE = 2.0
 KERNEL_JS = sys.argv[1] if len(sys.argv) > 1 else None
@@ -39,10 +41,32 @@ os.set_inheritable(CTL, False)
 os.set_inheritable(CMD, False)
 KFILE = sys._getframe().f_code.co_filename
 
+def unread(fds, limit=2.0):
+    # Waits (bounded) until the server has read what is in these pipes: stdout and stderr
+    # before a message, the message before what the code writes next, so that the three
+    # pipes keep the order they were written in.
+    import fcntl, termios, time
+    end = time.monotonic() + limit
+    buf = bytearray(4)
+    for fd in fds:
+        while time.monotonic() < end:
+            try:
+                fcntl.ioctl(fd, termios.FIONREAD, buf)
+            except OSError:
+                break
+            if not int.from_bytes(buf, sys.byteorder):
+                break
+            time.sleep(0.001)
+
 def send(obj):
     data = (json.dumps(obj, default=str) + "\n").encode()
+    ordered = obj.get("type") in ("result", "error")
+    if ordered:
+        unread((1, 2))
     while data:
         data = data[os.write(CTL, data):]
+    if ordered:
+        unread((CTL,))
 
 def stream(fd):
     raw = io.FileIO(fd, "w", closefd=False)
@@ -77,6 +101,124 @@ def fig_png(fig):
     fig.savefig(b, format="png", bbox_inches="tight")
     return b64(b.getvalue())
 
+def plain(v):
+    # A value JSON takes: numpy's scalars as Python's, NaN as null.
+    if hasattr(v, "item") and type(v).__module__ == "numpy":
+        v = v.item()
+    if isinstance(v, float) and v != v:
+        return None
+    return v
+
+def unit(label):
+    import re
+    m = re.search(r"\(([^()]*)\)\s*$|\[([^\[\]]*)\]\s*$", label or "")
+    return (m.group(1) if m.group(1) is not None else m.group(2)) if m else None
+
+class Axis:
+    # How an axis' numbers read: dates as ISO strings, categories as their names.
+    def __init__(self, a, scale):
+        conv = a.get_converter() if hasattr(a, "get_converter") else getattr(a, "converter", None)
+        mod = type(conv).__module__ if conv is not None else ""
+        self.scale, self.names = scale, None
+        if mod == "matplotlib.dates":
+            self.scale = "datetime"
+        elif mod == "matplotlib.category":
+            self.scale = "categorical"
+            units = a.get_units()
+            self.names = {v: k for k, v in getattr(units, "_mapping", {}).items()}
+    def value(self, x):
+        x = plain(x)
+        if x is None:
+            return None
+        if self.scale == "datetime":
+            from matplotlib.dates import num2date
+            return num2date(x).isoformat()
+        if self.names is not None:
+            return self.names.get(int(round(x)), x) if isinstance(x, (int, float)) else x
+        return x
+
+def chart2d(ax, kind):
+    xl, yl = ax.get_xlabel() or None, ax.get_ylabel() or None
+    return {"type": kind, "title": ax.get_title() or None, "elements": [],
+            "x_label": xl, "y_label": yl, "x_unit": unit(xl), "y_unit": unit(yl)}
+
+def axes_chart(ax):
+    from matplotlib.patches import Wedge
+    from matplotlib.container import BarContainer
+    from matplotlib.collections import PathCollection
+    title = ax.get_title() or None
+    wedges = [p for p in ax.patches if isinstance(p, Wedge)]
+    if wedges:
+        return {"type": "pie", "title": title, "elements": [
+            {"label": w.get_label(), "angle": plain(abs(w.theta2 - w.theta1)), "radius": plain(w.r)} for w in wedges]}
+    boxes = getattr(ax, "_sbx_boxes", None)
+    if boxes:
+        d = chart2d(ax, "box_and_whisker")
+        names = [t.get_text() for t in ax.get_xticklabels()]
+        for i, b in enumerate(boxes):
+            label = b.get("label")
+            if label is None:
+                label = names[i] if i < len(names) else str(i + 1)
+            d["elements"].append({"label": str(label), "min": plain(b["whislo"]), "first_quartile": plain(b["q1"]),
+                                  "median": plain(b["med"]), "third_quartile": plain(b["q3"]),
+                                  "max": plain(b["whishi"]), "outliers": [plain(f) for f in b.get("fliers", [])]})
+        return d
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    if bars:
+        d = chart2d(ax, "bar")
+        horizontal = getattr(bars[0], "orientation", "vertical") == "horizontal"
+        cat = Axis(ax.yaxis if horizontal else ax.xaxis, "linear")
+        for c in bars:
+            group = c.get_label()
+            for r in c.patches:
+                if horizontal:
+                    pos, value = r.get_y() + r.get_height() / 2, r.get_width()
+                else:
+                    pos, value = r.get_x() + r.get_width() / 2, r.get_height()
+                d["elements"].append({"label": str(cat.value(pos)), "group": group, "value": plain(value)})
+        return d
+    scatters = [c for c in ax.collections if isinstance(c, PathCollection)]
+    lines = ax.get_lines()
+    if not scatters and not lines:
+        return None
+    d = chart2d(ax, "scatter" if scatters else "line")
+    xa, ya = Axis(ax.xaxis, ax.get_xscale()), Axis(ax.yaxis, ax.get_yscale())
+    d.update({"x_scale": xa.scale, "y_scale": ya.scale,
+              "x_ticks": [xa.value(t) for t in ax.get_xticks()], "x_tick_labels": [t.get_text() for t in ax.get_xticklabels()],
+              "y_ticks": [ya.value(t) for t in ax.get_yticks()], "y_tick_labels": [t.get_text() for t in ax.get_yticklabels()]})
+    if scatters:
+        series = [(c.get_label(), c.get_offsets()) for c in scatters]
+    else:
+        series = [(l.get_label(), l.get_xydata()) for l in lines]  # as the axes' numbers
+    for label, pts in series:
+        d["elements"].append({"label": label, "points": [[xa.value(x), ya.value(y)] for x, y in pts]})
+    return d
+
+def fig_chart(fig):
+    charts = [c for c in (axes_chart(ax) for ax in fig.get_axes()) if c is not None]
+    if len(charts) == 1:
+        return charts[0]
+    if not charts:
+        return None
+    sup = getattr(fig, "_suptitle", None)
+    return {"type": "superchart", "title": sup.get_text() if sup is not None else None, "elements": charts}
+
+def fig_bundle(fig):
+    d = {"text/plain": repr(fig), "image/png": fig_png(fig)}
+    try:
+        c = fig_chart(fig)
+        if c is not None:
+            d["e2b/chart"] = c
+    except Exception:
+        pass
+    return d
+
+def frame_data(df):
+    out = df.to_dict(orient="list")
+    for k, col in out.items():
+        out[k] = [x.isoformat() if hasattr(x, "isoformat") else plain(x) for x in col]
+    return {str(k): v for k, v in out.items()}
+
 def bundle(v):
     d = {"text/plain": repr(v)}
     t = type(v)
@@ -95,7 +237,12 @@ def bundle(v):
         d[mime] = b64(r) if isinstance(r, (bytes, bytearray)) else r
     if t.__module__.startswith("matplotlib.") and t.__name__ == "Figure":
         try:
-            d["image/png"] = fig_png(v)
+            d.update(fig_bundle(v))
+        except Exception:
+            pass
+    if t.__module__.startswith("pandas.") and t.__name__ == "DataFrame":
+        try:
+            d["e2b/data"] = frame_data(v)
         except Exception:
             pass
     return d
@@ -113,7 +260,7 @@ def show_figures(*_a, **_k):
     for n in plt.get_fignums():
         fig = plt.figure(n)
         try:
-            send({"type": "result", "main": False, "data": {"text/plain": repr(fig), "image/png": fig_png(fig)}})
+            send({"type": "result", "main": False, "data": fig_bundle(fig)})
         except Exception as e:
             print("figure %s: %s" % (n, e), file=sys.stderr)
     plt.close("all")
@@ -149,6 +296,15 @@ class Finder:
                     m.rcParams["backend"] = "module://sbx_inline"
                 except Exception:
                     pass
+            try:  # a box plot's statistics, kept on its axes for its chart
+                from matplotlib.axes import Axes
+                bxp = Axes.bxp
+                def keep(self, bxpstats, *a, **k):
+                    self._sbx_boxes = list(getattr(self, "_sbx_boxes", [])) + [dict(b) for b in bxpstats]
+                    return bxp(self, bxpstats, *a, **k)
+                Axes.bxp = keep
+            except Exception:
+                pass
         spec.loader.exec_module = exec_module
         return spec
 
@@ -277,6 +433,72 @@ while True:
     send({"type": "done"})
 '''
 
+# R: one persistent Rscript a context. A command is the path of a file of the cell's code,
+# its environment beside it (`<path>.post`: NAME<TAB>hex of the value, a line each). Each
+# top-level expression is evaluated in the global environment; a visible value is printed, the
+# last one is the cell's result; stdout is flushed after each.
+KERNEL_R = r'''
+a <- commandArgs(trailingOnly = TRUE)
+ctl <- file(sprintf("/dev/fd/%s", a[1]), "w")
+cmd <- file(sprintf("/dev/fd/%s", a[2]), "r")
+js <- function(x) {
+  x <- enc2utf8(paste(as.character(x), collapse = "\n"))
+  x <- gsub("\\", "\\\\", x, fixed = TRUE)
+  x <- gsub("\"", "\\\"", x, fixed = TRUE)
+  x <- gsub("\n", "\\n", x, fixed = TRUE)
+  x <- gsub("\r", "\\r", x, fixed = TRUE)
+  x <- gsub("\t", "\\t", x, fixed = TRUE)
+  paste0("\"", gsub("[[:cntrl:]]", "", x), "\"")
+}
+send <- function(...) {
+  flush(stdout())
+  writeLines(paste0("{", paste(..., sep = ","), "}"), ctl)
+  flush(ctl)
+}
+kv <- function(k, v) paste0(js(k), ":", v)
+err <- function(name, value, tb = "") send(kv("type", js("error")), kv("name", js(name)), kv("value", js(value)), kv("traceback", js(tb)))
+unhex <- function(h) if (nchar(h) == 0) "" else rawToChar(as.raw(strtoi(substring(h, seq(1, nchar(h), 2), seq(2, nchar(h), 2)), 16L)))
+cell <- function(path) {
+  envf <- paste0(path, ".post")
+  saved <- list()
+  if (file.exists(envf)) {
+    for (l in readLines(envf, warn = FALSE)) {
+      p <- strsplit(l, "\t", fixed = TRUE)[[1]]
+      saved[[p[1]]] <- Sys.getenv(p[1], unset = NA)
+      do.call(Sys.setenv, setNames(list(unhex(if (length(p) > 1) p[2] else "")), p[1]))
+    }
+  }
+  on.exit(for (k in names(saved)) if (is.na(saved[[k]])) Sys.unsetenv(k) else do.call(Sys.setenv, setNames(list(saved[[k]]), k)))
+  tryCatch({
+    exprs <- parse(file = path, keep.source = FALSE, encoding = "UTF-8")
+    n <- length(exprs)
+    for (i in seq_len(n)) {
+      r <- withVisible(eval(exprs[[i]], envir = globalenv()))
+      if (r$visible) {
+        if (i == n) {
+          assign(".Last.value", r$value, envir = globalenv())
+          send(kv("type", js("result")), kv("main", "true"), paste0(js("data"), ":{", kv("text/plain", js(utils::capture.output(print(r$value)))), "}"))
+        } else {
+          print(r$value)
+        }
+      }
+      flush(stdout())
+    }
+  }, interrupt = function(e) err("KeyboardInterrupt", "the cell was interrupted"),
+  error = function(e) {
+    call <- conditionCall(e)
+    err(class(e)[1], conditionMessage(e), paste0("Error", if (!is.null(call)) paste0(" in ", paste(deparse(call), collapse = " ")) else "", ": ", conditionMessage(e)))
+  })
+}
+send(kv("type", js("ready")), kv("pid", Sys.getpid()))
+repeat {
+  line <- readLines(cmd, n = 1)
+  if (length(line) == 0) break
+  cell(line)
+  send(kv("type", js("done")))
+}
+'''
+
 BASH_LOOP = r'''
 exec 62<&"$2" 63>&"$1"; eval "exec $1>&- $2<&-"
 printf '{"type":"ready","pid":%d}\n' $$ >&63
@@ -319,8 +541,10 @@ def kernel_js():
 def kernel_argv(lang, ctl, cmd):
     if lang == "python":
         return [sys.executable or "python3", "-c", KERNEL_PY, str(ctl), str(cmd)]
-    if lang == "javascript":
-        return ["node", "--expose-internals", "-e", kernel_js(), str(ctl), str(cmd)]
+    if lang in ("javascript", "typescript"):
+        return ["node", "--expose-internals", "-e", kernel_js(), lang, str(ctl), str(cmd)]
+    if lang == "r":
+        return ["Rscript", "--vanilla", "-e", KERNEL_R, str(ctl), str(cmd)]
     return ["bash", "--noprofile", "--norc", "-c", BASH_LOOP, "bash", str(ctl), str(cmd)]
 
 
@@ -401,6 +625,7 @@ class Kernel:
         decoders = {}
         for f, kind in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"), (self.ctl, "ctl")):
             fd = f if isinstance(f, int) else f.fileno()
+            os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ, kind)
             decoders[fd] = codecs.getincrementaldecoder("utf-8")("replace")
         buf = b""
@@ -408,6 +633,8 @@ class Kernel:
         def read(key):
             try:
                 data = os.read(key.fd, 65536)
+            except BlockingIOError:  # drain() read it since the select that named it
+                return None
             except OSError:
                 data = b""
             if not data:
@@ -552,6 +779,9 @@ class Context:
             if self.language == "bash":
                 cellfile = bash_cell(code, env)
                 k.send_line(cellfile)
+            elif self.language == "r":
+                cellfile = r_cell(code, env)
+                k.send_line(cellfile)
             else:
                 k.send_line(json.dumps({"op": "exec", "code": code, "env": env, "n": n}))
             emit({"type": "number_of_executions", "execution_count": n})
@@ -625,6 +855,18 @@ class Context:
         self.replace(k)
 
 
+def r_cell(code, env):
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="sbx-cell-", suffix=".R")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(code + "\n")
+    if env:
+        with open(path + ".post", "w", encoding="utf-8") as f:
+            f.write("".join("%s\t%s\n" % (k, str(v).encode().hex()) for k, v in env.items()))
+    return path
+
+
 def bash_cell(code, env):
     import tempfile
 
@@ -676,7 +918,7 @@ def normalize(language):
     if not language:
         return "python"
     lang = str(language).strip().lower()
-    return {"js": "javascript", "ts": "typescript", "py": "python", "python3": "python", "sh": "bash"}.get(lang, lang)
+    return {"js": "javascript", "ts": "typescript", "py": "python", "python3": "python", "sh": "bash", "rlang": "r"}.get(lang, lang)
 
 
 class BadRequest(Exception):

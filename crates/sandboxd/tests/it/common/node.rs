@@ -40,13 +40,18 @@ fn agent_bin() -> PathBuf {
     agent
 }
 
-/// Makes sure the base image is there (builds it once, ~45 s, when it is not).
+/// Makes sure the base and code interpreter images are there (`sandboxd build-base` once,
+/// a few minutes, when they are not).
 fn ensure_base_image(images: &Path) {
-    if images.join("base/image.json").is_file() {
+    let built = || {
+        images.join("base/image.json").is_file()
+            && images.join("code-interpreter/image.json").is_file()
+    };
+    if built() {
         return;
     }
     let _g = BUILD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    if images.join("base/image.json").is_file() {
+    if built() {
         return;
     }
     eprintln!(
@@ -117,7 +122,8 @@ impl TestNode {
     }
 
     /// A node with an images directory of its own (`<root>/images`, removed with the node):
-    /// the machine's base image (a symlink to it) and an OCI store no other node uses.
+    /// the machine's base and code interpreter images (symlinks) and an OCI store no other
+    /// node uses.
     pub fn start_private_images(args: &[&str]) -> TestNode {
         TestNode::start_opts(args, true)
     }
@@ -136,8 +142,10 @@ impl TestNode {
         let images = if private_images {
             let own = root.join("images");
             fs::create_dir_all(&own).expect("make the node's images directory");
-            std::os::unix::fs::symlink(shared.join("base"), own.join("base"))
-                .expect("link the base image");
+            for name in ["base", "code-interpreter"] {
+                std::os::unix::fs::symlink(shared.join(name), own.join(name))
+                    .expect("link the base and code interpreter images");
+            }
             own
         } else {
             shared
