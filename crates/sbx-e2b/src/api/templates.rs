@@ -343,12 +343,11 @@ fn with_table<T>(
     node: &Node,
     f: impl FnOnce(&rusqlite::Connection) -> rusqlite::Result<T>,
 ) -> Result<T, Response> {
-    node.store
-        .with_conn(|c| {
-            c.execute_batch(SCHEMA)?;
-            f(c)
-        })
-        .map_err(store_failed)
+    node.with_front_table(|c| {
+        c.execute_batch(SCHEMA)?;
+        f(c)
+    })
+    .map_err(store_failed)
 }
 
 /// Every name's tags (a small table: one row per tag).

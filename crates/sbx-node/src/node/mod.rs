@@ -298,6 +298,16 @@ impl Node {
         }
     }
 
+    /// Runs `f` on the node's store for a table a front end keeps there (E2B's template names
+    /// and tags): its schema and rows are the front end's own; the node's tables are reached
+    /// through verbs only.
+    pub fn with_front_table<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, crate::store::StoreError> {
+        self.store.with_conn(f)
+    }
+
     /// Starts a request of the HTTP API with an Idempotency-Key (its records are the node's
     /// store's: a retry after a restart is answered too).
     pub fn idem_begin(
