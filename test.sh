@@ -30,7 +30,7 @@ if [ -z "${SBX_TEST_PG_URL:-}" ]; then
 fi
 export SBX_WEED="${SBX_WEED:-$(scripts/seaweedfs.sh)}"
 cargo build --workspace --all-targets
-target/debug/sandboxd --images-dir "$SBX_TEST_IMAGES" build-base
+target/debug/sandboxd --images-dir "$SBX_TEST_IMAGES" build-base --code-interpreter
 # Every test binary at once, each test in a process of its own (.config/nextest.toml); then
 # the doc tests, which nextest does not run, whatever the first found.
 status=0

@@ -55,7 +55,7 @@ trap cleanup EXIT
 if [ -z "${E2B_API_URL:-}" ]; then
   [ -x target/debug/sandboxd ] || cargo build -p sandboxd
   images="${SBX_TEST_IMAGES:-/var/lib/sbx/images}"
-  target/debug/sandboxd --images-dir "$images" build-base >/dev/null
+  target/debug/sandboxd --images-dir "$images" build-base --code-interpreter >/dev/null
   work="$(mktemp -d /tmp/sbx-e2b-suite-XXXXXX)"
   key="e2b_$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   echo "$key" > "$work/keys"

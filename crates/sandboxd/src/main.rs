@@ -330,8 +330,13 @@ enum Cmd {
     /// Run the fleet's control plane: nodes join it (`--control`), and its /v1 API places
     /// sandboxes on them and passes every call of a sandbox to its node (docs/fleet.md).
     Control(Box<ControlArgs>),
-    /// Build the base image now (debootstrap from the machine's apt sources) and exit.
-    BuildBase,
+    /// Build the base image now (debootstrap from the machine's apt sources) and exit; with
+    /// `--code-interpreter`, E2B's code interpreter's image too (a node with `--e2b-listen`
+    /// builds it at start otherwise).
+    BuildBase {
+        #[arg(long)]
+        code_interpreter: bool,
+    },
     /// Remove what no pulled image uses from the images directory (blobs, layers, refs, temp
     /// files of pulls no longer running), print what was removed and exit. Safe while nodes
     /// run on the same directory: it waits for their pulls.
@@ -443,11 +448,13 @@ fn run() -> anyhow::Result<()> {
     images.set_catalog(&fn_cfg.catalog);
     let mut progress = |line: &str| tracing::info!("{line}");
     match cli.command {
-        Some(Cmd::BuildBase) => {
+        Some(Cmd::BuildBase { code_interpreter }) => {
             let img = images.build_base(&mut progress)?;
             println!("base image ready at {}", img.rootfs.display());
-            let img = images.build_interp(&mut progress)?;
-            println!("code interpreter image ready at {}", img.rootfs.display());
+            if code_interpreter {
+                let img = images.build_interp(&mut progress)?;
+                println!("code interpreter image ready at {}", img.rootfs.display());
+            }
             return Ok(());
         }
         Some(Cmd::Gc) => {
@@ -516,8 +523,9 @@ fn run() -> anyhow::Result<()> {
     if images.base().is_err() {
         images.build_base(&mut progress)?;
     }
-    // E2B's code-interpreter-v1 runs on it: built (again) here when missing or older.
-    if images.interp().is_err() {
+    // E2B's code-interpreter-v1 runs on it: built (again) here when missing or older, on a
+    // node that serves E2B (no other front end uses it).
+    if cli.e2b_listen.is_some() && images.interp().is_err() {
         images.build_interp(&mut progress)?;
     }
     let agent = match &cli.agent {

@@ -323,11 +323,9 @@ pub(crate) fn ensure_node(cli: &Cli) -> anyhow::Result<()> {
     let data_dir =
         PathBuf::from(std::env::var("SBX_DATA_DIR").unwrap_or_else(|_| "/var/lib/sbx".into()));
     // The node builds what is missing at start, too long for the wait below: the base image
-    // and the code interpreter's are built first, with their progress.
-    let base_ready = (data_dir.join("images/base/image.json").is_file()
-        && data_dir
-            .join("images/code-interpreter/image.json")
-            .is_file())
+    // is built first, with its progress (the node started here serves no E2B: the code
+    // interpreter's image is not needed).
+    let base_ready = data_dir.join("images/base/image.json").is_file()
         || std::env::var_os("SBX_IMAGES_DIR").is_some();
     if !base_ready {
         eprintln!("sbx: no node is running; building its base images first");

@@ -38,7 +38,7 @@ pub enum ImageError {
     #[error("image {0} is not on this node")]
     Unknown(String),
     #[error(
-        "no code interpreter image at {0}: run `sandboxd build-base` (or start sandboxd, which builds it)"
+        "no code interpreter image at {0}: run `sandboxd build-base --code-interpreter` (or start sandboxd with --e2b-listen, which builds it)"
     )]
     NoInterp(PathBuf),
     #[error("{0}")]

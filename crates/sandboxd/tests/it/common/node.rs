@@ -62,12 +62,13 @@ fn ensure_base_image(images: &Path) {
         .arg("--images-dir")
         .arg(images)
         .arg("build-base")
+        .arg("--code-interpreter")
         .status()
         .expect("run sandboxd build-base");
     assert!(
         status.success(),
         "sandboxd build-base failed ({status}); build the base image by hand with \
-         `target/debug/sandboxd --images-dir {} build-base`",
+         `target/debug/sandboxd --images-dir {} build-base --code-interpreter`",
         images.display()
     );
 }
