@@ -376,33 +376,13 @@ pub async fn serve(
         stop.await;
         let _ = told.send(true);
     };
-    let timeouts = limits.timeouts();
-    accept_loop(
-        listener,
-        "API listener",
-        limits.max_connections,
-        stop,
-        move |stream, peer| {
-            let app = app.clone();
-            serve_conn(
-                stream,
-                peer,
-                timeouts,
-                Protocol::Http1,
-                Some(stopping.subscribe()),
-                move |req| {
-                    let app = app.clone();
-                    async move {
-                        match app.oneshot(req).await {
-                            Ok(r) => r,
-                            Err(never) => match never {},
-                        }
-                    }
-                },
-            )
-        },
-    )
-    .await;
+    let how = RouterListener {
+        name: "API listener",
+        max_connections: limits.max_connections,
+        timeouts: limits.timeouts(),
+        protocol: Protocol::Http1,
+    };
+    serve_router(listener, app, how, stop, Some(stopping)).await;
 }
 
 /// The connections a listener that carries streams (E2B's, a preview listener) takes at once.
@@ -417,19 +397,47 @@ pub async fn serve_streams(
     app: Router,
     max_connections: usize,
 ) {
-    accept_loop(
-        listener,
+    let how = RouterListener {
         name,
         max_connections,
-        std::future::pending(),
+        timeouts: Timeouts::STREAMS,
+        protocol: Protocol::Http1And2,
+    };
+    serve_router(listener, app, how, std::future::pending(), None).await;
+}
+
+/// How a listener serves a router: its log's name, its cap, its connections' timeouts and
+/// protocol.
+#[derive(Clone, Copy)]
+struct RouterListener {
+    name: &'static str,
+    max_connections: usize,
+    timeouts: Timeouts,
+    protocol: Protocol,
+}
+
+/// Serves `app` on `listener` as `how` says until `stop` resolves; `stopping` (when there is
+/// one) is told to each connection at the stop.
+async fn serve_router(
+    listener: TcpListener,
+    app: Router,
+    how: RouterListener,
+    stop: impl Future<Output = ()>,
+    stopping: Option<watch::Sender<bool>>,
+) {
+    accept_loop(
+        listener,
+        how.name,
+        how.max_connections,
+        stop,
         move |stream, peer| {
             let app = app.clone();
             serve_conn(
                 stream,
                 peer,
-                Timeouts::STREAMS,
-                Protocol::Http1And2,
-                None,
+                how.timeouts,
+                how.protocol,
+                stopping.as_ref().map(watch::Sender::subscribe),
                 move |req| {
                     let app = app.clone();
                     async move {
