@@ -151,10 +151,23 @@ impl Sandbox {
         if self.group.freezer_dir().is_none() {
             return Ok(None);
         }
-        Ok(Some(
-            self.group
-                .freeze_all_but(self.pid, CHECKPOINT_FREEZE_WAIT)?,
-        ))
+        match self.group.freeze_all_but(self.pid, CHECKPOINT_FREEZE_WAIT) {
+            Ok(held) => Ok(Some(held)),
+            // A process in uninterruptible sleep (its I/O stalled by a busy disk) cannot
+            // freeze until it wakes: the group was thawed and the agent put back; once more,
+            // after a breath, before the checkpoint fails.
+            Err(crate::cgroup::CgroupError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                tracing::warn!(sandbox = %self.id, "the sandbox did not freeze in time (a process in uninterruptible sleep?): trying once more");
+                std::thread::sleep(Duration::from_millis(500));
+                Ok(Some(
+                    self.group
+                        .freeze_all_but(self.pid, CHECKPOINT_FREEZE_WAIT)?,
+                ))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// For a sandbox left frozen (or being frozen) by a checkpoint: its agent moved out of the
