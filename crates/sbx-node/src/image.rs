@@ -226,6 +226,8 @@ pub(crate) const BASE_PACKAGES: &[&str] = &[
     "python3-venv",
     "sudo",
     "python-is-python3",
+    // `ss` and `ip`: E2B's `wait_for_port` runs `ss` in the sandbox.
+    "iproute2",
 ];
 
 /// The account the base image has beside root, as E2B's templates do (E2B's SDKs run
@@ -1072,7 +1074,7 @@ mod tests {
         let src = interp_source("bookworm");
         assert!(interp_is_current(&src));
         assert!(src.ends_with(
-            "python-is-python3; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres node-typescript r-base-core"
+            "python-is-python3 iproute2; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres node-typescript r-base-core"
         ));
         // The base image's source is not the interpreter's, nor the other way round.
         assert!(!interp_is_current(&base_source("bookworm")));

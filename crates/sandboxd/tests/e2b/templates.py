@@ -13,7 +13,7 @@ import tempfile
 import time
 import uuid
 
-from e2b import Sandbox, Template, wait_for_url
+from e2b import Sandbox, Template, wait_for_port, wait_for_url
 from e2b.exceptions import BuildException
 
 
@@ -106,7 +106,15 @@ try:
     check("a failed build names nothing", not Template.exists(f"{name}-bad"))
 
     # In the background, from the first template, with a tag.
-    bg = Template().from_template(name).run_cmd("sleep 2 && echo second > /app/second.txt")
+    bg = (
+        Template()
+        .from_template(name)
+        .run_cmd("sleep 2 && echo second > /app/second.txt")
+        .set_start_cmd(
+            "python3 -m http.server 8124 --bind 127.0.0.1",
+            wait_for_port(8124),
+        )
+    )
     binfo = Template.build_in_background(bg, f"{bg_name}:v1")
     st = Template.get_build_status(binfo)
     check("a background build is building", st.status.value == "building", str(st.status))
@@ -131,6 +139,8 @@ try:
         r.stdout == "second\nserved\n",
         r.stdout,
     )
+    r = s.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8124/second.txt")
+    check("its start command, awaited by wait_for_port (ss), serves", r.stdout == "200", r.stdout)
     s.kill()
     made.remove(s)
 
