@@ -927,6 +927,29 @@ fn page_key(o: &SandboxObject) -> (i128, String) {
     (started_ns(o), o.id.clone())
 }
 
+/// The first non-empty value of the query's parameter `name`.
+fn query_one<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    pairs
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .filter(|v| !v.is_empty())
+}
+
+/// A page's `limit` (1 to [`MAX_PAGE`], that when not given), or its 400.
+fn page_limit(given: Option<&str>) -> Result<usize, Response> {
+    match given {
+        None => Ok(MAX_PAGE),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=MAX_PAGE).contains(&n) => Ok(n),
+            _ => Err(e2b_error(
+                StatusCode::BAD_REQUEST,
+                format!("limit must be 1 to {MAX_PAGE}"),
+            )),
+        },
+    }
+}
+
 fn token_of_key(k: &(i128, String)) -> String {
     format!("{}.{}", k.0, k.1)
 }
@@ -940,13 +963,7 @@ fn key_of_token(t: &str) -> Option<(i128, String)> {
 /// start (`order`: `desc`, the newest first, by default), paged by `limit` and `nextToken`.
 async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
     let pairs = query_pairs(q.as_deref());
-    let one = |name: &str| {
-        pairs
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-            .filter(|v| !v.is_empty())
-    };
+    let one = |name: &str| query_one(&pairs, name);
     let states: Vec<String> = pairs
         .iter()
         .filter(|(k, _)| k == "state")
@@ -961,17 +978,9 @@ async fn list_v2(State(node): St, RawQuery(q): RawQuery) -> Response {
             );
         }
     }
-    let limit = match one("limit") {
-        None => MAX_PAGE,
-        Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
-            _ => {
-                return e2b_error(
-                    StatusCode::BAD_REQUEST,
-                    format!("limit must be 1 to {MAX_PAGE}"),
-                )
-            }
-        },
+    let limit = match page_limit(one("limit")) {
+        Ok(n) => n,
+        Err(r) => return r,
     };
     let asc = match one("order") {
         None | Some("desc") => false,

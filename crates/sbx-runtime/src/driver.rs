@@ -817,57 +817,65 @@ mod tests {
 mod bench {
     use super::*;
 
-    #[test]
-    #[ignore]
-    fn bench_create() {
+    /// A driver of a cgroup folder and a directory of its own (`sbx-<tag>-<pid>`), and the
+    /// base image's root; `None` (said) without root, the agent or the base image.
+    fn bench_driver(tag: &str) -> Option<(NamespaceDriver, PathBuf, PathBuf)> {
         let exe = std::env::current_exe().expect("exe");
-        let Some(agent) = exe
-            .parent()
-            .and_then(|p| p.parent())
-            .map(|p| p.join("sbx-agent"))
-        else {
-            return;
-        };
+        let agent = exe.parent()?.parent()?.join("sbx-agent");
         let rootfs = PathBuf::from("/var/lib/sbx/images/base/rootfs");
         if !agent.is_file() || !rootfs.is_dir() || !nix::unistd::geteuid().is_root() {
             eprintln!("skipped: needs root, the agent and the base image");
-            return;
+            return None;
         }
         let pid = std::process::id();
-        let dir = std::env::temp_dir().join(format!("sbx-bench-{pid}"));
+        let dir = std::env::temp_dir().join(format!("sbx-{tag}-{pid}"));
         let driver = NamespaceDriver::with_cgroup_name(
             agent,
-            &format!("sbx-bench-{pid}"),
+            &format!("sbx-{tag}-{pid}"),
             &dir.display().to_string(),
             100_000,
             65_536,
         )
         .expect("driver");
+        Some((driver, dir, rootfs))
+    }
+
+    /// A sandbox `id` of the base image in `dir`: 256 MiB, one CPU, no network.
+    fn base_spec(id: &str, rootfs: &Path, dir: &Path) -> SandboxSpec {
+        SandboxSpec {
+            id: id.to_string(),
+            lowers: vec![rootfs.to_path_buf()],
+            dir: dir.join(id),
+            hostname: id.to_string(),
+            limits: Limits {
+                memory_bytes: 256 << 20,
+                vcpus: 1,
+                pids: 256,
+            },
+            tmp_memory: false,
+            scratch: false,
+            image_env: Vec::new(),
+            image_user: None,
+            image_workdir: None,
+            netns: None,
+            resolv_conf: None,
+            ca_bundle: None,
+            runtime: Default::default(),
+            volumes: Vec::new(),
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn bench_create() {
+        let Some((driver, dir, rootfs)) = bench_driver("bench") else {
+            return;
+        };
         let n = 20;
         let mut create = Vec::new();
         for i in 0..n {
             let id = format!("bench{i}");
-            let spec = SandboxSpec {
-                id: id.clone(),
-                lowers: vec![rootfs.clone()],
-                dir: dir.join(&id),
-                hostname: id.clone(),
-                limits: Limits {
-                    memory_bytes: 256 << 20,
-                    vcpus: 1,
-                    pids: 256,
-                },
-                tmp_memory: false,
-                scratch: false,
-                image_env: Vec::new(),
-                image_user: None,
-                image_workdir: None,
-                netns: None,
-                resolv_conf: None,
-                ca_bundle: None,
-                runtime: Default::default(),
-                volumes: Vec::new(),
-            };
+            let spec = base_spec(&id, &rootfs, &dir);
             let t = std::time::Instant::now();
             let sb = driver.create(&spec).expect("create");
             create.push(t.elapsed());
@@ -903,29 +911,9 @@ mod bench {
     #[test]
     #[ignore]
     fn step_costs() {
-        let exe = std::env::current_exe().expect("exe");
-        let Some(agent) = exe
-            .parent()
-            .and_then(|p| p.parent())
-            .map(|p| p.join("sbx-agent"))
-        else {
+        let Some((driver, dir, rootfs)) = bench_driver("steps") else {
             return;
         };
-        let rootfs = PathBuf::from("/var/lib/sbx/images/base/rootfs");
-        if !agent.is_file() || !rootfs.is_dir() || !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: needs root, the agent and the base image");
-            return;
-        }
-        let pid = std::process::id();
-        let dir = std::env::temp_dir().join(format!("sbx-steps-{pid}"));
-        let driver = NamespaceDriver::with_cgroup_name(
-            agent,
-            &format!("sbx-steps-{pid}"),
-            &dir.display().to_string(),
-            100_000,
-            65_536,
-        )
-        .expect("driver");
         let n = 40u64;
         let steps = [
             "cgroup made",
@@ -938,27 +926,7 @@ mod bench {
         let mut wall = [Duration::ZERO; 5];
         for i in 0..n {
             let id = format!("step{i}");
-            let spec = SandboxSpec {
-                id: id.clone(),
-                lowers: vec![rootfs.clone()],
-                dir: dir.join(&id),
-                hostname: id.clone(),
-                limits: Limits {
-                    memory_bytes: 256 << 20,
-                    vcpus: 1,
-                    pids: 256,
-                },
-                tmp_memory: false,
-                scratch: false,
-                image_env: Vec::new(),
-                image_user: None,
-                image_workdir: None,
-                netns: None,
-                resolv_conf: None,
-                ca_bundle: None,
-                runtime: Default::default(),
-                volumes: Vec::new(),
-            };
+            let spec = base_spec(&id, &rootfs, &dir);
             let mut step = |k: usize, f: &mut dyn FnMut()| {
                 let (c, t) = (cpu_us(), std::time::Instant::now());
                 f();

@@ -17,7 +17,7 @@ use sbx_api::{ErrorCode, SnapshotObject};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{api_error, find, not_served_yet, parse_body, query_pairs, St};
+use super::{api_error, find, not_served_yet, page_limit, parse_body, query_one, query_pairs, St};
 use crate::e2b_error;
 use crate::node::Node;
 
@@ -25,8 +25,6 @@ use crate::node::Node;
 const NAME_PREFIX: &str = "e2b-";
 /// The longest name of the node (a DNS label).
 const MAX_NODE_NAME: usize = 63;
-/// The most snapshots a list page holds, and its default.
-const MAX_PAGE: usize = 100;
 
 /// Whether E2B's `templateID` of a create names one of the node's snapshots (by its id).
 pub(super) fn is_snapshot_id(template: &str) -> bool {
@@ -156,24 +154,10 @@ pub(super) async fn create(State(node): St, Path(id): Path<String>, body: Bytes)
 /// name or the id), the newest first, paged by `X-Next-Token` (the id of a page's last one).
 pub(super) async fn list(State(node): St, RawQuery(q): RawQuery) -> Response {
     let pairs = query_pairs(q.as_deref());
-    let one = |name: &str| {
-        pairs
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-            .filter(|v| !v.is_empty())
-    };
-    let limit = match one("limit") {
-        None => MAX_PAGE,
-        Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
-            _ => {
-                return e2b_error(
-                    StatusCode::BAD_REQUEST,
-                    format!("limit must be 1 to {MAX_PAGE}"),
-                )
-            }
-        },
+    let one = |name: &str| query_one(&pairs, name);
+    let limit = match page_limit(one("limit")) {
+        Ok(n) => n,
+        Err(r) => return r,
     };
     let mut all = match node.list_snapshots() {
         Ok(l) => l,
