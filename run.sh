@@ -13,7 +13,7 @@ need_cargo
 # CRIU >= 4.2: sandboxes sleep to disk, are snapshotted and forked with it. A node runs without
 # it too (those calls are then 503 not_served_here).
 scripts/criu.sh >&2 || echo "sbx: going on without CRIU" >&2
-cargo build --release --quiet --bin sandboxd --bin sbx --bin sbx-agent >&2
+build_release sandboxd sbx sbx-agent >&2
 [ "${1:-}" = "--" ] && shift
 if [ "$#" -eq 0 ]; then
   set -- python3 -c 'print(2+2)'

@@ -19,7 +19,7 @@ need_root
 bin="${SBX_BIN_DIR:-target/release}"
 if [ ! -x "$bin/sandboxd" ]; then
   need_cargo
-  cargo build --release --quiet --bin sandboxd --bin sbx-agent
+  build_release sandboxd sbx-agent
 fi
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 data=$(mktemp -d /tmp/sbx-cost.XXXXXX)

@@ -10,7 +10,7 @@ need_root
 install_node_packages
 install_packages curl
 need_cargo
-cargo build --release --quiet --bin sandboxd --bin sbx-agent --bin sbx-bench-files
+build_release sandboxd sbx-agent sbx-bench-files
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 target/release/sandboxd --images-dir "$images" build-base >&2
 data=$(mktemp -d /var/tmp/sbx-bench-files.XXXXXX)

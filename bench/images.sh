@@ -11,7 +11,7 @@ need_root
 install_node_packages
 install_packages docker-registry
 need_cargo
-cargo build --release --quiet --bin sandboxd --bin sbx-agent --bin sbx-bench-images
+build_release sandboxd sbx-agent sbx-bench-images
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 target/release/sandboxd --images-dir "$images" build-base >&2
 target/release/sbx-bench-images --sandboxd target/release/sandboxd --images-dir "$images" "$@"

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 need_root
 if [ -z "${SBX_BIN_DIR:-}" ]; then
   need_cargo
-  cargo build --release --quiet --bin sandboxd --bin sbx-agent
+  build_release sandboxd sbx-agent
 fi
 bin="${SBX_BIN_DIR:-target/release}"
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"

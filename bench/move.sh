@@ -18,7 +18,7 @@ need_root
 if [ -z "${SBX_BIN_DIR:-}" ]; then
   need_cargo
   scripts/criu.sh
-  cargo build --release --quiet --bin sandboxd --bin sbx-agent
+  build_release sandboxd sbx-agent
 fi
 stores="${STORES:-dir s3}"
 weed=""

@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 . scripts/lib.sh
 need_root
 need_cargo
-cargo build --release --quiet --bin sbx-bench-net
+build_release sbx-bench-net
 target/release/sbx-bench-net "$@"

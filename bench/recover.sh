@@ -18,7 +18,7 @@ need_root
 if [ -z "${SBX_BIN_DIR:-}" ]; then
   need_cargo
   scripts/criu.sh
-  cargo build --release --quiet --bin sandboxd --bin sbx-agent
+  build_release sandboxd sbx-agent
 fi
 BIN="$(cd "${SBX_BIN_DIR:-target/release}" && pwd)" IMAGES="${SBX_IMAGES_DIR:-/var/lib/sbx/images}" \
   COUNT="${COUNT:-20}" LEASE="${LEASE:-2}" exec python3 - <<'PY'

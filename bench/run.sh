@@ -8,7 +8,7 @@ need_root
 install_node_packages
 install_packages runc curl
 need_cargo
-cargo build --release --quiet --bin sandboxd --bin sbx-agent --bin sbx-bench
+build_release sandboxd sbx-agent sbx-bench
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 target/release/sandboxd --images-dir "$images" build-base >&2
 data=$(mktemp -d /tmp/sbx-bench.XXXXXX)

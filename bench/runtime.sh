@@ -11,7 +11,7 @@ need_root
 need_cargo
 profile="${PROFILE:-release}"
 if [ "$profile" = release ]; then
-  cargo build --release --quiet --bin sandboxd --bin sbx-agent
+  build_release sandboxd sbx-agent
 else
   cargo build --quiet --bin sandboxd --bin sbx-agent
 fi

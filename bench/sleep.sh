@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 need_root
 need_cargo
 scripts/criu.sh
-cargo build --release --quiet --bin sandboxd --bin sbx-agent
+build_release sandboxd sbx-agent
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 data=$(mktemp -d /tmp/sbx-bench-sleep.XXXXXX)
 port=7795

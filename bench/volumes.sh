@@ -14,7 +14,7 @@ need_root
 need_cargo
 profile="${PROFILE:-release}"
 if [ "$profile" = release ]; then
-  cargo build --release --quiet --bin sandboxd --bin sbx-agent
+  build_release sandboxd sbx-agent
 fi
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 data=$(mktemp -d /tmp/sbx-bench-volumes.XXXXXX)

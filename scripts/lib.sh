@@ -36,6 +36,25 @@ need_cargo() {
   fi
 }
 
+# Release builds of the given binaries (cargo's --bin names).
+# The sandbox agent is linked statically (static-pie, glibc's libc.a):
+# it is executed twice for every sandbox (`sbx-agent init` by the node, then inside as PID 1),
+# and a dynamic one pays the loader and its relocations each time (~0.3 ms; docs/throughput.md).
+# Only the agent's own crate gets the flag (`cargo rustc`), its dependencies are the other
+# binaries'; every script builds it this way, so that no build relinks it dynamically.
+build_release() {
+  local bins=() agent=0 b
+  for b in "$@"; do
+    if [ "$b" = sbx-agent ]; then agent=1; else bins+=(--bin "$b"); fi
+  done
+  if [ ${#bins[@]} -gt 0 ]; then
+    cargo build --release --quiet "${bins[@]}"
+  fi
+  if [ $agent = 1 ]; then
+    cargo rustc --release --quiet -p sbx-agent --bin sbx-agent -- -C target-feature=+crt-static
+  fi
+}
+
 # cargo-nextest, which test.sh runs the tests with: installed by cargo (built once, into
 # cargo's bin directory) when missing or older than .config/nextest.toml asks.
 need_nextest() {
