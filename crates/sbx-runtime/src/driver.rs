@@ -1,6 +1,7 @@
 //! The driver trait and the namespace driver, as the node sees them.
 
 use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -352,6 +353,7 @@ impl NamespaceDriver {
             cgroup_procs: group.procs_files(),
             tmp_memory_bytes: spec.tmp_memory.then_some(spec.limits.memory_bytes / 2),
             volatile_upper: spec.scratch,
+            agent_in_process: spec.scratch,
             image_env: spec.image_env.clone(),
             image_user: spec.image_user.clone(),
             image_workdir: spec.image_workdir.clone(),
@@ -366,7 +368,10 @@ impl NamespaceDriver {
             let what = what.to_string();
             move |source| RuntimeError::Io { what, source }
         };
+        // argv[0] without the host's path: PID 1 of a sandbox that serves in process keeps
+        // this command line, which its processes can read (/proc/1/cmdline).
         let mut child = Command::new(&self.agent)
+            .arg0("sbx-agent")
             .arg("init")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

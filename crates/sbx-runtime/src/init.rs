@@ -51,6 +51,12 @@ pub struct InitConfig {
     /// Mount the overlay `volatile` ([`crate::SandboxSpec::scratch`]).
     #[serde(default)]
     pub volatile_upper: bool,
+    /// PID 1 serves in its own process, as forked, instead of executing the agent's binary
+    /// from inside the sandbox (a sandbox never checkpointed, [`crate::SandboxSpec::scratch`]:
+    /// the exec only makes the agent's mappings the sandbox's own, for CRIU; it costs a run
+    /// ~1 ms of CPU, see docs/throughput.md). Its binary is then not bound into the sandbox.
+    #[serde(default)]
+    pub agent_in_process: bool,
     /// The image's environment, user and working directory: the agent's defaults for commands.
     #[serde(default)]
     pub image_env: Vec<(String, String)>,
@@ -499,8 +505,9 @@ fn stage0_parent(
         .map_err(none)?;
     drop(mntns);
     host_mounts(cfg, exe).map_err(none)?;
-    // 'D': exec the agent from inside; 'd': the image cannot run it, PID 1 serves in process.
-    let runs = image_runs_agent(&cfg.dir.join("rootfs"));
+    // 'D': exec the agent from inside; 'd': PID 1 serves in process (the sandbox is never
+    // checkpointed, or the image cannot run the agent's binary).
+    let runs = !cfg.agent_in_process && image_runs_agent(&cfg.dir.join("rootfs"));
     write_byte(to_child, if runs { b"D" } else { b"d" }).map_err(none)?;
     let b = read_byte(from_child).map_err(none)?;
     if b != b'P' {
@@ -526,6 +533,38 @@ fn stage0_parent(
         let msg = String::from_utf8_lossy(rest.strip_prefix(b"E").unwrap_or(&rest)).into_owned();
         Err((Some(agent), InitError::Other(msg)))
     }
+}
+
+/// Binds the agent's binary read-only at [`AGENT_PATH`] under `root`.
+fn bind_agent(root: &Path, exe: &Path) -> Result<(), InitError> {
+    let agent = root.join(AGENT_PATH.trim_start_matches('/'));
+    fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o555)
+        .open(&agent)
+        .ctx(|| format!("create {AGENT_PATH}"))?;
+    mount(
+        Some(exe),
+        &agent,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .ctx(|| format!("bind the agent at {AGENT_PATH}"))?;
+    mnt(
+        None,
+        &agent,
+        None,
+        MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV,
+        None,
+    )?;
+    Ok(())
 }
 
 /// Stage 0's mounts, as host root in the sandbox's mount namespace: the overlay (its lowers
@@ -560,33 +599,10 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
     build_dev(&root, cfg.uid_base, cfg.runtime.shm_size_bytes)?;
     // The agent's binary, read-only: what PID 1 execs, and what a checkpoint finds it mapped
     // from. Running it gives a sandbox process nothing (it serves only a listener it is given).
-    let agent = root.join(AGENT_PATH.trim_start_matches('/'));
-    fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o555)
-        .open(&agent)
-        .ctx(|| format!("create {AGENT_PATH}"))?;
-    mount(
-        Some(exe),
-        &agent,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .ctx(|| format!("bind the agent at {AGENT_PATH}"))?;
-    mnt(
-        None,
-        &agent,
-        None,
-        MsFlags::MS_BIND
-            | MsFlags::MS_REMOUNT
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NODEV,
-        None,
-    )?;
+    // Not bound where PID 1 serves in process.
+    if !cfg.agent_in_process {
+        bind_agent(&root, exe)?;
+    }
     fs::create_dir_all(root.join("sys")).ctx(|| "mkdir /sys".into())?;
     fs::create_dir_all(root.join("proc")).ctx(|| "mkdir /proc".into())?;
     if let Some(size) = cfg.tmp_memory_bytes {
@@ -885,7 +901,8 @@ fn stage2(
 /// Whether the image at `root` has the shared libraries the agent's binary runs with (this
 /// process's, from its maps), each the same size as the host's: then PID 1 execs the agent
 /// from inside (checkpointable); else it serves in process (an image without the host's
-/// glibc, such as a minimal one).
+/// glibc, such as a minimal one). A statically linked agent (release builds, see
+/// scripts/lib.sh) maps no shared library: every image runs it.
 fn image_runs_agent(root: &Path) -> bool {
     let Ok(maps) = fs::read_to_string("/proc/self/maps") else {
         return false;
@@ -897,12 +914,11 @@ fn image_runs_agent(root: &Path) -> bool {
         .collect();
     libs.sort_unstable();
     libs.dedup();
-    !libs.is_empty()
-        && libs.iter().all(|lib| {
-            let host = fs::metadata(lib).map(|m| m.len());
-            let image = fs::metadata(root.join(lib.trim_start_matches('/'))).map(|m| m.len());
-            matches!((host, image), (Ok(a), Ok(b)) if a == b)
-        })
+    libs.iter().all(|lib| {
+        let host = fs::metadata(lib).map(|m| m.len());
+        let image = fs::metadata(root.join(lib.trim_start_matches('/'))).map(|m| m.len());
+        matches!((host, image), (Ok(a), Ok(b)) if a == b)
+    })
 }
 
 /// Closes every descriptor from `from` up. Only in stage 2 before it runs the agent in

@@ -44,14 +44,31 @@ fn sandbox_sees_only_its_own_processes() {
     assert!(host_pids > pids.len(), "the host has {host_pids} processes");
     assert_eq!(rest.trim(), "NODE-HIDDEN", "the node's own pid is visible");
 
+    // A run's own sandbox (never checkpointed; this node has no warm pool) has its agent
+    // serve in init's process: PID 1 is the agent, and its command line names no path of the
+    // host.
     let v = node.run_ok(&json!({ "command": ["cat", "/proc/1/cmdline"] }));
     let cmdline: Vec<&str> = stdout(&v).split('\0').collect();
-    assert!(
-        cmdline[0].ends_with("sbx-agent"),
-        "PID 1 of the sandbox is not sbx-agent: {cmdline:?}"
+    assert_eq!(
+        cmdline.get(..2),
+        Some(&["sbx-agent", "init"][..]),
+        "PID 1 of a run's sandbox: {cmdline:?}"
     );
-    // Exec'd by init from inside the sandbox (the read-only bind /dev/.sbx-agent).
-    assert_eq!(cmdline.get(1), Some(&"serve"), "{cmdline:?}");
+    // A kept sandbox's agent is exec'd by init from inside it (the read-only bind
+    // /dev/.sbx-agent): its mappings are the sandbox's own, so it can be checkpointed.
+    let kept = node.create_sandbox(&json!({}));
+    let id = kept["id"].as_str().unwrap().to_string();
+    let v = node.exec(
+        &id,
+        &json!({ "command": ["cat", "/proc/1/cmdline"], "wait_seconds": 10 }),
+    );
+    let cmdline: Vec<&str> = stdout(&v).split('\0').collect();
+    assert_eq!(
+        cmdline.get(..2),
+        Some(&["sbx-agent", "serve"][..]),
+        "{cmdline:?}"
+    );
+    node.delete_sandbox(&id);
     node.assert_clean(CLEAN);
 }
 
