@@ -277,6 +277,8 @@ pub(crate) const INTERP_PACKAGES: &[&str] = &[
     "node-typescript",
     // R contexts: a persistent R process each.
     "r-base-core",
+    // Java contexts: a JVM each, evaluating with JShell (the JDK's).
+    "default-jdk-headless",
 ];
 
 /// The version of the code interpreter's image beyond its package list and the base recipe.
@@ -882,10 +884,16 @@ impl ImageStore {
 
 /// `apt-get update` and `apt-get install --no-install-recommends` in a root file system just
 /// made by debootstrap (its sources.list is the machine's apt source debootstrap was given),
-/// through chroot, at build time only.
+/// through chroot, at build time only. In a mount namespace of its own with a /proc (a JDK's
+/// scripts run java, which needs one): the mount ends with it, nothing is left on the host.
 fn apt_install(rootfs: &Path, packages: &[&str]) -> Result<(), ImageError> {
+    let mut proc_at = std::ffi::OsString::from("--mount-proc=");
+    proc_at.push(rootfs.join("proc"));
     let apt = |args: &[&str]| -> Result<(), ImageError> {
-        let out = Command::new("chroot")
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "private"])
+            .arg(&proc_at)
+            .arg("chroot")
             .arg(rootfs)
             .arg("apt-get")
             .args(["-q", "-y", "-o", "Dpkg::Use-Pty=0"])
@@ -1074,7 +1082,7 @@ mod tests {
         let src = interp_source("bookworm");
         assert!(interp_is_current(&src));
         assert!(src.ends_with(
-            "python-is-python3 iproute2; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres node-typescript r-base-core"
+            "python-is-python3 iproute2; apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl python3-bs4 python3-requests python3-munkres node-typescript r-base-core default-jdk-headless"
         ));
         // The base image's source is not the interpreter's, nor the other way round.
         assert!(!interp_is_current(&base_source("bookworm")));

@@ -72,6 +72,18 @@ try:
         pass
     e = s.run_code("sum(v)", context=r)
     check("an interrupted R context keeps its state", e.text == "[1] 6", repr(e))
+    j = s.create_code_context(language="java")
+    check("a Java context", j.language == "java", repr(j.language))
+    e = s.run_code('System.out.println("Hello, World!")', context=j)
+    check("a Java context prints (a line's end a chunk of its own)", e.logs.stdout == ["Hello, World!", "\n"], repr(e))
+    e = s.run_code('int q = 6;\nSystem.getProperty("SBX_J") + " " + (q * 7)', context=j, envs={"SBX_J": "env of Java"})
+    check("a Java cell's env is system properties, its last value the result", e.text == "env of Java 42", repr(e))
+    e = s.run_code("q + 1", context=j)
+    check("a Java context keeps its state", e.text == "7", repr(e))
+    e = s.run_code('System.getProperty("SBX_J", "gone")', context=j)
+    check("a Java cell's env ends with it", e.text == "gone", repr(e))
+    e = s.run_code('Integer.parseInt("x")', language="java")
+    check("a Java exception", e.error is not None and e.error.name == "java.lang.NumberFormatException", repr(e))
     e = s.run_code("x", context=s.create_code_context(language="python"))
     check("a new context has its own state", e.error is not None and e.error.name == "NameError", repr(e))
 finally:

@@ -8,8 +8,8 @@ DELETE /contexts/{id}; POST /contexts/{id}/restart.
 
 A context is one child process (its kernel): python (KERNEL_PY below), javascript or
 typescript (node running kernel.js, given as argv[1] or found next to this file; TypeScript's
-compiler, Debian's node-typescript, takes the types away), r (Rscript running KERNEL_R) or
-bash. The kernel reads one
+compiler, Debian's node-typescript, takes the types away), r (Rscript running KERNEL_R), java
+(a JVM running KERNEL_JAVA, JShell's local engine; Debian's default-jdk-headless) or bash. The kernel reads one
 command a line from a pipe and writes its messages (ready, result, error, done) to another; its
 stdout and stderr are pipes read as they are written. One thread a kernel reads them all, and
 ends with the kernel. A client that goes away mid-cell interrupts it (SIGINT); a kernel that
@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-SERVED = ("python", "javascript", "typescript", "r", "bash")
+SERVED = ("python", "javascript", "typescript", "r", "java", "bash")
 KEEPALIVE = 5.0
 GRACE = 2.0
 KERNEL_JS = sys.argv[1] if len(sys.argv) > 1 else None
@@ -499,6 +499,207 @@ repeat {
 }
 '''
 
+# Java: one JVM a context, running this source (java's single-file launch) with JShell's local
+# engine: the cell's snippets are evaluated in turn, the last one's value is the cell's result
+# (a String's text unquoted); what code writes to System.out and System.err comes as messages
+# (each line's end a chunk of its own); the cell's env and the sandbox's are system properties
+# (as E2B's Java kernel has them); SIGINT stops the running snippet. A command is the path of a
+# file of the cell's code, with its env beside it as R's.
+KERNEL_JAVA = r'''
+import java.io.*;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.*;
+import java.util.*;
+import jdk.jshell.*;
+
+public class Kernel {
+    static PrintStream ctl;
+
+    static String js(String s) {
+        StringBuilder b = new StringBuilder("\"");
+        for (int i = 0; i < s.length(); i++) {
+            char c = s.charAt(i);
+            switch (c) {
+                case '"': b.append("\\\""); break;
+                case '\\': b.append("\\\\"); break;
+                case '\n': b.append("\\n"); break;
+                case '\r': b.append("\\r"); break;
+                case '\t': b.append("\\t"); break;
+                default:
+                    if (c < 0x20) b.append(String.format("\\u%04x", (int) c)); else b.append(c);
+            }
+        }
+        return b.append('"').toString();
+    }
+
+    static synchronized void send(String json) {
+        ctl.print(json + "\n");
+        ctl.flush();
+    }
+
+    static void error(String name, String value, String tb) {
+        send("{\"type\":\"error\",\"name\":" + js(name) + ",\"value\":" + js(value) + ",\"traceback\":" + js(tb) + "}");
+    }
+
+    /** What code writes to System.out or System.err: a message a write, as it is written. */
+    static class Stream extends OutputStream {
+        final String name;
+        final ByteArrayOutputStream carry = new ByteArrayOutputStream();
+        Stream(String name) { this.name = name; }
+        public void write(int b) { write(new byte[] {(byte) b}, 0, 1); }
+        public synchronized void write(byte[] b, int off, int len) {
+            carry.write(b, off, len);
+            byte[] all = carry.toByteArray();
+            // An incomplete UTF-8 sequence at the end waits for its rest.
+            int end = all.length, i = end - 1, back = 0;
+            while (i >= 0 && back < 3 && (all[i] & 0xC0) == 0x80) { i--; back++; }
+            if (i >= 0 && (all[i] & 0x80) != 0) {
+                int need = (all[i] & 0xE0) == 0xC0 ? 2 : (all[i] & 0xF0) == 0xE0 ? 3 : 4;
+                if (end - i < need) end = i;
+            }
+            carry.reset();
+            carry.write(all, end, all.length - end);
+            String text = new String(all, 0, end, StandardCharsets.UTF_8);
+            // A line's end goes as a chunk of its own, as E2B's Java kernel streams println.
+            if (text.length() > 1 && text.endsWith("\n")) {
+                chunk(text.substring(0, text.length() - 1));
+                chunk("\n");
+            } else if (!text.isEmpty()) {
+                chunk(text);
+            }
+        }
+
+        void chunk(String text) {
+            send("{\"type\":" + js(name) + ",\"text\":" + js(text) + "}");
+        }
+    }
+
+    static String unquote(String v) {
+        if (v == null || v.length() < 2 || v.charAt(0) != '"' || v.charAt(v.length() - 1) != '"') return v;
+        StringBuilder b = new StringBuilder();
+        for (int i = 1; i < v.length() - 1; i++) {
+            char c = v.charAt(i);
+            if (c != '\\' || i + 1 >= v.length() - 1) { b.append(c); continue; }
+            char n = v.charAt(++i);
+            switch (n) {
+                case 'n': b.append('\n'); break;
+                case 't': b.append('\t'); break;
+                case 'r': b.append('\r'); break;
+                case 'b': b.append('\b'); break;
+                case 'f': b.append('\f'); break;
+                case 'u':
+                    if (i + 4 < v.length()) { b.append((char) Integer.parseInt(v.substring(i + 1, i + 5), 16)); i += 4; }
+                    break;
+                default: b.append(n);
+            }
+        }
+        return b.toString();
+    }
+
+    static String unhex(String h) {
+        byte[] b = new byte[h.length() / 2];
+        for (int i = 0; i < b.length; i++) b[i] = (byte) Integer.parseInt(h.substring(2 * i, 2 * i + 2), 16);
+        return new String(b, StandardCharsets.UTF_8);
+    }
+
+    static void cell(JShell sh, String path) throws IOException {
+        String code = new String(Files.readAllBytes(Paths.get(path)), StandardCharsets.UTF_8);
+        // The cell's environment, as system properties (E2B's Java kernel), put back after it.
+        Map<String, String> saved = new HashMap<>();
+        Path post = Paths.get(path + ".post");
+        if (Files.exists(post)) {
+            for (String l : Files.readAllLines(post, StandardCharsets.UTF_8)) {
+                String[] p = l.split("\t", 2);
+                saved.put(p[0], System.getProperty(p[0]));
+                System.setProperty(p[0], unhex(p.length > 1 ? p[1] : ""));
+            }
+        }
+        try {
+            SourceCodeAnalysis sca = sh.sourceCodeAnalysis();
+            List<String> snippets = new ArrayList<>();
+            String rest = code;
+            while (!rest.isBlank()) {
+                SourceCodeAnalysis.CompletionInfo ci = sca.analyzeCompletion(rest);
+                SourceCodeAnalysis.Completeness c = ci.completeness();
+                if (c == SourceCodeAnalysis.Completeness.EMPTY) break;
+                if (c.isComplete()) {
+                    snippets.add(ci.source());
+                    rest = ci.remaining();
+                } else {
+                    snippets.add(rest);
+                    break;
+                }
+            }
+            String result = null;
+            for (int n = 0; n < snippets.size(); n++) {
+                result = null;
+                for (SnippetEvent ev : sh.eval(snippets.get(n))) {
+                    if (ev.causeSnippet() != null) continue;
+                    Snippet sn = ev.snippet();
+                    if (ev.status() == Snippet.Status.REJECTED) {
+                        StringBuilder m = new StringBuilder();
+                        sh.diagnostics(sn).forEach(d -> m.append(d.getMessage(Locale.ROOT)).append('\n'));
+                        error("CompilationException", m.toString().trim(), sn.source());
+                        return;
+                    }
+                    if (ev.exception() != null) {
+                        JShellException x = ev.exception();
+                        String name = x instanceof EvalException ? ((EvalException) x).getExceptionClassName() : x.getClass().getName();
+                        StringWriter tb = new StringWriter();
+                        x.printStackTrace(new PrintWriter(tb));
+                        error(name, String.valueOf(x.getMessage()), tb.toString());
+                        return;
+                    }
+                    String type = sn instanceof VarSnippet ? ((VarSnippet) sn).typeName()
+                        : sn instanceof ExpressionSnippet ? ((ExpressionSnippet) sn).typeName() : null;
+                    boolean shown = sn.kind() == Snippet.Kind.EXPRESSION
+                        || sn.subKind() == Snippet.SubKind.TEMP_VAR_EXPRESSION_SUBKIND;
+                    if (shown && ev.value() != null && type != null && !type.equals("void")) {
+                        result = type.equals("String") ? unquote(ev.value()) : ev.value();
+                    }
+                }
+            }
+            if (result != null) {
+                send("{\"type\":\"result\",\"main\":true,\"data\":{\"text/plain\":" + js(result) + "}}");
+            }
+        } finally {
+            System.out.flush();
+            System.err.flush();
+            for (Map.Entry<String, String> e : saved.entrySet()) {
+                if (e.getValue() == null) System.clearProperty(e.getKey()); else System.setProperty(e.getKey(), e.getValue());
+            }
+        }
+    }
+
+    public static void main(String[] a) throws Exception {
+        ctl = new PrintStream(new FileOutputStream("/dev/fd/" + a[0]), false, StandardCharsets.UTF_8);
+        BufferedReader cmd = new BufferedReader(new InputStreamReader(new FileInputStream("/dev/fd/" + a[1]), StandardCharsets.UTF_8));
+        // The sandbox's environment as system properties too, as E2B's Java kernel has it.
+        for (Map.Entry<String, String> e : System.getenv().entrySet()) {
+            if (System.getProperty(e.getKey()) == null) System.setProperty(e.getKey(), e.getValue());
+        }
+        System.setOut(new PrintStream(new Stream("stdout"), true, StandardCharsets.UTF_8));
+        System.setErr(new PrintStream(new Stream("stderr"), true, StandardCharsets.UTF_8));
+        JShell sh = JShell.builder().executionEngine("local").out(System.out).err(System.err).build();
+        // An interrupt (SIGINT) stops the running snippet; the kernel lives on.
+        sun.misc.Signal.handle(new sun.misc.Signal("INT"), s -> sh.stop());
+        // The first snippet pays for the compiler's start: made before the first cell, dropped.
+        for (SnippetEvent ev : sh.eval("0")) sh.drop(ev.snippet());
+        send("{\"type\":\"ready\",\"pid\":" + ProcessHandle.current().pid() + "}");
+        String line;
+        while ((line = cmd.readLine()) != null) {
+            try {
+                cell(sh, line);
+            } catch (Throwable t) {
+                error(t.getClass().getName(), String.valueOf(t.getMessage()), "");
+            }
+            send("{\"type\":\"done\"}");
+        }
+    }
+}
+'''
+
+
 BASH_LOOP = r'''
 exec 62<&"$2" 63>&"$1"; eval "exec $1>&- $2<&-"
 printf '{"type":"ready","pid":%d}\n' $$ >&63
@@ -545,7 +746,28 @@ def kernel_argv(lang, ctl, cmd):
         return ["node", "--expose-internals", "-e", kernel_js(), lang, str(ctl), str(cmd)]
     if lang == "r":
         return ["Rscript", "--vanilla", "-e", KERNEL_R, str(ctl), str(cmd)]
+    if lang == "java":
+        return ["java", "-XX:+UseSerialGC", "-Xshare:auto", java_source(), str(ctl), str(cmd)]
     return ["bash", "--noprofile", "--norc", "-c", BASH_LOOP, "bash", str(ctl), str(cmd)]
+
+
+JAVA_SOURCE = []
+JAVA_LOCK = threading.Lock()
+
+
+def java_source():
+    """The Java kernel's source as a file (java launches a single source file), written once
+    into a directory of this server's own."""
+    with JAVA_LOCK:
+        if not JAVA_SOURCE:
+            import tempfile
+
+            d = tempfile.mkdtemp(prefix="sbx-interp-java-")
+            path = os.path.join(d, "Kernel.java")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(KERNEL_JAVA)
+            JAVA_SOURCE.append(path)
+        return JAVA_SOURCE[0]
 
 
 def child_env():
@@ -779,8 +1001,8 @@ class Context:
             if self.language == "bash":
                 cellfile = bash_cell(code, env)
                 k.send_line(cellfile)
-            elif self.language == "r":
-                cellfile = r_cell(code, env)
+            elif self.language in ("r", "java"):
+                cellfile = file_cell(code, env, ".java" if self.language == "java" else ".R")
                 k.send_line(cellfile)
             else:
                 k.send_line(json.dumps({"op": "exec", "code": code, "env": env, "n": n}))
@@ -820,7 +1042,9 @@ class Context:
                         if rc:
                             emit({"type": "error", "name": "ExitError", "value": "exit status %d" % rc, "traceback": ""})
                         return
-                    if t == "result":
+                    if t in ("stdout", "stderr"):  # the Java kernel's output
+                        emit({"type": t, "text": str(msg.get("text", "")), "timestamp": now()})
+                    elif t == "result":
                         emit(result(msg.get("data") or {}, bool(msg.get("main"))))
                     elif t == "error":
                         emit({"type": "error", "name": str(msg.get("name", "")), "value": str(msg.get("value", "")), "traceback": str(msg.get("traceback", ""))})
@@ -855,10 +1079,11 @@ class Context:
         self.replace(k)
 
 
-def r_cell(code, env):
+def file_cell(code, env, suffix):
+    """A cell for R and Java: its code in a file, its env beside it (`<path>.post`)."""
     import tempfile
 
-    fd, path = tempfile.mkstemp(prefix="sbx-cell-", suffix=".R")
+    fd, path = tempfile.mkstemp(prefix="sbx-cell-", suffix=suffix)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(code + "\n")
     if env:
