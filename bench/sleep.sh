@@ -15,9 +15,13 @@ build_release sandboxd sbx-agent
 images="${SBX_IMAGES_DIR:-/var/lib/sbx/images}"
 data=$(mktemp -d /tmp/sbx-bench-sleep.XXXXXX)
 port=7795
+# A disk of its own size, as run.sh's (a default node takes half of what the host has free:
+# on a full host, too little for a fork of 4 beside its parent and snapshot).
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port --data-dir "$data" \
   --images-dir "$images" --cgroup-name sbx-bench-sleep --preview-listen off \
-  --sleep-after-seconds never >"$data/sandboxd.log" 2>&1 &
+  --sleep-after-seconds never \
+  --disk-image-bytes $((4 << 30)) --disk-bytes $((256 << 20)) --disk-overcommit 8 \
+  >"$data/sandboxd.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
 wait_healthy $port

@@ -321,9 +321,15 @@ fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> 
             let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&n)))?;
             rows.push(("sbx run, no net", conc, cell));
         }
-        for (what, n) in [("sbx create", node.clone()), ("sbx create, no net", no_net)] {
-            let cell = measure(args.runs / 2, 1, Arc::new(move |_| sbx_create(&n)))?;
-            rows.push((what, 1, cell));
+        // Kept sandboxes (each deleted right after, off the measured path), at 1 and 8 with
+        // the network, at 1 without.
+        for (what, conc, n) in [
+            ("sbx create", 1, node.clone()),
+            ("sbx create", 8, node.clone()),
+            ("sbx create, no net", 1, no_net),
+        ] {
+            let cell = measure(args.runs / 2, conc, Arc::new(move |_| sbx_create(&n)))?;
+            rows.push((what, conc, cell));
         }
     }
     if !args.no_runc {
