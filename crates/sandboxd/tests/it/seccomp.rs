@@ -173,8 +173,9 @@ fn dockers_refused_syscalls_answer_eperm_in_a_sandbox() {
 #[test]
 fn what_programs_need_still_works_under_the_filter() {
     let node = TestNode::start();
-    // The status shows the two filters; fork, fork+exec, threads, sockets, mmap, the personality
-    // query, chroot (CAP_SYS_CHROOT), pidfds, memfd, eventfd, inotify, multiprocessing.
+    // The status shows the three filters (the allow list, the arguments' refusals, clone3);
+    // fork, fork+exec, threads, sockets, mmap, the personality query, chroot (CAP_SYS_CHROOT),
+    // pidfds, memfd, eventfd, inotify, multiprocessing.
     let script = "import ctypes, mmap, os, socket, subprocess, threading, multiprocessing\n\
          libc = ctypes.CDLL(None, use_errno=True)\n\
          libc.syscall.restype = ctypes.c_long\n\
@@ -203,7 +204,7 @@ fn what_programs_need_still_works_under_the_filter() {
     assert_eq!(
         lines,
         [
-            "seccomp 2 2 0",
+            "seccomp 2 3 0",
             "fork 7",
             "exec hi",
             "thread",
