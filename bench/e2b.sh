@@ -17,11 +17,13 @@ target/release/sandboxd --images-dir "$images" build-base --code-interpreter >&2
 data=$(mktemp -d /tmp/sbx-bench-e2b.XXXXXX)
 port=7797
 e2b=7796
+# A disk of its own size, as run.sh's (a default node takes half of what the host has free).
 RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port --data-dir "$data" \
   --images-dir "$images" --cgroup-name sbx-bench-e2b --preview-listen off \
+  --disk-image-bytes $((4 << 30)) --disk-bytes $((512 << 20)) --disk-overcommit 8 \
   --e2b-listen 127.0.0.1:$e2b >"$data/sandboxd.log" 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
+trap 'stop_nodes $pid -- "$data"' EXIT
 for _ in $(seq 1 200); do
   curl -sf "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
   sleep 0.05

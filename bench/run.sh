@@ -28,7 +28,7 @@ RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port2 --data-dir "$dat
   "${disk[@]}" \
   >"$data2/sandboxd.log" 2>&1 &
 pid2=$!
-trap 'kill $pid $pid2 2>/dev/null; wait $pid $pid2 2>/dev/null; rm -rf "$data" "$data2"' EXIT
+trap 'stop_nodes $pid $pid2 -- "$data" "$data2"' EXIT
 for p in $port $port2; do
   for _ in $(seq 1 200); do
     curl -sf "http://127.0.0.1:$p/healthz" >/dev/null 2>&1 && break

@@ -23,7 +23,7 @@ RUST_LOG=warn target/release/sandboxd --listen 127.0.0.1:$port --data-dir "$data
   --disk-image-bytes $((4 << 30)) --disk-bytes $((256 << 20)) --disk-overcommit 8 \
   >"$data/sandboxd.log" 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
+trap 'stop_nodes $pid -- "$data"' EXIT
 wait_healthy $port
 URL="http://127.0.0.1:$port" CG=sbx-bench-sleep N="${N:-10}" python3 - <<'PY'
 import json, os, time, urllib.error, urllib.request

@@ -72,6 +72,26 @@ install_node_packages() {
   install_packages debootstrap gcc libc6-dev ca-certificates btrfs-progs
 }
 
+# Ends the nodes a bench started (their pids, then their data directories after `--`): stops
+# them, then unmounts whatever is still mounted under the directories (a node stopped before it
+# had started, e.g. while it built an image, leaves its disk mounted) and removes them.
+stop_nodes() {
+  local pids=() dirs=() d m
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do pids+=("$1"); shift; done
+  [ "${1:-}" = -- ] && shift
+  dirs=("$@")
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
+  fi
+  for d in "${dirs[@]}"; do
+    for m in $(awk -v d="$d/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r); do
+      umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+    done
+    rm -rf "$d"
+  done
+}
+
 # Waits (up to 10 s) until a node answers /healthz on 127.0.0.1:PORT.
 wait_healthy() {
   for _ in $(seq 1 200); do
