@@ -1,6 +1,7 @@
 //! `sbx-agent`: PID 1 of every sandbox.
 //!
-//! `sbx-agent init` is started by the node with an `InitConfig` on stdin. It builds the sandbox
+//! `sbx-agent init` is started by the node with an `InitConfig` on stdin (or forked, the same,
+//! by `sbx-agent zygote`, which the node starts once). It builds the sandbox
 //! (sbx-runtime's init stages), whose PID 1 execs `sbx-agent serve` from the binary bound
 //! read-only inside the sandbox; that serves the node on the abstract socket PID 1 bound in
 //! the sandbox's network namespace:
@@ -20,33 +21,46 @@ mod watch;
 
 use std::io::Read;
 
+/// Stage 0 of a sandbox: its `InitConfig` on stdin, `pid N` (the agent's host pid) or the
+/// error on stdout or stderr (sbx-runtime's `init`).
+fn init() -> std::convert::Infallible {
+    let mut cfg = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut cfg) {
+        eprintln!("sbx-agent: reading config: {e}");
+        std::process::exit(1);
+    }
+    let cfg: sbx_runtime::init::InitConfig = match serde_json::from_slice(&cfg) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("sbx-agent: bad config: {e}");
+            std::process::exit(1);
+        }
+    };
+    let defaults = exec::Defaults {
+        env: cfg.image_env.clone(),
+        user: cfg.image_user.clone(),
+        workdir: cfg.image_workdir.clone(),
+        hostname: cfg.hostname.clone(),
+        rlimits: cfg.runtime.rlimits.clone(),
+    };
+    // Run in process only when the image cannot exec the agent's binary, or the sandbox is
+    // never checkpointed.
+    let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults));
+    eprintln!("sbx-agent: {e}");
+    std::process::exit(1);
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     match args.next().as_deref() {
         Some("init") => {
-            let mut cfg = Vec::new();
-            if let Err(e) = std::io::stdin().read_to_end(&mut cfg) {
-                eprintln!("sbx-agent: reading config: {e}");
-                std::process::exit(1);
-            }
-            let cfg: sbx_runtime::init::InitConfig = match serde_json::from_slice(&cfg) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("sbx-agent: bad config: {e}");
-                    std::process::exit(1);
-                }
-            };
-            let defaults = exec::Defaults {
-                env: cfg.image_env.clone(),
-                user: cfg.image_user.clone(),
-                workdir: cfg.image_workdir.clone(),
-                hostname: cfg.hostname.clone(),
-                rlimits: cfg.runtime.rlimits.clone(),
-            };
-            // Run in process only when the image cannot exec the agent's binary.
-            let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults));
-            {
-                eprintln!("sbx-agent: {e}");
+            init();
+        }
+        // Started once by the node: forks a stage 0 (`init`) for each sandbox
+        // (sbx-runtime's `zygote`).
+        Some("zygote") => {
+            if let Err(e) = sbx_runtime::zygote::serve(init) {
+                eprintln!("sbx-agent zygote: {e}");
                 std::process::exit(1);
             }
         }

@@ -247,6 +247,9 @@ pub struct NamespaceDriver {
     /// The size of each sandbox's disk (its directory a subvolume of the node's disk,
     /// [`crate::diskfs`]); `None`: a plain directory.
     disk_bytes: Option<u64>,
+    /// Forks each sandbox's stage 0 ([`crate::zygote`]); `sbx-agent init` is executed when it
+    /// cannot be reached.
+    zygote: crate::zygote::Zygote,
 }
 
 impl NamespaceDriver {
@@ -329,6 +332,7 @@ impl NamespaceDriver {
             source: e,
         })?;
         Ok(NamespaceDriver {
+            zygote: crate::zygote::Zygote::new(&agent),
             agent,
             cgroups,
             _lock: lock,
@@ -364,6 +368,25 @@ impl NamespaceDriver {
             volumes: spec.volumes.clone(),
         };
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
+        match self.zygote.launch(&cfg) {
+            Ok(out) => {
+                let pid = out
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix("pid "))
+                    .and_then(|p| p.parse::<u32>().ok());
+                return match pid {
+                    Some(pid) => Ok(pid),
+                    None if out.trim().is_empty() => Err(RuntimeError::Start(
+                        "agent init ended without a word".into(),
+                    )),
+                    None => Err(RuntimeError::Start(out.trim().to_string())),
+                };
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "the agent's zygote cannot be reached: executing sbx-agent init"
+            ),
+        }
         let io = |what: &str| {
             let what = what.to_string();
             move |source| RuntimeError::Io { what, source }

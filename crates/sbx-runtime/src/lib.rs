@@ -33,6 +33,7 @@ pub mod sock;
 pub mod tree;
 pub mod volume;
 pub mod xattr;
+pub mod zygote;
 
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};

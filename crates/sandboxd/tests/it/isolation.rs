@@ -45,13 +45,15 @@ fn sandbox_sees_only_its_own_processes() {
     assert_eq!(rest.trim(), "NODE-HIDDEN", "the node's own pid is visible");
 
     // A run's own sandbox (never checkpointed; this node has no warm pool) has its agent
-    // serve in init's process: PID 1 is the agent, and its command line names no path of the
-    // host.
+    // serve in the process that made it (forked by the node's zygote, or `sbx-agent init`):
+    // PID 1 is the agent, and its command line names no path of the host.
     let v = node.run_ok(&json!({ "command": ["cat", "/proc/1/cmdline"] }));
     let cmdline: Vec<&str> = stdout(&v).split('\0').collect();
-    assert_eq!(
-        cmdline.get(..2),
-        Some(&["sbx-agent", "init"][..]),
+    assert!(
+        matches!(
+            cmdline.as_slice(),
+            ["sbx-agent", "zygote", ..] | ["sbx-agent", "init", ..]
+        ),
         "PID 1 of a run's sandbox: {cmdline:?}"
     );
     // A kept sandbox's agent is exec'd by init from inside it (the read-only bind

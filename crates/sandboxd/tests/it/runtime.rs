@@ -325,3 +325,53 @@ fn a_loose_data_directory_is_tightened_at_start() {
     assert_eq!(v["stdout"], "ok\n", "{v}");
     node.assert_clean(Duration::from_secs(30));
 }
+
+/// The node's zygote (`sbx-agent zygote`, its child that forks each sandbox's stage 0): a
+/// killed one is started again at the next sandbox, which runs as ever; the node's stop ends
+/// it.
+#[test]
+fn a_killed_zygote_is_started_again_and_ends_with_the_node() {
+    let mut node = TestNode::start();
+    let zygotes = |node_pid: u32| -> Vec<u32> {
+        let mut found = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            if ppid == Some(node_pid) && cmdline == b"sbx-agent\0zygote\0" {
+                found.push(pid);
+            }
+        }
+        found
+    };
+    let node_pid = node.pid().unwrap();
+    let v = node.run_ok(&json!({ "command": ["echo", "one"] }));
+    assert_eq!(common::stdout(&v), "one\n", "{v}");
+    let first = zygotes(node_pid);
+    assert_eq!(first.len(), 1, "the node's zygotes: {first:?}");
+    // SAFETY: a signal to the zygote found above, the node's child.
+    unsafe { libc::kill(first[0] as i32, libc::SIGKILL) };
+    let v = node.run_ok(&json!({ "command": ["echo", "two"] }));
+    assert_eq!(common::stdout(&v), "two\n", "{v}");
+    let second = zygotes(node_pid);
+    assert!(
+        second.len() == 1 && second != first,
+        "after the kill: {second:?}, before: {first:?}"
+    );
+    node.stop();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{}", second[0])).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !Path::new(&format!("/proc/{}", second[0])).exists(),
+        "the zygote outlived its node"
+    );
+}

@@ -1,0 +1,238 @@
+//! The zygote: one process of the agent's binary (`sbx-agent zygote`), started by the node once,
+//! that forks each sandbox's stage 0 (`sbx-agent init`, [`crate::init`]) instead of the node
+//! executing the binary for every sandbox. An exec of the 6 MB agent is its mapping, its
+//! relocations, its page faults and the C library's start (~0.5 ms of CPU a sandbox, issue
+//! #31; docs/throughput.md); a fork of the small single-threaded zygote is a fraction of it.
+//!
+//! The node and the zygote share a `SOCK_SEQPACKET` pair (the zygote's on its stdin). A launch
+//! is a socket pair of its own: the node sends one end over the zygote's socket (SCM_RIGHTS),
+//! writes the stage's configuration to its end and shuts it for writing; the zygote forks, and
+//! its child puts the received end on its stdin, stdout and stderr and runs stage 0, which reads
+//! the configuration and writes `pid N` (or its error) to it; the node reads that until the
+//! end. The child's parent is the zygote, which reaps it (SIGCHLD ignored); the sandbox's PID 1,
+//! orphaned when stages 0 and 1 end, goes to the node, the subreaper, as before.
+//!
+//! The zygote ends when the node's end of its socket closes (the node stopped or died). A
+//! zygote that is gone, or whose binary is no longer the file the node was started with (a new
+//! build installed), is started again at the next launch.
+
+use std::convert::Infallible;
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
+    SockFlag, SockType,
+};
+
+/// The binary's file as a zygote was started from it: a rebuilt binary is another file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    mtime_ns: i128,
+    size: u64,
+}
+
+fn file_id(path: &Path) -> io::Result<FileId> {
+    let m = std::fs::metadata(path)?;
+    Ok(FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+        mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        size: m.size(),
+    })
+}
+
+/// A running zygote, as the node holds it.
+#[derive(Debug)]
+struct Running {
+    control: OwnedFd,
+    child: Mutex<Child>,
+    exe: FileId,
+}
+
+impl Running {
+    fn start(agent: &Path) -> io::Result<Running> {
+        let exe = file_id(agent)?;
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(io::Error::from)?;
+        let child = Command::new(agent)
+            .arg0("sbx-agent")
+            .arg("zygote")
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .env_clear()
+            .spawn()?;
+        Ok(Running {
+            control: ours,
+            child: Mutex::new(child),
+            exe,
+        })
+    }
+
+    /// Whether it still runs (not reaped) and its binary is still the agent's file.
+    fn usable(&self, agent: &Path) -> bool {
+        let alive = match self.child.lock() {
+            Ok(mut c) => matches!(c.try_wait(), Ok(None)),
+            Err(_) => false,
+        };
+        alive && file_id(agent).is_ok_and(|id| id == self.exe)
+    }
+
+    fn launch(&self, config: &[u8]) -> io::Result<String> {
+        let (ours, theirs) = UnixStream::pair()?;
+        let fds = [theirs.as_raw_fd()];
+        sendmsg::<()>(
+            self.control.as_raw_fd(),
+            &[IoSlice::new(b"L")],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(io::Error::from)?;
+        drop(theirs);
+        let mut s = ours;
+        s.write_all(config)?;
+        s.shutdown(std::net::Shutdown::Write)?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        Ok(out)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(mut c) = self.child.lock() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The node's handle of its zygote: started at the first launch, started again when it is
+/// gone or its binary changed.
+#[derive(Debug)]
+pub struct Zygote {
+    agent: PathBuf,
+    running: Mutex<Option<std::sync::Arc<Running>>>,
+}
+
+impl Zygote {
+    pub fn new(agent: &Path) -> Zygote {
+        Zygote {
+            agent: agent.to_path_buf(),
+            running: Mutex::new(None),
+        }
+    }
+
+    fn current(&self) -> io::Result<std::sync::Arc<Running>> {
+        let mut r = self
+            .running
+            .lock()
+            .map_err(|_| io::Error::other("the zygote's lock is poisoned"))?;
+        if let Some(z) = r.as_ref() {
+            if z.usable(&self.agent) {
+                return Ok(z.clone());
+            }
+        }
+        let z = std::sync::Arc::new(Running::start(&self.agent)?);
+        *r = Some(z.clone());
+        Ok(z)
+    }
+
+    /// Runs stage 0 with `config` (the JSON of [`crate::init::InitConfig`]) in a child of the
+    /// zygote: what it wrote (`pid N`, or its error). An error: the zygote could not be
+    /// reached (none could be started, or it ended under the launch); the caller executes
+    /// `sbx-agent init` itself then.
+    pub fn launch(&self, config: &[u8]) -> io::Result<String> {
+        let z = self.current()?;
+        let out = z.launch(config)?;
+        // Nothing at all: the zygote ended before its child wrote (the child writes at least
+        // its pid or an error).
+        if out.is_empty() && !z.usable(&self.agent) {
+            return Err(io::Error::other("the zygote ended during the launch"));
+        }
+        Ok(out)
+    }
+}
+
+/// The zygote's loop (`sbx-agent zygote`), on the socket it has on its stdin: for each
+/// descriptor received, a child with it as stdin, stdout and stderr runs `stage0` (which never
+/// returns). Returns when the node's end of the socket closes.
+pub fn serve(stage0: impl Fn() -> Infallible) -> io::Result<()> {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
+    unsafe { signal(Signal::SIGCHLD, SigHandler::SigIgn) }.map_err(io::Error::from)?;
+    // SAFETY: descriptor 0 is the socket the node gave this process as its stdin; nothing
+    // else of this process owns it.
+    let control = unsafe { OwnedFd::from_raw_fd(0) };
+    loop {
+        let mut byte = [0u8; 1];
+        let mut iov = [IoSliceMut::new(&mut byte)];
+        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+        let msg = match recvmsg::<()>(
+            control.as_raw_fd(),
+            &mut iov,
+            Some(space.as_mut_slice()),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(m) => m,
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if msg.bytes == 0 {
+            return Ok(());
+        }
+        let mut received: Vec<OwnedFd> = Vec::new();
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    // SAFETY: SCM_RIGHTS gave this process these descriptors: new, and owned
+                    // by nothing else.
+                    received.extend(
+                        fds.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+        }
+        let Some(conn) = received.into_iter().next() else {
+            continue;
+        };
+        // SAFETY: this process is single-threaded (the zygote starts no thread), so the child
+        // may run any code after the fork.
+        match unsafe { nix::unistd::fork() } {
+            Ok(nix::unistd::ForkResult::Child) => {
+                // SAFETY: as above: the default disposition, no handler code.
+                let _ = unsafe { signal(Signal::SIGCHLD, SigHandler::SigDfl) };
+                for to in 0..3 {
+                    // SAFETY: dup2 onto the standard descriptors; `conn` stays open for the
+                    // call. Descriptor 0 was the node's socket (`control`), which this child
+                    // never uses again: `stage0` does not return, so `control` is never
+                    // dropped here.
+                    if unsafe { libc::dup2(conn.as_raw_fd(), to) } < 0 {
+                        std::process::exit(1);
+                    }
+                }
+                drop(conn);
+                stage0();
+            }
+            // The child has its copy; a failed fork drops the connection, which the node
+            // reads as an empty answer.
+            Ok(nix::unistd::ForkResult::Parent { .. }) | Err(_) => drop(conn),
+        }
+    }
+}
