@@ -61,12 +61,24 @@ fn the_control_plane_closes_stalled_and_idle_connections_and_caps_them() {
 
     // One connection at most: a second is answered 503 unavailable while the first is open.
     let cp = ControlPlane::start_args(None, None, &args(&["--max-connections", "1"]));
-    let mut first = TcpStream::connect(&cp.addr).expect("connect");
-    // The first is taken (its answer came), and kept open.
-    write!(first, "GET /healthz HTTP/1.1\r\nHost: {}\r\n\r\n", cp.addr).expect("write");
-    let mut head = [0u8; 12];
-    first.read_exact(&mut head).expect("the first answer");
-    assert_eq!(&head, b"HTTP/1.1 200");
+    // The first is taken (its answer came), and kept open. The harness's own health check
+    // holds the one place until the control plane has seen it closed: asked again meanwhile.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let _first = loop {
+        let mut first = TcpStream::connect(&cp.addr).expect("connect");
+        write!(first, "GET /healthz HTTP/1.1\r\nHost: {}\r\n\r\n", cp.addr).expect("write");
+        let mut head = [0u8; 12];
+        first.read_exact(&mut head).expect("the first answer");
+        if &head == b"HTTP/1.1 200" {
+            break first;
+        }
+        assert_eq!(&head, b"HTTP/1.1 503", "the first answer");
+        assert!(
+            Instant::now() < deadline,
+            "the one place is still taken after 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let mut second = TcpStream::connect(&cp.addr).expect("connect");
     write!(second, "GET /healthz HTTP/1.1\r\nHost: {}\r\n\r\n", cp.addr).expect("write");
     let answer = String::from_utf8_lossy(&read_to_close(&mut second, "over the cap")).to_string();
