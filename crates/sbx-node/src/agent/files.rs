@@ -90,11 +90,14 @@ pub async fn call(mut conn: AgentConn, op: FsOp) -> Result<FsResult, ApiError> {
         .await
         .map_err(broke)?;
     loop {
-        match conn.recv().await.map_err(broke)? {
-            Frame::Msg(AgentMsg::FsDone { result, .. }) => return Ok(result),
-            Frame::Msg(AgentMsg::FsError { error, .. }) => return Err(api_error(error)),
-            _ => {}
-        }
+        let answer = match conn.recv().await.map_err(broke)? {
+            Frame::Msg(AgentMsg::FsDone { result, .. }) => Ok(result),
+            Frame::Msg(AgentMsg::FsError { error, .. }) => Err(api_error(error)),
+            _ => continue,
+        };
+        // Answered: the connection serves the next operation on the same agent.
+        conn.release();
+        return answer;
     }
 }
 
