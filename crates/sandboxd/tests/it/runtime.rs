@@ -345,7 +345,15 @@ fn a_killed_zygote_is_started_again_and_ends_with_the_node() {
                 .and_then(|r| r.split_whitespace().nth(1))
                 .and_then(|p| p.parse::<u32>().ok());
             let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-            if ppid == Some(node_pid) && cmdline == b"sbx-agent\0zygote\0" {
+            // A run's agent serving in process was forked from the zygote (its command line)
+            // and is the node's child too once its stages ended: it is PID 1 of a PID
+            // namespace of its own (two pids on its NSpid line), the zygote is not.
+            let status = std::fs::read_to_string(e.path().join("status")).unwrap_or_default();
+            let host_only = status
+                .lines()
+                .find_map(|l| l.strip_prefix("NSpid:"))
+                .is_some_and(|p| p.split_whitespace().count() == 1);
+            if ppid == Some(node_pid) && cmdline == b"sbx-agent\0zygote\0" && host_only {
                 found.push(pid);
             }
         }
