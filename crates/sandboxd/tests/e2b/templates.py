@@ -8,6 +8,7 @@ per check and exits non-zero at the first that fails. The templates it builds ar
 the test (DELETE /templates/{name})."""
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -163,5 +164,6 @@ finally:
             s.kill()
         except Exception:
             pass
+    shutil.rmtree(ctx, ignore_errors=True)
 
 print("all passed", flush=True)
