@@ -810,6 +810,35 @@ pub fn remove_dir(dir: &Path) -> std::io::Result<()> {
     }
 }
 
+/// The runtime's tests' sandbox: `id` of the image at `rootfs` in `dir`, 256 MiB, one CPU,
+/// 256 processes, no network, nothing else.
+#[cfg(test)]
+impl SandboxSpec {
+    pub(crate) fn for_test(id: &str, rootfs: &Path, dir: &Path) -> SandboxSpec {
+        SandboxSpec {
+            id: id.to_string(),
+            lowers: vec![rootfs.to_path_buf()],
+            dir: dir.join(id),
+            hostname: id.to_string(),
+            limits: Limits {
+                memory_bytes: 256 << 20,
+                vcpus: 1,
+                pids: 256,
+            },
+            tmp_memory: false,
+            scratch: false,
+            image_env: Vec::new(),
+            image_user: None,
+            image_workdir: None,
+            netns: None,
+            resolv_conf: None,
+            ca_bundle: None,
+            runtime: Default::default(),
+            volumes: Vec::new(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,31 +897,6 @@ mod bench {
         Some((driver, dir, rootfs))
     }
 
-    /// A sandbox `id` of the base image in `dir`: 256 MiB, one CPU, no network.
-    fn base_spec(id: &str, rootfs: &Path, dir: &Path) -> SandboxSpec {
-        SandboxSpec {
-            id: id.to_string(),
-            lowers: vec![rootfs.to_path_buf()],
-            dir: dir.join(id),
-            hostname: id.to_string(),
-            limits: Limits {
-                memory_bytes: 256 << 20,
-                vcpus: 1,
-                pids: 256,
-            },
-            tmp_memory: false,
-            scratch: false,
-            image_env: Vec::new(),
-            image_user: None,
-            image_workdir: None,
-            netns: None,
-            resolv_conf: None,
-            ca_bundle: None,
-            runtime: Default::default(),
-            volumes: Vec::new(),
-        }
-    }
-
     #[test]
     #[ignore]
     fn bench_create() {
@@ -903,7 +907,7 @@ mod bench {
         let mut create = Vec::new();
         for i in 0..n {
             let id = format!("bench{i}");
-            let spec = base_spec(&id, &rootfs, &dir);
+            let spec = SandboxSpec::for_test(&id, &rootfs, &dir);
             let t = std::time::Instant::now();
             let sb = driver.create(&spec).expect("create");
             create.push(t.elapsed());
@@ -954,7 +958,7 @@ mod bench {
         let mut wall = [Duration::ZERO; 5];
         for i in 0..n {
             let id = format!("step{i}");
-            let spec = base_spec(&id, &rootfs, &dir);
+            let spec = SandboxSpec::for_test(&id, &rootfs, &dir);
             let mut step = |k: usize, f: &mut dyn FnMut()| {
                 let (c, t) = (cpu_us(), std::time::Instant::now());
                 f();

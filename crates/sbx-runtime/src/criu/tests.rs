@@ -143,26 +143,14 @@ impl Drop for Cleanup<'_> {
 }
 
 fn spec(rootfs: &Path, dir: &Path, netns: Option<PathBuf>) -> SandboxSpec {
+    let base = SandboxSpec::for_test("sbcriu", rootfs, dir);
     SandboxSpec {
-        id: "sbcriu".into(),
-        lowers: vec![rootfs.to_path_buf()],
-        dir: dir.join("sbcriu"),
-        hostname: "sbcriu".into(),
         limits: crate::Limits {
             memory_bytes: 512 << 20,
-            vcpus: 1,
-            pids: 256,
+            ..base.limits
         },
-        tmp_memory: false,
-        scratch: false,
-        image_env: Vec::new(),
-        image_user: None,
-        image_workdir: None,
         netns,
-        resolv_conf: None,
-        ca_bundle: None,
-        runtime: Default::default(),
-        volumes: Vec::new(),
+        ..base
     }
 }
 

@@ -857,25 +857,8 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
     }
     let _release = Release(&driver);
     let spec = |id: &str, netns: Option<PathBuf>| SandboxSpec {
-        id: id.to_string(),
-        lowers: vec![rootfs.clone()],
-        dir: dir.0.join(id),
-        hostname: id.to_string(),
-        limits: crate::Limits {
-            memory_bytes: 256 << 20,
-            vcpus: 1,
-            pids: 256,
-        },
-        tmp_memory: false,
-        scratch: false,
-        image_env: Vec::new(),
-        image_user: None,
-        image_workdir: None,
         netns,
-        resolv_conf: None,
-        ca_bundle: None,
-        runtime: Default::default(),
-        volumes: Vec::new(),
+        ..SandboxSpec::for_test(id, &rootfs, &dir.0)
     };
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("ns");
     let joined = Running {
