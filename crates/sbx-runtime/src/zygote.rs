@@ -236,3 +236,67 @@ pub fn serve(stage0: impl Fn() -> Infallible) -> io::Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for the agent's binary: a script (the zygote's protocol is not spoken; these
+    /// tests are of its keeping).
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let p = dir.join("agent");
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    /// A directory of its own, removed at the end.
+    struct Dir(PathBuf);
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let d = std::env::temp_dir().join(format!("sbx-zygote-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&d).unwrap();
+            Dir(d)
+        }
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn pid(z: &Zygote) -> u32 {
+        z.current().unwrap().child.lock().unwrap().id()
+    }
+
+    #[test]
+    fn a_zygote_is_kept_then_started_again_when_its_binary_changes_or_it_ends() {
+        let dir = Dir::new("kept");
+        let agent = script(dir.path(), "exec sleep 30");
+        let z = Zygote::new(&agent);
+        let first = pid(&z);
+        assert_eq!(pid(&z), first, "the same zygote serves the next launch");
+        // A new build installed: another file at the same path.
+        std::fs::remove_file(&agent).unwrap();
+        script(dir.path(), "exec sleep 31");
+        let second = pid(&z);
+        assert_ne!(second, first, "a changed binary starts another zygote");
+        // The first was ended when it was replaced (dropped, killed and reaped).
+        assert!(!Path::new(&format!("/proc/{first}")).exists());
+        // Killed: started again.
+        crate::process::kill_pid(second, libc::SIGKILL);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_ne!(pid(&z), second, "a zygote that ended is started again");
+    }
+
+    #[test]
+    fn a_zygote_that_ends_at_once_is_an_error_for_the_caller_to_fall_back() {
+        let dir = Dir::new("ends");
+        let z = Zygote::new(&script(dir.path(), "exit 0"));
+        assert!(z.launch(b"{}").is_err());
+    }
+}
