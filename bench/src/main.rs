@@ -47,6 +47,9 @@ struct Args {
     /// suite measures runs and creates on both, to show what the network costs.
     #[arg(long)]
     url_no_net: Option<String>,
+    /// The concurrencies of the run suite's sbx cells (comma-separated; runc's stay 1 and 8).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 8])]
+    concs: Vec<usize>,
 }
 
 #[derive(Default)]
@@ -312,7 +315,7 @@ fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> 
         sbx_one(&node)?;
     }
     let mut rows = Vec::new();
-    for conc in [1, 8] {
+    for &conc in &args.concs {
         let n = node.clone();
         let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&n)))?;
         rows.push(("sbx POST /v1/run", conc, cell));
@@ -322,7 +325,7 @@ fn run_suite(args: &Args, agent: &ureq::Agent, url: &str) -> anyhow::Result<()> 
         for _ in 0..10 {
             sbx_one(&no_net)?;
         }
-        for conc in [1, 8] {
+        for &conc in &args.concs {
             let n = no_net.clone();
             let cell = measure(args.runs, conc, Arc::new(move |_| sbx_one(&n)))?;
             rows.push(("sbx run, no net", conc, cell));
