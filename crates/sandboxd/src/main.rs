@@ -117,6 +117,11 @@ struct Cli {
     /// (0: none).
     #[arg(long, default_value_t = 2)]
     warm_pool: usize,
+    /// Sandboxes of the base image made ahead for runs only (0: none; default: as many as
+    /// --warm-pool). Made as a run's own is (its overlay not synced, its agent in PID 1's
+    /// process), they cost less than the others, which runs take when these are gone.
+    #[arg(long)]
+    warm_runs: Option<usize>,
     /// Commands one sandbox may run at once.
     #[arg(long, default_value_t = 4)]
     max_execs_per_sandbox: usize,
@@ -585,7 +590,10 @@ fn run() -> anyhow::Result<()> {
         cli.max_sandboxes
             .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         fn_cfg.max_sandboxes,
-        node::capacity::derive(&node::capacity::Host::read(host_memory()), cli.warm_pool),
+        node::capacity::derive(
+            &node::capacity::Host::read(host_memory()),
+            cli.warm_pool + cli.warm_runs.unwrap_or(cli.warm_pool),
+        ),
     );
     tracing::info!(
         max_sandboxes = capacity.max_sandboxes,
@@ -608,6 +616,7 @@ fn run() -> anyhow::Result<()> {
         max_memory_bytes: host_memory(),
         max_vcpus: cpus,
         warm_pool: cli.warm_pool,
+        warm_runs: cli.warm_runs.unwrap_or(cli.warm_pool),
         egress_default_deny: cli.egress_default == "deny",
         max_execs_per_sandbox: fn_cfg
             .max_concurrent_exec_per_sandbox

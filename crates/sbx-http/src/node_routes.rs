@@ -52,6 +52,7 @@ pub(super) async fn node_info(State(st): State<Arc<AppState>>) -> Json<serde_jso
         "teardowns": n.pending_teardowns(),
         "warm_pool": {
             "target": n.cfg.warm_pool,
+            "runs_target": n.cfg.warm_runs,
             "ready": n.warm_ids(),
             "making": n.warm_making(),
         },

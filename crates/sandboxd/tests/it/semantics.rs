@@ -406,7 +406,8 @@ fn children_left_behind_do_not_hold_the_answer() {
 
 #[test]
 fn warm_sandboxes_serve_runs_and_the_pool_refills() {
-    let node = TestNode::start_with(&["--warm-pool", "2"]);
+    // The pool of sandboxes made for runs (the kept kind's is the creates').
+    let node = TestNode::start_with(&["--warm-pool", "0", "--warm-runs", "2"]);
     let wait_full = || {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -439,7 +440,7 @@ fn warm_sandboxes_serve_runs_and_the_pool_refills() {
 
 #[test]
 fn a_warm_sandbox_that_died_is_not_handed_out() {
-    let node = TestNode::start_with(&["--warm-pool", "2"]);
+    let node = TestNode::start_with(&["--warm-pool", "0", "--warm-runs", "2"]);
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut warm = node.warm_ids();
     while warm.len() < 2 && Instant::now() < deadline {

@@ -87,7 +87,7 @@ pub struct Derived {
     pub memory: Bound,
     pub pids: Bound,
     pub fds: Bound,
-    /// The warm pool's sandboxes, taken from the least bound.
+    /// The warm pools' sandboxes (both kinds), taken from the least bound.
     pub warm_pool: usize,
 }
 

@@ -130,6 +130,8 @@ pub struct World {
     adopts: AtomicUsize,
     leftovers: AtomicUsize,
     fail_creates: AtomicUsize,
+    /// Ids of the sandboxes made as a run's own (`SandboxSpec::scratch`).
+    scratch: Mutex<HashSet<String>>,
 }
 
 impl World {
@@ -149,12 +151,18 @@ impl World {
             adopts: AtomicUsize::new(0),
             leftovers: AtomicUsize::new(0),
             fail_creates: AtomicUsize::new(0),
+            scratch: Mutex::new(HashSet::new()),
         })
     }
 
     /// Sandboxes the driver was asked to make (failed ones too).
     pub fn creates(&self) -> usize {
         self.creates.load(Ordering::SeqCst)
+    }
+
+    /// Whether sandbox `id` was made as a run's own (`SandboxSpec::scratch`).
+    pub fn made_scratch(&self, id: &str) -> bool {
+        self.scratch.locked().contains(id)
     }
 
     /// Sandboxes the driver was asked to end.
@@ -249,6 +257,9 @@ impl Driver for FakeDriver {
     fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
         let w = &self.world;
         w.creates.fetch_add(1, Ordering::SeqCst);
+        if spec.scratch {
+            w.scratch.locked().insert(spec.id.clone());
+        }
         let fail = w
             .fail_creates
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -859,6 +870,7 @@ fn config(dir: &Path) -> NodeConfig {
         max_memory_bytes: 1 << 30,
         max_vcpus: 2,
         warm_pool: 0,
+        warm_runs: 0,
         egress_default_deny: false,
         max_execs_per_sandbox: 4,
         image_allowlist: None,

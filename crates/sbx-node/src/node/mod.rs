@@ -51,8 +51,12 @@ pub struct NodeConfig {
     pub pids_max: u32,
     pub max_memory_bytes: u64,
     pub max_vcpus: u32,
-    /// Sandboxes of the base image kept made ahead, so that a run does not wait for one.
+    /// Sandboxes of the base image kept made ahead, so that a create (or a run) does not wait
+    /// for one; each may become a kept sandbox.
     pub warm_pool: usize,
+    /// Sandboxes of the base image made ahead for runs only (a run's own kind: volatile
+    /// overlay, agent in PID 1's process), taken by runs before the others (`warm.rs`).
+    pub warm_runs: usize,
     /// Commands one sandbox may run at once.
     pub max_execs_per_sandbox: usize,
     /// When set, only these image names boot (the config file's image_allowlist, with the

@@ -149,7 +149,7 @@ impl Node {
                 }
             }
             let warm = if can_be_warm {
-                self.take_live_warm()
+                self.take_live_warm(true)
             } else {
                 None
             };

@@ -1,5 +1,12 @@
 //! The warm pool: sandboxes of the base image made ahead, their agents' hellos read, taken
 //! by runs and boots that fit them, refilled in the background.
+//!
+//! Two kinds (issue #31): `--warm-pool` sandboxes that may become kept ones (their overlay
+//! synced at its end, their agent exec'd from the image, so that they can be checkpointed),
+//! taken by creates (and by runs on a node with no pool for runs); and `--warm-runs` sandboxes
+//! made as a run's own (`SandboxSpec::scratch`: a volatile overlay, PID 1 serving in process),
+//! taken by runs only. A run's sandbox is never kept, slept or moved: the kept kind's sync of the node's
+//! disk at its end and its agent's exec are work a run does not need (docs/throughput.md).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,14 +22,24 @@ pub(super) struct Warm {
     pub(super) sandbox: Arc<Sandbox>,
     pub(super) conn: AgentConn,
     pub(super) limits: Limits,
+    /// Made as a run's own (`--warm-runs`): never becomes a kept sandbox.
+    pub(super) for_runs: bool,
 }
 
 impl Node {
-    /// Takes a warm sandbox whose agent still runs; one found dead (killed from outside while
-    /// it waited) is ended, and the next one is tried.
-    pub(super) fn take_live_warm(&self) -> Option<Warm> {
+    /// Takes a warm sandbox whose agent still runs: for a run, one made for runs (one of the
+    /// kept kind only on a node that makes none for runs, `--warm-runs 0`: under load, a run
+    /// that took one had the refiller make another of the dearer kind); for a kept sandbox
+    /// (`for_run` false), one of the kept kind. One found dead (killed from outside while it
+    /// waited) is ended, and the next one is tried.
+    pub(super) fn take_live_warm(&self, for_run: bool) -> Option<Warm> {
         loop {
-            let w = self.warm.locked().pop()?;
+            let w = {
+                let mut pool = self.warm.locked();
+                let kind = for_run && self.cfg.warm_runs > 0;
+                let at = pool.iter().rposition(|w| w.for_runs == kind);
+                pool.remove(at?)
+            };
             if w.sandbox.is_alive() {
                 return Some(w);
             }
@@ -39,7 +56,7 @@ impl Node {
 
     /// Takes a warm sandbox (out of the node's live table: the caller keeps it).
     pub(crate) fn pop_warm(self: &Arc<Self>) -> Option<Arc<Sandbox>> {
-        let w = self.take_live_warm();
+        let w = self.take_live_warm(false);
         // Refilled whether one was taken or every one was found dead.
         self.refill();
         let w = w?;
@@ -47,12 +64,28 @@ impl Node {
         Some(w.sandbox)
     }
 
-    /// Whether the pool has fewer sandboxes than it keeps.
+    /// Whether the pool has fewer sandboxes of a kind than it keeps.
     pub(crate) fn warm_below_target(&self) -> bool {
-        self.warm.locked().len() < self.cfg.warm_pool
+        self.warm_to_make().is_some()
     }
 
-    /// Ids of the warm sandboxes.
+    /// The kind of warm sandbox to make next (`Some(true)`: one for runs), the one further
+    /// below its target (runs' on a tie); `None`: both are full.
+    fn warm_to_make(&self) -> Option<bool> {
+        let (runs, kept) = {
+            let pool = self.warm.locked();
+            let runs = pool.iter().filter(|w| w.for_runs).count();
+            (runs, pool.len() - runs)
+        };
+        let runs_short = self.cfg.warm_runs.saturating_sub(runs);
+        let kept_short = self.cfg.warm_pool.saturating_sub(kept);
+        match (runs_short, kept_short) {
+            (0, 0) => None,
+            (r, k) => Some(r >= k),
+        }
+    }
+
+    /// Ids of the warm sandboxes (both kinds).
     pub fn warm_ids(&self) -> Vec<String> {
         self.warm
             .locked()
@@ -68,14 +101,13 @@ impl Node {
 
     /// Makes warm sandboxes until the pool is full (one refiller at a time, in the background).
     pub fn refill(self: &Arc<Self>) {
-        if self.cfg.warm_pool == 0 || self.refilling.send_replace(true) {
+        if self.cfg.warm_pool + self.cfg.warm_runs == 0 || self.refilling.send_replace(true) {
             return;
         }
         let node = self.clone();
         tokio::spawn(async move {
-            loop {
-                let have = node.warm.locked().len();
-                if have >= node.cfg.warm_pool || node.is_stopping() {
+            while let Some(for_runs) = node.warm_to_make() {
+                if node.is_stopping() {
                     break;
                 }
                 let Ok(image) = node.images.base() else {
@@ -101,8 +133,9 @@ impl Node {
                     hostname: id.clone(),
                     limits,
                     tmp_memory: false,
-                    // A warm sandbox may become a kept one (`pop_warm`): its disk is synced.
-                    scratch: false,
+                    // One of the kept kind may become a kept sandbox (`pop_warm`): its disk is
+                    // synced and its agent exec'd. One for runs is made as a run's own.
+                    scratch: for_runs,
                     image_env: image.meta.env.clone(),
                     image_user: image.meta.user.clone(),
                     image_workdir: image.meta.workdir.clone(),
@@ -119,6 +152,7 @@ impl Node {
                             sandbox,
                             conn,
                             limits,
+                            for_runs,
                         });
                         *node.warm_making.locked() = None;
                         if node.is_stopping() {

@@ -141,6 +141,66 @@ async fn a_base_run_takes_a_warm_sandbox_that_never_goes_back_and_the_pool_refil
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_take_the_warm_sandboxes_made_for_runs_and_creates_the_others() {
+    let dir = TempDir::new("warmkinds");
+    let world = World::new();
+    let node = node_in(dir.path(), &world, |c| {
+        c.warm_pool = 1;
+        c.warm_runs = 1;
+    });
+    node.refill();
+    until("both pools are full", || node.warm_ids().len() == 2).await;
+    let kinds = |ids: &[String]| -> (Vec<String>, Vec<String>) {
+        ids.iter().cloned().partition(|id| world.made_scratch(id))
+    };
+    let (runs, kept) = kinds(&node.warm_ids());
+    assert_eq!((runs.len(), kept.len()), (1, 1), "one of each kind");
+
+    // A run takes the one made as a run's own.
+    let plan = node
+        .plan_run(run_request(r#"{"command":"echo warm"}"#))
+        .expect("plan");
+    assert_eq!(plan.sandbox_id, runs[0]);
+    let (exit, out, _) = ended(&run_plan(&node, plan).await);
+    assert_eq!((exit.exit_code, out.as_str()), (0, "warm\n"));
+    until("the runs' pool refills", || {
+        let (r, k) = kinds(&node.warm_ids());
+        r.len() == 1 && r[0] != runs[0] && k == kept
+    })
+    .await;
+
+    // A kept sandbox never takes one made for runs (it could not be checkpointed).
+    let (runs, _) = kinds(&node.warm_ids());
+    let made = create(&node, "{}").await.expect("create");
+    assert_eq!(made.id, kept[0], "the create takes the kept kind");
+    assert!(!world.made_scratch(&made.id));
+    until("the kept pool refills", || node.warm_ids().len() == 2).await;
+    assert!(node.warm_ids().contains(&runs[0]), "the runs' one stays");
+
+    // With none made for runs left, a run makes its own: the kept kind is the creates'.
+    let (runs, kept) = kinds(&node.warm_ids());
+    let first = node
+        .plan_run(run_request(r#"{"command":"true"}"#))
+        .expect("plan");
+    let second = node
+        .plan_run(run_request(r#"{"command":"true"}"#))
+        .expect("plan");
+    assert_eq!(first.sandbox_id, runs[0]);
+    assert_ne!(second.sandbox_id, kept[0]);
+    assert_eq!(kinds(&node.warm_ids()), (vec![], kept.clone()));
+    for plan in [first, second] {
+        let (exit, _, _) = ended(&run_plan(&node, plan).await);
+        assert_eq!(exit.exit_code, 0);
+    }
+    until("both pools refill", || {
+        let (r, k) = kinds(&node.warm_ids());
+        (r.len(), k.len()) == (1, 1)
+    })
+    .await;
+    stop(&node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_sandbox_found_dead_is_ended_and_the_next_one_serves() {
     let dir = TempDir::new("warmdead");
     let world = World::new();
