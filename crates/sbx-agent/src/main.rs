@@ -44,8 +44,10 @@ fn init() -> std::convert::Infallible {
         rlimits: cfg.runtime.rlimits.clone(),
     };
     // Run in process only when the image cannot exec the agent's binary, or the sandbox is
-    // never checkpointed.
-    let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults));
+    // never checkpointed. A run's own sandbox (its overlay volatile) is never slept either: no
+    // /run/sbx/awake in it (a copy-up of /run through the overlay, a socket, a task).
+    let awake = !cfg.volatile_upper;
+    let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults, awake));
     eprintln!("sbx-agent: {e}");
     std::process::exit(1);
 }
@@ -89,7 +91,7 @@ fn main() {
                 hostname: cfg.hostname,
                 rlimits: cfg.rlimits,
             };
-            server::run(listener, defaults);
+            server::run(listener, defaults, true);
         }
         Some("--version") => println!("sbx-agent {}", env!("CARGO_PKG_VERSION")),
         _ => {

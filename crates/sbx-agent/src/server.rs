@@ -29,7 +29,7 @@ struct Agent {
 type Out = mpsc::Sender<Vec<u8>>;
 
 /// Serves the node until the sandbox ends.
-pub fn run(listener: std::os::unix::net::UnixListener, defaults: Defaults) -> ! {
+pub fn run(listener: std::os::unix::net::UnixListener, defaults: Defaults, awake: bool) -> ! {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -38,11 +38,11 @@ pub fn run(listener: std::os::unix::net::UnixListener, defaults: Defaults) -> ! 
         Err(_) => std::process::exit(1),
     };
     let local = LocalSet::new();
-    local.block_on(&rt, serve(listener, defaults));
+    local.block_on(&rt, serve(listener, defaults, awake));
     std::process::exit(0)
 }
 
-async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
+async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults, awake: bool) {
     if listener.set_nonblocking(true).is_err() {
         return;
     }
@@ -53,7 +53,7 @@ async fn serve(listener: std::os::unix::net::UnixListener, defaults: Defaults) {
         defaults,
         execs: exec::Registry::new(),
         by_pid: RefCell::new(HashMap::new()),
-        awake: if std::process::id() == 1 {
+        awake: if awake && std::process::id() == 1 {
             crate::awake::Awake::serve(std::path::Path::new(sbx_proto::AWAKE_SOCKET))
         } else {
             None

@@ -122,6 +122,60 @@ fn hostname_is_the_sandboxes_own() {
     node.assert_clean(CLEAN);
 }
 
+/// /dev has the usual devices, working, in a run's own sandbox (nodes made in its /dev) and in
+/// a kept one (the host's bound); no process of either can add a device, in /dev or anywhere.
+/// Only a kept sandbox, which may sleep, has /run/sbx/awake.
+#[test]
+fn dev_has_the_usual_devices_and_a_sandbox_adds_none() {
+    let node = TestNode::start();
+    let script =
+        "for d in null zero full random urandom tty; do stat -c '%n %F %t:%T' /dev/$d; done; \
+        echo x > /dev/null && echo null-writes; \
+        head -c 4 /dev/zero | od -An -tx1 | tr -d ' \\n'; echo; \
+        head -c 16 /dev/urandom | wc -c; \
+        (echo x > /dev/full) 2>/dev/null || echo full-refuses; \
+        for p in /dev/sda /dev/mem2 /dev/shm/mem /tmp/mem; do \
+          mknod $p c 1 1 2>/dev/null && echo MADE-$p || echo refused; done; \
+        test -e /run/sbx/awake && echo awake || echo no-awake";
+    let want = |awake: &'static str| {
+        [
+            "/dev/null character special file 1:3",
+            "/dev/zero character special file 1:5",
+            "/dev/full character special file 1:7",
+            "/dev/random character special file 1:8",
+            "/dev/urandom character special file 1:9",
+            "/dev/tty character special file 5:0",
+            "null-writes",
+            "00000000",
+            "16",
+            "full-refuses",
+            "refused",
+            "refused",
+            "refused",
+            "refused",
+        ]
+        .into_iter()
+        .chain([awake])
+        .collect::<Vec<_>>()
+    };
+    let v = node.run_ok(&json!({ "command": script }));
+    assert_eq!(
+        stdout(&v).lines().collect::<Vec<_>>(),
+        want("no-awake"),
+        "a run: {v}"
+    );
+    let sb = node.create_sandbox(&json!({}));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let v = node.exec(&id, &json!({ "command": script, "wait_seconds": 10 }));
+    assert_eq!(
+        stdout(&v).lines().collect::<Vec<_>>(),
+        want("awake"),
+        "a kept sandbox: {v}"
+    );
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
 #[test]
 fn network_is_loopback_only() {
     let node = TestNode::start();
