@@ -8,7 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::common::{self, assert_error, TestNode};
+use crate::common::{self, assert_error, stdout, TestNode};
 use sbx_testreg::{Compression, Layer, Registry, Tar};
 use serde_json::{json, Value};
 
@@ -725,6 +725,16 @@ fn run_as(node: &TestNode, sandbox: &str, user: &str, command: &str) -> Value {
     );
     let id = v["id"].as_str().expect("exec id").to_string();
     node.exec_wait(sandbox, &id, Duration::from_secs(60))
+}
+
+/// The base image's LANG, C.UTF-8, is in its locale archive: a program that sets its locale
+/// opens that one file, not the locale's 13 (recipe 3).
+#[test]
+fn the_base_image_s_locale_is_archived() {
+    let node = TestNode::start();
+    let v = node.run_ok(&json!({ "command": "echo $LANG; localedef --list-archive" }));
+    assert_eq!(stdout(&v), "C.UTF-8\nC.utf8\n", "{v}");
+    node.assert_clean(Duration::from_secs(10));
 }
 
 #[test]
