@@ -5,8 +5,9 @@
 //! synced at its end, their agent exec'd from the image, so that they can be checkpointed),
 //! taken by creates (and by runs on a node with no pool for runs); and `--warm-runs` sandboxes
 //! made as a run's own (`SandboxSpec::scratch`: a volatile overlay, PID 1 serving in process),
-//! taken by runs only. A run's sandbox is never kept, slept or moved: the kept kind's sync of the node's
-//! disk at its end and its agent's exec are work a run does not need (docs/throughput.md).
+//! taken by runs only. A run's sandbox is never kept, slept or moved: the kept kind's sync of
+//! the node's disk at its end and its agent's exec are work a run does not need
+//! (docs/throughput.md).
 
 use std::sync::Arc;
 use std::time::Duration;
