@@ -260,6 +260,9 @@ impl Driver for FakeDriver {
         if spec.scratch {
             w.scratch.locked().insert(spec.id.clone());
         }
+        // Made first: as the namespace driver, a sandbox that does not start leaves its
+        // directory to the caller.
+        std::fs::create_dir_all(&spec.dir).map_err(io_err("mkdir"))?;
         let fail = w
             .fail_creates
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -268,7 +271,6 @@ impl Driver for FakeDriver {
                 "the fake driver was told to fail".into(),
             ));
         }
-        std::fs::create_dir_all(&spec.dir).map_err(io_err("mkdir"))?;
         let socket = spec.dir.join("agent.sock");
         let _ = std::fs::remove_file(&socket);
         let listener = UnixListener::bind(&socket).map_err(io_err("bind the agent's socket"))?;

@@ -310,11 +310,16 @@ impl Node {
         // not have) is in no table: its directory goes here. One that started is torn down
         // by the run.
         if made.is_err() && !self.live.locked().contains_key(&plan.sandbox_id) {
-            let _ =
-                tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
+            remove_unstarted_dir(dir).await;
         }
         made
     }
+}
+
+/// Removes the directory of a sandbox the driver did not start (the driver leaves it to the
+/// caller; in no table, nothing else removes it).
+pub(crate) async fn remove_unstarted_dir(dir: std::path::PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || sbx_runtime::driver::remove_dir(&dir)).await;
 }
 
 /// How many ms until `expires_at` (RFC 3339, in the future; rounded up): 400 invalid_field

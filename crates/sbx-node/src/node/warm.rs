@@ -163,8 +163,14 @@ impl Node {
                     }
                     Err(_) => {
                         let sb = node.live.locked().remove(&id);
-                        if let Some(sb) = sb {
-                            node.teardown(sb);
+                        match sb {
+                            Some(sb) => node.teardown(sb),
+                            // Not started (its cgroup folders gone under it, say): its
+                            // directory was left (it stayed on the host until the node's end).
+                            None => {
+                                super::machine::remove_unstarted_dir(node.sandboxes_dir().join(&id))
+                                    .await
+                            }
                         }
                         *node.warm_making.locked() = None;
                         // Do not spin on a node that cannot make sandboxes.

@@ -201,6 +201,29 @@ async fn runs_take_the_warm_sandboxes_made_for_runs_and_creates_the_others() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_sandbox_that_does_not_start_leaves_no_directory() {
+    let dir = TempDir::new("warmfail");
+    let world = World::new();
+    let node = node_in(dir.path(), &world, |c| c.warm_runs = 1);
+    world.fail_next_creates(1);
+    node.refill();
+    // The refiller tries again a second later.
+    until("the pool is full", || node.warm_ids().len() == 1).await;
+    assert_eq!(world.creates(), 2);
+    let dirs: Vec<String> = std::fs::read_dir(node.sandboxes_dir())
+        .expect("the sandboxes' directory")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        dirs,
+        node.warm_ids(),
+        "the one that did not start left nothing"
+    );
+    stop(&node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_sandbox_found_dead_is_ended_and_the_next_one_serves() {
     let dir = TempDir::new("warmdead");
     let world = World::new();
