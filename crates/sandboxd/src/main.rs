@@ -119,7 +119,7 @@ struct Cli {
     warm_pool: usize,
     /// Sandboxes of the base image made ahead for runs only (0: none; default: as many as
     /// --warm-pool). Made as a run's own is (its overlay not synced, its agent in PID 1's
-    /// process), they cost less than the others, which runs take when these are gone.
+    /// process), they cost less than --warm-pool's, which runs take only when this is 0.
     #[arg(long)]
     warm_runs: Option<usize>,
     /// Commands one sandbox may run at once.
@@ -586,13 +586,14 @@ fn run() -> anyhow::Result<()> {
         .map(|n| n.get() as u32)
         .unwrap_or(1)
         .min(32);
+    let warm_runs = cli.warm_runs.unwrap_or(cli.warm_pool);
     let capacity = node::capacity::resolve(
         cli.max_sandboxes
             .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         fn_cfg.max_sandboxes,
         node::capacity::derive(
             &node::capacity::Host::read(host_memory()),
-            cli.warm_pool + cli.warm_runs.unwrap_or(cli.warm_pool),
+            cli.warm_pool + warm_runs,
         ),
     );
     tracing::info!(
@@ -616,7 +617,7 @@ fn run() -> anyhow::Result<()> {
         max_memory_bytes: host_memory(),
         max_vcpus: cpus,
         warm_pool: cli.warm_pool,
-        warm_runs: cli.warm_runs.unwrap_or(cli.warm_pool),
+        warm_runs,
         egress_default_deny: cli.egress_default == "deny",
         max_execs_per_sandbox: fn_cfg
             .max_concurrent_exec_per_sandbox

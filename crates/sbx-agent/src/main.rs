@@ -43,10 +43,10 @@ fn init() -> std::convert::Infallible {
         hostname: cfg.hostname.clone(),
         rlimits: cfg.runtime.rlimits.clone(),
     };
-    // Run in process only when the image cannot exec the agent's binary, or the sandbox is
-    // never checkpointed. A run's own sandbox (its overlay volatile) is never slept either: no
-    // /run/sbx/awake in it (a copy-up of /run through the overlay, a socket, a task).
-    let awake = !cfg.volatile_upper;
+    // Run in process only when the image cannot exec the agent's binary, or the sandbox is a
+    // run's own (never checkpointed). Such a sandbox never sleeps either: no /run/sbx/awake in
+    // it (a copy-up of /run through the overlay, a socket, a task).
+    let awake = !cfg.scratch;
     let Err(e) = sbx_runtime::init::enter(&cfg, |listener| server::run(listener, defaults, awake));
     eprintln!("sbx-agent: {e}");
     std::process::exit(1);

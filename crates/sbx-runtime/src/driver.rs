@@ -356,8 +356,7 @@ impl NamespaceDriver {
             uid_count: self.uid_count,
             cgroup_procs: group.procs_files(),
             tmp_memory_bytes: spec.tmp_memory.then_some(spec.limits.memory_bytes / 2),
-            volatile_upper: spec.scratch,
-            agent_in_process: spec.scratch,
+            scratch: spec.scratch,
             image_env: spec.image_env.clone(),
             image_user: spec.image_user.clone(),
             image_workdir: spec.image_workdir.clone(),
@@ -370,11 +369,7 @@ impl NamespaceDriver {
         let cfg = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Start(e.to_string()))?;
         match self.zygote.launch(&cfg) {
             Ok(out) => {
-                let pid = out
-                    .lines()
-                    .find_map(|l| l.trim().strip_prefix("pid "))
-                    .and_then(|p| p.parse::<u32>().ok());
-                return match pid {
+                return match stage0_pid(&out) {
                     Some(pid) => Ok(pid),
                     None if out.trim().is_empty() => Err(RuntimeError::Start(
                         "agent init ended without a word".into(),
@@ -416,11 +411,7 @@ impl NamespaceDriver {
             let _ = stderr.read_to_string(&mut err);
         }
         let status = child.wait().map_err(io("agent init"))?;
-        let pid = out
-            .trim()
-            .strip_prefix("pid ")
-            .and_then(|p| p.parse::<u32>().ok());
-        match (status.success(), pid) {
+        match (status.success(), stage0_pid(&out)) {
             (true, Some(pid)) => Ok(pid),
             _ => Err(RuntimeError::Start(if err.trim().is_empty() {
                 format!("agent init ended with {status}")
@@ -808,6 +799,13 @@ pub fn remove_dir(dir: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         r => r,
     }
+}
+
+/// The agent's host pid that stage 0 reports (`pid N`, [`crate::init::enter`]) in `out`.
+fn stage0_pid(out: &str) -> Option<u32> {
+    out.lines()
+        .find_map(|l| l.trim().strip_prefix("pid "))
+        .and_then(|p| p.parse::<u32>().ok())
 }
 
 /// The runtime's tests' sandbox: `id` of the image at `rootfs` in `dir`, 256 MiB, one CPU,

@@ -48,15 +48,14 @@ pub struct InitConfig {
     pub cgroup_procs: Vec<PathBuf>,
     /// Mount /tmp as a tmpfs of this size.
     pub tmp_memory_bytes: Option<u64>,
-    /// Mount the overlay `volatile` ([`crate::SandboxSpec::scratch`]).
-    #[serde(default)]
-    pub volatile_upper: bool,
+    /// A run's own sandbox ([`crate::SandboxSpec::scratch`]): never kept, slept, checkpointed
+    /// or moved. Its overlay is mounted `volatile` (no sync of the node's disk at its end);
     /// PID 1 serves in its own process, as forked, instead of executing the agent's binary
-    /// from inside the sandbox (a sandbox never checkpointed, [`crate::SandboxSpec::scratch`]:
-    /// the exec only makes the agent's mappings the sandbox's own, for CRIU; it costs a run
-    /// ~1 ms of CPU, see docs/throughput.md). Its binary is then not bound into the sandbox.
+    /// from inside (the exec only makes the agent's mappings the sandbox's own, for CRIU; ~1 ms
+    /// of CPU, docs/throughput.md), and the binary is not bound in; /dev's nodes are made, not
+    /// bound ([`build_dev`]); the agent serves no /run/sbx/awake.
     #[serde(default)]
-    pub agent_in_process: bool,
+    pub scratch: bool,
     /// The image's environment, user and working directory: the agent's defaults for commands.
     #[serde(default)]
     pub image_env: Vec<(String, String)>,
@@ -219,7 +218,7 @@ const DEV_NODES: [(&str, u64, u64); 6] = [
 /// /dev: a tmpfs with the usual device nodes, /dev/pts, /dev/shm and the links to /proc.
 ///
 /// The nodes are the host's bound one by one (six mounts), except in a sandbox never
-/// checkpointed (`make_nodes`, a run's own): there they are made in the tmpfs (host root's
+/// checkpointed (`make_nodes`: [`InitConfig::scratch`]): there they are made in the tmpfs (host root's
 /// `mknod`), six mounts fewer to make and to release (issue #31), and the tmpfs is not
 /// `nodev`. Nothing of the sandbox can add a device node to it: a device's `mknod` takes
 /// CAP_MKNOD of the host's user namespace (the tmpfs is host root's), which no process of a
@@ -549,7 +548,7 @@ fn stage0_parent(
     host_mounts(cfg, exe).map_err(none)?;
     // 'D': exec the agent from inside; 'd': PID 1 serves in process (the sandbox is never
     // checkpointed, or the image cannot run the agent's binary).
-    let runs = !cfg.agent_in_process && image_runs_agent(&cfg.dir.join("rootfs"));
+    let runs = !cfg.scratch && image_runs_agent(&cfg.dir.join("rootfs"));
     write_byte(to_child, if runs { b"D" } else { b"d" }).map_err(none)?;
     let b = read_byte(from_child).map_err(none)?;
     if b != b'P' {
@@ -667,8 +666,9 @@ fn write_etc(cfg: &InitConfig, upper: &Path) -> Result<bool, InitError> {
 }
 
 /// Stage 0's mounts, as host root in the sandbox's mount namespace: the overlay (its lowers
-/// are under the host's 0700 image store), /dev with the host's device nodes, /tmp, the files
-/// of /etc, the CA bundle, and the agent's binary at [`AGENT_PATH`].
+/// are under the host's 0700 image store; the files of /etc written into its upper directory
+/// first), /dev with the host's device nodes, /tmp, the CA bundle, and the agent's binary at
+/// [`AGENT_PATH`].
 fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
     let upper = cfg.dir.join("upper");
     let work = cfg.dir.join("work");
@@ -679,7 +679,7 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
         lowers.join(":"),
         upper.display(),
         work.display(),
-        if cfg.volatile_upper { ",volatile" } else { "" }
+        if cfg.scratch { ",volatile" } else { "" }
     );
     // The kernel takes one page of mount options.
     if data.len() >= 4096 {
@@ -696,16 +696,11 @@ fn host_mounts(cfg: &InitConfig, exe: &Path) -> Result<(), InitError> {
         MsFlags::empty(),
         Some(&data),
     )?;
-    build_dev(
-        &root,
-        cfg.uid_base,
-        cfg.runtime.shm_size_bytes,
-        cfg.volatile_upper,
-    )?;
+    build_dev(&root, cfg.uid_base, cfg.runtime.shm_size_bytes, cfg.scratch)?;
     // The agent's binary, read-only: what PID 1 execs, and what a checkpoint finds it mapped
     // from. Running it gives a sandbox process nothing (it serves only a listener it is given).
     // Not bound where PID 1 serves in process.
-    if !cfg.agent_in_process {
+    if !cfg.scratch {
         bind_agent(&root, exe)?;
     }
     fs::create_dir_all(root.join("sys")).ctx(|| "mkdir /sys".into())?;
@@ -1029,4 +1024,69 @@ fn close_from(from: u32) -> Result<(), InitError> {
 pub fn agent_listener() -> Result<UnixListener, InitError> {
     crate::process::set_dumpable(false).ctx(|| "not dumpable".into())?;
     crate::process::take_inherited_listener(AGENT_LISTEN_FD).ctx(|| "the inherited listener".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn config(lowers: &[&Path], hostname: &str) -> InitConfig {
+        serde_json::from_value(serde_json::json!({
+            "id": hostname, "lowers": lowers, "dir": "/nonexistent", "hostname": hostname,
+            "uid_base": 100_000, "uid_count": 65_536, "cgroup_procs": [],
+            "tmp_memory_bytes": null, "resolv_conf": "nameserver 10.0.0.1\n",
+        }))
+        .expect("a config")
+    }
+
+    /// /etc's files go into the upper directory: a new upper /etc takes the image's mode and
+    /// owner, an existing one (a sandbox booted again) has them replaced; an image without an
+    /// /etc, or an upper directory that removed it, gets none.
+    #[test]
+    fn etc_files_are_written_into_the_upper_directory() {
+        if !nix::unistd::Uid::effective().is_root() {
+            return;
+        }
+        let dir = crate::TempDir::new("write-etc");
+        let (top, bottom, upper) = (
+            dir.path().join("top"),
+            dir.path().join("bottom"),
+            dir.path().join("upper"),
+        );
+        for d in [&top, &bottom, &upper] {
+            fs::create_dir(d).unwrap();
+        }
+        // The topmost layer with an /etc decides its mode and owner.
+        fs::create_dir(bottom.join("etc")).unwrap();
+        fs::set_permissions(bottom.join("etc"), fs::Permissions::from_mode(0o750)).unwrap();
+        std::os::unix::fs::lchown(bottom.join("etc"), Some(100_000), Some(100_007)).unwrap();
+        let cfg = config(&[&top, &bottom], "box-1");
+        assert!(write_etc(&cfg, &upper).unwrap());
+        let etc = fs::metadata(upper.join("etc")).unwrap();
+        assert_eq!(
+            (etc.mode() & 0o7777, etc.uid(), etc.gid()),
+            (0o750, 100_000, 100_007)
+        );
+        let read = |f: &str| fs::read_to_string(upper.join("etc").join(f)).unwrap();
+        assert_eq!(read("hostname"), "box-1\n");
+        assert!(read("hosts").contains("localhost box-1\n"));
+        assert_eq!(read("resolv.conf"), "nameserver 10.0.0.1\n");
+        let owner = fs::metadata(upper.join("etc/hostname")).unwrap();
+        assert_eq!((owner.uid(), owner.gid()), (100_000, 100_000));
+
+        // Booted again under another name: the upper /etc is kept, its files replaced.
+        assert!(write_etc(&config(&[&top, &bottom], "box-2"), &upper).unwrap());
+        assert_eq!(read("hostname"), "box-2\n");
+
+        // Removed in the upper directory (a whiteout, or a file): nothing written.
+        fs::remove_dir_all(upper.join("etc")).unwrap();
+        fs::write(upper.join("etc"), "").unwrap();
+        assert!(!write_etc(&cfg, &upper).unwrap());
+        // No /etc in the image: nothing either.
+        let bare = dir.path().join("bare-upper");
+        fs::create_dir(&bare).unwrap();
+        assert!(!write_etc(&config(&[&top], "box-3"), &bare).unwrap());
+        assert!(!bare.join("etc").exists());
+    }
 }

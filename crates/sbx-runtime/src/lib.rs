@@ -35,6 +35,31 @@ pub mod volume;
 pub mod xattr;
 pub mod zygote;
 
+/// A directory of a test's own, removed when dropped (the test passed or not).
+#[cfg(test)]
+pub(crate) struct TempDir(std::path::PathBuf);
+
+#[cfg(test)]
+impl TempDir {
+    /// `<tmp>/sbx-<tag>-<pid>`, made.
+    pub(crate) fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("sbx-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("mkdir a test's directory");
+        TempDir(d)
+    }
+
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub use cgroup::Limits;
 pub use driver::{Driver, NamespaceDriver, Sandbox, SandboxSpec};
 

@@ -251,31 +251,13 @@ mod tests {
         p
     }
 
-    /// A directory of its own, removed at the end.
-    struct Dir(PathBuf);
-    impl Dir {
-        fn new(tag: &str) -> Dir {
-            let d = std::env::temp_dir().join(format!("sbx-zygote-{tag}-{}", std::process::id()));
-            std::fs::create_dir_all(&d).unwrap();
-            Dir(d)
-        }
-        fn path(&self) -> &Path {
-            &self.0
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
     fn pid(z: &Zygote) -> u32 {
         z.current().unwrap().child.lock().unwrap().id()
     }
 
     #[test]
     fn a_zygote_is_kept_then_started_again_when_its_binary_changes_or_it_ends() {
-        let dir = Dir::new("kept");
+        let dir = crate::TempDir::new("zygote-kept");
         let agent = script(dir.path(), "exec sleep 30");
         let z = Zygote::new(&agent);
         let first = pid(&z);
@@ -295,7 +277,7 @@ mod tests {
 
     #[test]
     fn a_zygote_that_ends_at_once_is_an_error_for_the_caller_to_fall_back() {
-        let dir = Dir::new("ends");
+        let dir = crate::TempDir::new("zygote-ends");
         let z = Zygote::new(&script(dir.path(), "exit 0"));
         assert!(z.launch(b"{}").is_err());
     }

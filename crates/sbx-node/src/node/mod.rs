@@ -55,7 +55,8 @@ pub struct NodeConfig {
     /// for one; each may become a kept sandbox.
     pub warm_pool: usize,
     /// Sandboxes of the base image made ahead for runs only (a run's own kind: volatile
-    /// overlay, agent in PID 1's process), taken by runs before the others (`warm.rs`).
+    /// overlay, agent in PID 1's process), the only ones runs take; with 0, runs take
+    /// `warm_pool`'s (`warm.rs`).
     pub warm_runs: usize,
     /// Commands one sandbox may run at once.
     pub max_execs_per_sandbox: usize,

@@ -803,15 +803,6 @@ pub(crate) fn agent_and_rootfs() -> Option<(PathBuf, PathBuf)> {
     (agent.is_file() && rootfs.join("bin").exists()).then_some((agent, rootfs))
 }
 
-/// Removes a directory when dropped.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Ends a sandbox when dropped.
 struct Running<'a> {
     driver: &'a crate::driver::NamespaceDriver,
@@ -838,12 +829,11 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
     let mut lab = lab(config());
     let lease = lab.net().take().expect("take");
     let pid = std::process::id();
-    let dir = TempDir(std::env::temp_dir().join(format!("sbx-net-test-{pid}")));
-    std::fs::create_dir_all(&dir.0).expect("mkdir");
+    let dir = crate::TempDir::new("net-test");
     let driver = NamespaceDriver::with_cgroup_name(
         agent,
         &format!("sbx-net-test-{pid}"),
-        &dir.0.display().to_string(),
+        &dir.path().display().to_string(),
         100_000,
         65_536,
     )
@@ -858,7 +848,7 @@ fn the_driver_starts_a_sandbox_in_its_leased_namespace() {
     let _release = Release(&driver);
     let spec = |id: &str, netns: Option<PathBuf>| SandboxSpec {
         netns,
-        ..SandboxSpec::for_test(id, &rootfs, &dir.0)
+        ..SandboxSpec::for_test(id, &rootfs, dir.path())
     };
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("ns");
     let joined = Running {
