@@ -83,13 +83,29 @@ impl Running {
         })
     }
 
-    /// Whether it still runs (not reaped) and its binary is still the agent's file.
+    /// Whether it still runs and its binary is still the agent's file. A zygote that was
+    /// killed closes its end of the socket before it is a zombie to reap, and it closes it only
+    /// when it ends: a hung-up socket is a zygote gone even while `try_wait` does not see it.
     fn usable(&self, agent: &Path) -> bool {
         let alive = match self.child.lock() {
             Ok(mut c) => matches!(c.try_wait(), Ok(None)),
             Err(_) => false,
         };
-        alive && file_id(agent).is_ok_and(|id| id == self.exe)
+        alive && !self.hung_up() && file_id(agent).is_ok_and(|id| id == self.exe)
+    }
+
+    /// Whether the zygote's end of the control socket is closed (it ended).
+    fn hung_up(&self) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use std::os::fd::AsFd;
+        let mut fds = [PollFd::new(self.control.as_fd(), PollFlags::empty())];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) => false,
+            Ok(_) => fds[0]
+                .revents()
+                .is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR)),
+            Err(_) => true,
+        }
     }
 
     fn launch(&self, config: &[u8]) -> io::Result<String> {
@@ -157,15 +173,31 @@ impl Zygote {
     /// zygote: what it wrote (`pid N`, or its error). An error: the zygote could not be
     /// reached (none could be started, or it ended under the launch); the caller executes
     /// `sbx-agent init` itself then.
+    ///
+    /// A zygote found gone at the launch (killed, or ended, before it forked) is started again
+    /// once and the launch made on the new one: the node's next sandboxes are not left to the
+    /// slower path. Its child, if it forked one, wrote nothing, not even a pid.
     pub fn launch(&self, config: &[u8]) -> io::Result<String> {
-        let z = self.current()?;
-        let out = z.launch(config)?;
-        // Nothing at all: the zygote ended before its child wrote (the child writes at least
-        // its pid or an error).
-        if out.is_empty() && !z.usable(&self.agent) {
-            return Err(io::Error::other("the zygote ended during the launch"));
+        let mut gone = None;
+        for _ in 0..2 {
+            let z = self.current()?;
+            let result = z.launch(config);
+            // Nothing at all, or no way to send, from a zygote that ended: it ended before its
+            // child wrote (the child writes at least its pid or an error), or before it read
+            // the launch. Anything else is the launch's answer.
+            let failed = match &result {
+                Ok(out) => out.is_empty(),
+                Err(_) => true,
+            };
+            if !failed || z.usable(&self.agent) {
+                return result;
+            }
+            gone = Some(match result {
+                Ok(_) => io::Error::other("the zygote ended during the launch"),
+                Err(e) => e,
+            });
         }
-        Ok(out)
+        Err(gone.unwrap_or_else(|| io::Error::other("the zygote ended during the launch")))
     }
 }
 
@@ -273,6 +305,25 @@ mod tests {
         crate::process::kill_pid(second, libc::SIGKILL);
         std::thread::sleep(std::time::Duration::from_millis(100));
         assert_ne!(pid(&z), second, "a zygote that ended is started again");
+    }
+
+    #[test]
+    fn a_zygote_whose_socket_hung_up_is_not_used_though_not_yet_reaped() {
+        let dir = crate::TempDir::new("zygote-hup");
+        let agent = script(dir.path(), "exec sleep 30");
+        let alive = Running::start(&agent).unwrap();
+        assert!(!alive.hung_up() && alive.usable(&agent));
+        // Its socket closed while the process still runs (as a killed zygote's is before it
+        // is a zombie): not usable.
+        let agent = script(dir.path(), "exec 0<&-; exec sleep 30");
+        let closed = Running::start(&agent).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !closed.hung_up() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(closed.hung_up());
+        assert!(matches!(closed.child.lock().unwrap().try_wait(), Ok(None)));
+        assert!(!closed.usable(&agent));
     }
 
     #[test]
