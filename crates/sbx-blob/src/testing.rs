@@ -27,6 +27,12 @@ pub fn find_weed() -> Option<PathBuf> {
     c.is_file().then_some(c)
 }
 
+/// Why a server did not get ready: it ended (`exited`), or the time ran out.
+struct NotReady {
+    exited: bool,
+    last: String,
+}
+
 /// A SeaweedFS server (master, volume, filer, S3) on loopback ports of its own, in a temp
 /// directory; killed and removed on drop, a test that fails included.
 pub struct Weed {
@@ -37,7 +43,30 @@ pub struct Weed {
 }
 
 impl Weed {
+    /// Starts one and waits until it is ready. The ports are free when chosen and released
+    /// for weed, so another process may take one before weed binds it (an outgoing
+    /// connection's ephemeral port, another test's server): weed then exits, and is started
+    /// again on other ports (three tries).
     pub fn start(bin: &Path) -> Weed {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut weed = Weed::spawn(bin);
+            match weed.wait_ready() {
+                Ok(()) => return weed,
+                Err(e) if e.exited && tries < 3 => {
+                    eprintln!("SeaweedFS ended as it started, started again: {}", e.last)
+                }
+                Err(e) => panic!(
+                    "SeaweedFS did not get ready in 60 s ({}); its log, last lines first:\n{}",
+                    e.last,
+                    weed.log_tail()
+                ),
+            }
+        }
+    }
+
+    fn spawn(bin: &Path) -> Weed {
         let dir = tempfile::Builder::new()
             .prefix("sbx-weed-")
             .tempdir()
@@ -82,19 +111,17 @@ impl Weed {
             .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
-        let weed = Weed {
+        Weed {
             child,
             dir,
             s3_port: ports[6],
             ports,
-        };
-        weed.wait_ready();
-        weed
+        }
     }
 
     /// Waits (60 s at most) until S3 answers and a small object can be written (the volume
-    /// server registered).
-    fn wait_ready(&self) {
+    /// server registered), or weed ends.
+    fn wait_ready(&mut self) -> Result<(), NotReady> {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut last = String::new();
         // The bucket made once (a second PUT of it may answer 409), then a small object.
@@ -109,7 +136,7 @@ impl Weed {
                 Ok(200 | 409) => {
                     bucket = true;
                     match self.http("PUT", "/sbx-ready/probe", b"ok") {
-                        Ok(200) => return,
+                        Ok(200) => return Ok(()),
                         Ok(s) => last = format!("probe put: {s}"),
                         Err(e) => last = e,
                     }
@@ -117,11 +144,23 @@ impl Weed {
                 Ok(s) => last = format!("bucket: {s}"),
                 Err(e) => last = e,
             }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(NotReady {
+                    exited: true,
+                    last: format!("weed ended: {status}; {last}"),
+                });
+            }
             std::thread::sleep(Duration::from_millis(200));
         }
+        Err(NotReady {
+            exited: false,
+            last,
+        })
+    }
+
+    fn log_tail(&self) -> String {
         let log = fs::read_to_string(self.dir.path().join("weed.log")).unwrap_or_default();
-        let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
-        panic!("SeaweedFS did not get ready in 60 s ({last}); its log, last lines first:\n{tail}");
+        log.lines().rev().take(30).collect::<Vec<_>>().join("\n")
     }
 
     /// One unsigned HTTP/1.0 request to the S3 port: its status.
