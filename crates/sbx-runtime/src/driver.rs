@@ -185,6 +185,46 @@ impl Sandbox {
     pub fn thaw(&self) {
         self.group.thaw();
     }
+
+    /// Processes outside the sandbox that trace one of its own: the CRIU of a checkpoint
+    /// that a node killed meanwhile had asked for, still at work (its processes are stopped
+    /// under it, and it sets the freezer back as it found it when it ends).
+    pub fn outside_tracers(&self) -> Vec<u32> {
+        let mut own = self.group.pids();
+        own.push(self.pid);
+        let mut tracers: Vec<u32> = own
+            .iter()
+            .filter_map(|p| crate::process::tracer_of(*p))
+            .filter(|t| !own.contains(t))
+            .collect();
+        tracers.sort_unstable();
+        tracers.dedup();
+        tracers
+    }
+
+    /// Waits, `timeout` at most, until no process outside the sandbox traces it
+    /// ([`Sandbox::outside_tracers`]); a CRIU still tracing it then is killed (the sandbox's
+    /// processes go on untraced, or end if CRIU's code was in them). Whether it ended by
+    /// itself.
+    pub fn wait_untraced(&self, timeout: Duration) -> bool {
+        let end = std::time::Instant::now() + timeout;
+        loop {
+            let tracers = self.outside_tracers();
+            if tracers.is_empty() {
+                return true;
+            }
+            if std::time::Instant::now() >= end {
+                for t in tracers {
+                    if crate::process::comm_of(t).as_deref() == Some("criu") {
+                        tracing::error!(sandbox = %self.id, criu = t, "a checkpoint's CRIU did not end: killed");
+                        crate::process::kill_pid(t, libc::SIGKILL);
+                    }
+                }
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 /// Makes and ends sandboxes. The namespace driver is the one these machines have; a microVM

@@ -402,6 +402,23 @@ pub fn reap_any() -> Option<Reaped> {
     })
 }
 
+/// The process that traces `pid` (ptrace), if one does (and `pid` still exists).
+pub fn tracer_of(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|t| t.trim().parse().ok())
+        .filter(|t| *t != 0)
+}
+
+/// A process's command name (`/proc/PID/comm`), if it exists.
+pub fn comm_of(pid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim_end().to_string())
+}
+
 /// Sends `sig` to a process; errors (it is gone) are ignored.
 pub fn kill_pid(pid: u32, sig: i32) {
     // SAFETY: kill has no memory effects.

@@ -13,6 +13,11 @@ use crate::agent::one_shot;
 use crate::image::Source;
 use crate::node::templates::{self, Plan, BASE};
 use crate::node::{Machine, Node};
+
+/// How long an adopted sandbox's checkpoint that the previous node left at work (its CRIU
+/// still dumping) is given to end before that CRIU is killed: a dump takes well under a
+/// second here, a large sandbox's a few.
+const CHECKPOINT_LEFT_WAIT: Duration = Duration::from_secs(30);
 use crate::probe::Probe;
 use crate::store::SandboxRow;
 use crate::sync::LockExt;
@@ -726,13 +731,28 @@ impl Node {
                     // Paused when the previous node went, or frozen by a checkpoint it did not
                     // finish (its agent perhaps dumpable still): it runs on thawed, its agent
                     // not dumpable first, as after any checkpoint (and pauses again when idle).
+                    // The CRIU of such a checkpoint may still be at work (it outlives the
+                    // node that asked): it ends first (its images are spent), for it sets
+                    // the freezer back as it found it, and until then the sandbox's
+                    // processes are stopped under it.
+                    let traced = !sb.outside_tracers().is_empty();
                     let frozen = sb.is_paused();
                     let sb = Arc::new(sb);
-                    if frozen {
+                    if frozen || traced {
                         let (sb, id) = (sb.clone(), m.id.clone());
                         tokio::spawn(async move {
-                            if let Err(e) = crate::node::checkpoint::after(&sb).await {
-                                tracing::warn!(sandbox = %id, error = %e, "an adopted sandbox left frozen");
+                            if traced {
+                                tracing::info!(sandbox = %id, "a checkpoint the previous node asked for is still at work: waiting for its end");
+                                let s = sb.clone();
+                                let _ = tokio::task::spawn_blocking(move || {
+                                    s.wait_untraced(CHECKPOINT_LEFT_WAIT)
+                                })
+                                .await;
+                            }
+                            if !traced || sb.is_paused() {
+                                if let Err(e) = crate::node::checkpoint::after(&sb).await {
+                                    tracing::warn!(sandbox = %id, error = %e, "an adopted sandbox left frozen");
+                                }
                             }
                         });
                     }
