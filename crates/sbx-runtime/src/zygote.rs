@@ -14,7 +14,8 @@
 //!
 //! The zygote ends when the node's end of its socket closes (the node stopped or died). A
 //! zygote that is gone, or whose binary is no longer the file the node was started with (a new
-//! build installed), is started again at the next launch.
+//! build installed), is started again at the next launch; one found gone during a launch (its
+//! socket hung up, or it answered nothing) is started again and the launch made once more.
 
 use std::convert::Infallible;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};

@@ -280,6 +280,73 @@ fn a_sandbox_whose_agent_died_while_the_node_was_down_is_failed_and_gone() {
     node.assert_clean(CLEAN);
 }
 
+/// A checkpoint's CRIU that outlives a killed node stops the sandbox's processes under it
+/// (ptrace) and sets the freezer back as it found it at its end: the next node waits for it
+/// before it thaws a sandbox left frozen. Played here by the test itself: the sandbox frozen
+/// through its group and its agent traced by a thread of the test while the node is down.
+#[test]
+fn an_adopted_sandbox_under_a_previous_checkpoint_s_tracer_is_thawed_after_it() {
+    let mut node = TestNode::start();
+    let id = node.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let agent = node.agent_pid(&id).expect("the sandbox's agent");
+    let group = node.cgroup_dir("freezer").expect("a freezer").join(&id);
+    let (state_file, frozen, thawed) = if group.join("freezer.state").exists() {
+        ("freezer.state", "FROZEN", "THAWED")
+    } else {
+        ("cgroup.freeze", "1", "0")
+    };
+    let state = || {
+        std::fs::read_to_string(group.join(state_file))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    node.kill();
+    std::fs::write(group.join(state_file), frozen).expect("freeze the sandbox");
+    // The tracer: a thread that seizes the agent and ends (the kernel detaches it) when told.
+    let (seized_tx, seized_rx) = std::sync::mpsc::channel();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let tracer = std::thread::spawn(move || {
+        // SAFETY: PTRACE_SEIZE of the agent's pid with no options; no memory is passed.
+        let r = unsafe {
+            libc::ptrace(
+                libc::PTRACE_SEIZE,
+                agent as libc::pid_t,
+                std::ptr::null_mut::<libc::c_void>(),
+                std::ptr::null_mut::<libc::c_void>(),
+            )
+        };
+        seized_tx.send(r).unwrap();
+        let _ = end_rx.recv();
+    });
+    assert_eq!(seized_rx.recv().unwrap(), 0, "seize the agent");
+    node.restart();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(state(), frozen, "thawed under the tracer");
+    assert!(
+        node.log_text().contains("still at work"),
+        "{}",
+        node.log_tail(20)
+    );
+    end_tx.send(()).unwrap();
+    tracer.join().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while state() != thawed {
+        assert!(
+            Instant::now() < deadline,
+            "not thawed after the tracer ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let v = node.exec(&id, &json!({"command": "echo alive", "wait_seconds": 20}));
+    assert_eq!(v["stdout"], "alive\n", "{v}");
+    node.delete_sandbox(&id);
+    node.assert_clean(CLEAN);
+}
+
 #[test]
 fn an_expiry_outlives_a_node_restart() {
     let mut node = TestNode::start();
