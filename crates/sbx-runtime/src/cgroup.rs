@@ -1008,15 +1008,35 @@ impl Group {
     /// whatever the group's state. Nothing else of the group runs until [`Held::rejoin`] and a
     /// thaw. The way a checkpoint readies the agent (makes it dumpable) with no process of the
     /// sandbox able to run meanwhile.
+    ///
+    /// A process frozen in the middle of a vfork (its child frozen before it executed, the
+    /// parent waiting for it) cannot be checkpointed: CRIU seizes the child, which then never
+    /// executes, and waits for the parent to stop, which it never does ("Unseizable
+    /// non-zombie ... state D" after CRIU's 10 s); and such a group may also stay FREEZING.
+    /// So the group is frozen for [`FREEZE_TRY`] at a time, and thawed a moment and frozen
+    /// again while it is not frozen by then or a process of it waits in a vfork (a shell
+    /// starting a command is out of it in microseconds), until `wait` is spent: then a group
+    /// frozen with a vfork is given as it is (its checkpoint fails as it did), one not frozen
+    /// is an error.
     pub fn freeze_all_but(&self, pid: u32, wait: Duration) -> Result<Held, CgroupError> {
         let held = self.hold_out(pid)?;
-        if !self.freeze(wait) {
-            return Err(CgroupError::Io {
-                path: self.freezer_dir().unwrap_or_default(),
-                source: std::io::Error::new(ErrorKind::TimedOut, "did not freeze in time"),
-            });
+        let end = std::time::Instant::now() + wait;
+        loop {
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            let frozen = self.freeze(FREEZE_TRY.min(left));
+            let clean = frozen && !self.pids().into_iter().any(crate::process::in_vfork);
+            if clean || (frozen && left <= FREEZE_TRY) {
+                return Ok(held);
+            }
+            if left <= FREEZE_TRY {
+                return Err(CgroupError::Io {
+                    path: self.freezer_dir().unwrap_or_default(),
+                    source: std::io::Error::new(ErrorKind::TimedOut, "did not freeze in time"),
+                });
+            }
+            self.set_frozen(false);
+            std::thread::sleep(Duration::from_millis(1));
         }
-        Ok(held)
     }
 
     /// The cgroup beside the group's freezer where [`Group::hold_out`] holds a process.
@@ -1062,6 +1082,10 @@ impl Group {
         Ok(held)
     }
 }
+
+/// How long [`Group::freeze_all_but`] waits for a group to freeze before it thaws it and tries
+/// again.
+const FREEZE_TRY: Duration = Duration::from_millis(100);
 
 /// Moves every process of the cgroup `from` into `to` (one that ended meanwhile is skipped).
 fn move_all(from: &Path, to: &Path) {
@@ -1169,6 +1193,90 @@ fn is_zombie(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shell that starts commands without pause, frozen again and again: whenever it is
+    /// caught waiting in its vfork (its blocked syscall is vfork's, 58 on x86_64, and its child
+    /// has not executed yet), `in_vfork` says so; whenever it is elsewhere (waiting for the
+    /// command's end, `wait4`), it does not; the child is never the one waiting.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_process_frozen_in_a_vfork_is_seen_waiting() {
+        let root = Path::new("/sys/fs/cgroup/freezer");
+        if !root.join("cgroup.procs").exists() {
+            eprintln!("skipped: no cgroup v1 freezer here");
+            return;
+        }
+        let dir = root.join(format!("sbx-test-vfork-{}", std::process::id()));
+        fs::create_dir(&dir).unwrap();
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "while :; do /bin/true; done"])
+            .spawn()
+            .unwrap();
+        let shell = sh.id();
+        fs::write(dir.join("cgroup.procs"), shell.to_string()).unwrap();
+        let procs = || -> Vec<u32> {
+            fs::read_to_string(dir.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect()
+        };
+        let syscall = |p: u32| {
+            fs::read_to_string(format!("/proc/{p}/syscall"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_string()
+        };
+        let (mut caught, mut elsewhere, mut wrong) = (0, 0, Vec::new());
+        for _ in 0..300 {
+            fs::write(dir.join("freezer.state"), "FROZEN").unwrap();
+            // Caught in a vfork, a group may stay FREEZING: thawed and tried again.
+            let end = std::time::Instant::now() + Duration::from_millis(50);
+            let mut frozen = false;
+            while !frozen && std::time::Instant::now() < end {
+                frozen = fs::read_to_string(dir.join("freezer.state"))
+                    .unwrap()
+                    .trim()
+                    == "FROZEN";
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            let p = procs();
+            if frozen {
+                let shell_waits = crate::process::in_vfork(shell);
+                let in_vfork_call = syscall(shell) == "58" && p.len() > 1;
+                match (shell_waits, in_vfork_call) {
+                    (true, true) => caught += 1,
+                    (false, false) => elsewhere += 1,
+                    // Its child executed already but the shell's return from vfork is not
+                    // seen yet: not a wait either way.
+                    (false, true) => {}
+                    (true, false) => wrong.push(format!("shell {}", syscall(shell))),
+                }
+                for c in p.iter().filter(|c| **c != shell) {
+                    if crate::process::in_vfork(*c) {
+                        wrong.push(format!("child {c}"));
+                    }
+                }
+            }
+            fs::write(dir.join("freezer.state"), "THAWED").unwrap();
+            if caught >= 3 && elsewhere >= 3 {
+                break;
+            }
+        }
+        let _ = sh.kill();
+        let _ = sh.wait();
+        while !procs().is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = fs::remove_dir(&dir);
+        assert!(wrong.is_empty(), "{wrong:?}");
+        assert!(
+            caught > 0 && elsewhere > 0,
+            "caught in a vfork {caught} times, elsewhere {elsewhere}"
+        );
+    }
 
     #[test]
     fn parses_hybrid_layout_files() {

@@ -412,6 +412,19 @@ pub fn tracer_of(pid: u32) -> Option<u32> {
         .filter(|t| *t != 0)
 }
 
+/// Whether a thread of process `pid` waits in a vfork for its child to execute or exit (the
+/// kernel's wait channel `kernel_clone`, where that wait is; `wait_for_vfork_done` on kernels
+/// that do not inline it).
+pub fn in_vfork(pid: u32) -> bool {
+    let Ok(threads) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    threads.flatten().any(|t| {
+        fs::read_to_string(t.path().join("wchan"))
+            .is_ok_and(|w| w.trim() == "kernel_clone" || w.contains("vfork"))
+    })
+}
+
 /// A process's command name (`/proc/PID/comm`), if it exists.
 pub fn comm_of(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/comm"))
