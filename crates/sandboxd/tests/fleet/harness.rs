@@ -11,6 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::ports;
+
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
 /// The nodes' lease of the tests' control planes (s): short, so that a node is lost soon,
@@ -148,8 +150,14 @@ fn wait_healthy(proc: &mut Proc, url: &str, timeout: Duration) -> Result<(), Str
         if let Some(s) = proc.exited() {
             return Err(format!("it exited with {s}"));
         }
+        // Healthy, and from this process: a port chosen free may have been taken by another
+        // process, which answers in its place while this one fails to bind it.
+        let ours = match (proc.child.as_ref(), ports::port_of(url)) {
+            (Some(c), Some(port)) => ports::listens_on(c.id(), port),
+            _ => true,
+        };
         if let Ok(r) = agent.get(url).call() {
-            if r.status() == 200 {
+            if ours && r.status() == 200 {
                 return Ok(());
             }
         }

@@ -17,6 +17,8 @@ mod iii;
 mod lease;
 mod listen;
 mod moves;
+#[path = "../support/ports.rs"]
+mod ports;
 mod recover;
 
 use std::collections::{BTreeSet, HashMap};

@@ -16,6 +16,8 @@ mod data;
 mod host;
 mod http;
 mod node;
+#[path = "../../support/ports.rs"]
+pub mod ports;
 
 pub use data::*;
 pub use host::HostLock;

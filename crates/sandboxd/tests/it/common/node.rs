@@ -311,7 +311,13 @@ impl TestNode {
                     return Err(format!("sandboxd exited with {status}"));
                 }
             }
-            if self.client().health(Duration::from_secs(5)).is_ok() {
+            // Healthy, and from this node: a port chosen free may have been taken by another
+            // process, which answers in its place while this node fails to bind it.
+            let ours = match (self.child.as_ref(), super::ports::port_of(&self.addr)) {
+                (Some(c), Some(port)) => super::ports::listens_on(c.id(), port),
+                _ => true,
+            };
+            if ours && self.client().health(Duration::from_secs(5)).is_ok() {
                 return Ok(());
             }
             if Instant::now() > deadline {
