@@ -23,7 +23,7 @@
 //!   netlink ([`crate::net::Relink::apply`]): the sandbox keeps its address, its nft
 //!   element and its established TCP connections. The restored tree is the node's child.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -64,7 +64,8 @@ pub struct Criu {
     pub version: (u32, u32, u32),
     /// A tmpfs shown to criu as its /run, where the host's /run is not one: criu keeps what it
     /// learns of the kernel (`/run/criu.kdat`, tens of milliseconds a run) only on a tmpfs.
-    pub run: Option<PathBuf>,
+    /// A detached mount ([`kdat_run`]).
+    pub run: Option<std::sync::Arc<OwnedFd>>,
     /// The host's cgroup hierarchies as criu's cgroup yard, where each is mounted where criu
     /// would mount it in a yard of its own ([`host_cgroup_yard`]): no ~25 ms of mounts for
     /// every dump and restore.
@@ -115,33 +116,43 @@ fn host_cgroup_yard() -> Option<PathBuf> {
     any.then(|| yard.to_path_buf())
 }
 
-/// Where the tmpfs criu is given as /run is mounted (once, kept across the node's restarts).
-const KDAT_RUN: &str = "/run/sbx/criu-run";
+/// Where earlier versions mounted the tmpfs criu is given as /run, on the host, for good.
+const OLD_KDAT_RUN: &str = "/run/sbx/criu-run";
 
 /// The tmpfs for criu's /run ([`Criu::run`]): `None` where the host's /run is a tmpfs (criu
 /// keeps its cache there itself) or one cannot be made (criu then learns the kernel anew each
-/// run).
-fn kdat_run() -> Option<PathBuf> {
+/// run). A detached mount (`fsmount`) that this process holds, never in the host's tree: each
+/// worker shows a clone of it (the same files) as its /run, and it goes with the node. A
+/// mount earlier versions left at [`OLD_KDAT_RUN`] is taken away (detached: a worker that has
+/// it keeps it).
+fn kdat_run() -> Option<std::sync::Arc<OwnedFd>> {
     use nix::sys::statfs::{statfs, TMPFS_MAGIC};
+    use rustix::mount::{
+        fsconfig_create, fsconfig_set_string, fsmount, fsopen, FsMountFlags, FsOpenFlags,
+        MountAttrFlags,
+    };
     let is_tmpfs = |p: &Path| statfs(p).is_ok_and(|s| s.filesystem_type() == TMPFS_MAGIC);
+    if is_tmpfs(Path::new(OLD_KDAT_RUN)) {
+        let _ = nix::mount::umount2(OLD_KDAT_RUN, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(OLD_KDAT_RUN);
+    }
     if is_tmpfs(Path::new("/run")) {
         return None;
     }
-    let dir = PathBuf::from(KDAT_RUN);
-    std::fs::create_dir_all(&dir).ok()?;
-    if !is_tmpfs(&dir) {
-        nix::mount::mount(
-            Some("sbx-criu-run"),
-            &dir,
-            Some("tmpfs"),
-            nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
-            Some("size=4m,mode=0755"),
-        )
-        .ok()?;
-    }
-    // The mount point of the host's /run/sbx (the CA bundles a restore binds).
-    std::fs::create_dir_all(dir.join("sbx")).ok()?;
-    Some(dir)
+    // The host's /run/sbx (the CA bundles a restore binds) is shown at the clone's `sbx`.
+    std::fs::create_dir_all("/run/sbx").ok()?;
+    let fs = fsopen("tmpfs", FsOpenFlags::FSOPEN_CLOEXEC).ok()?;
+    fsconfig_set_string(&fs, "size", "4m").ok()?;
+    fsconfig_set_string(&fs, "mode", "0755").ok()?;
+    fsconfig_create(&fs).ok()?;
+    let mnt = fsmount(
+        &fs,
+        FsMountFlags::FSMOUNT_CLOEXEC,
+        MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV,
+    )
+    .ok()?;
+    rustix::fs::mkdirat(&mnt, "sbx", rustix::fs::Mode::from_raw_mode(0o755)).ok()?;
+    Some(std::sync::Arc::new(mnt))
 }
 
 fn run(bin: &Path, args: &[&str]) -> Result<(bool, String), CriuError> {
