@@ -3,7 +3,7 @@
 use std::ffi::CString;
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -1038,19 +1038,16 @@ pub fn userns_with_netns((base, count): (u32, u32)) -> io::Result<OwnedFd> {
 pub struct PrivateMount {
     /// A detached tmpfs (with a `sbx` folder) a clone of which is shown as /run, the host's
     /// /run/sbx in it.
-    run: Option<RawFd>,
+    run: Option<std::sync::Arc<OwnedFd>>,
     /// A folder (which exists on the host) given a tmpfs of its own, last.
     scratch: Option<CString>,
 }
 
 impl PrivateMount {
     /// A clone of the detached mount `run` (a tmpfs with a `sbx` folder) over /run, with the
-    /// host's /run/sbx in it. `run` must stay open until the child execs.
-    pub fn new(run: Option<BorrowedFd<'_>>) -> io::Result<PrivateMount> {
-        Ok(PrivateMount {
-            run: run.map(|f| f.as_raw_fd()),
-            scratch: None,
-        })
+    /// host's /run/sbx in it.
+    pub fn new(run: Option<std::sync::Arc<OwnedFd>>) -> PrivateMount {
+        PrivateMount { run, scratch: None }
     }
 
     /// Also a small tmpfs at `dir` (a folder that exists on the host), mounted last: a place
@@ -1081,7 +1078,7 @@ impl PrivateMount {
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
-        if let Some(run) = self.run {
+        if let Some(run) = &self.run {
             // Best effort: where it fails, criu runs with the host's /run (and learns the
             // kernel again). The host's /run/sbx is cloned first (/run is covered next), the
             // tmpfs's clone goes over /run, then /run/sbx's over its `sbx`.
@@ -1089,8 +1086,6 @@ impl PrivateMount {
             let clone = OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC;
             let empty = MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH;
             let here = rustix::fs::CWD;
-            // SAFETY: `run` is the caller's open descriptor, kept open until the exec.
-            let run = unsafe { BorrowedFd::borrow_raw(run) };
             if let Ok(sbx) = open_tree(here, c"/run/sbx", clone | OpenTreeFlags::AT_RECURSIVE) {
                 if let Ok(tmp) = open_tree(run, c"", clone | OpenTreeFlags::AT_EMPTY_PATH) {
                     if move_mount(&tmp, c"", here, c"/run", empty).is_ok() {

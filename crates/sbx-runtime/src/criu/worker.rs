@@ -16,7 +16,7 @@
 
 use std::ffi::CString;
 use std::io::Read;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -42,8 +42,7 @@ impl Worker {
     /// Starts one: `criu swrk FD` in a private mount namespace with criu's /run and, where
     /// the host's cgroup hierarchies are not criu's yard, the yard's scratch tmpfs.
     fn start(criu: &Criu) -> Result<Worker, CriuError> {
-        let mut mount = crate::process::PrivateMount::new(criu.run.as_deref().map(|f| f.as_fd()))
-            .map_err(io("prepare criu's mounts"))?;
+        let mut mount = crate::process::PrivateMount::new(criu.run.clone());
         if criu.cgroup_yard.is_none() {
             std::fs::create_dir_all(CGROUP_YARD).map_err(io(format!("mkdir {CGROUP_YARD}")))?;
             mount = mount

@@ -14,13 +14,14 @@ use crate::image::Source;
 use crate::node::templates::{self, Plan, BASE};
 use crate::node::{Machine, Node};
 
+use crate::probe::Probe;
+use crate::store::SandboxRow;
+use crate::sync::LockExt;
+
 /// How long an adopted sandbox's checkpoint that the previous node left at work (its CRIU
 /// still dumping) is given to end before that CRIU is killed: a dump takes well under a
 /// second here, a large sandbox's a few.
 const CHECKPOINT_LEFT_WAIT: Duration = Duration::from_secs(30);
-use crate::probe::Probe;
-use crate::store::SandboxRow;
-use crate::sync::LockExt;
 
 /// The status a row has on disk while its sandbox is being deleted (the API says `stopping`).
 const DELETING: &str = "deleting";
